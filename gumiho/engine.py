@@ -1,0 +1,172 @@
+"""The speculative loop: draft -> verify -> accept -> commit, shared by every method.
+
+Plain decoding is the same loop with `PlainDrafter` (a one-node tree), so every speedup we
+report compares drafting, not cache or timing code.
+
+Counting (the same for every method): the prefill forward emits the first token and counts
+as a cycle with accept length 1; each verify cycle emits its accepted draft tokens plus the
+bonus token. `new_tokens == sum(accept_lengths)` after cutting at a stop token or
+`max_new_tokens`, and tau = new_tokens / cycles (1.0 for plain decoding). The official
+scripts' figure, new_tokens / (cycles - 1), is `tau_official`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from gumiho.drafters import Drafter
+from gumiho.errors import GumihoError
+from gumiho.kv_cache import KVCache
+from gumiho.sampling import accept, sample_token
+from gumiho.target import Target
+from gumiho.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise GumihoError("--max-new-tokens must be at least 1")
+        if self.temperature < 0:
+            raise GumihoError("--temperature must be >= 0 (0 = greedy)")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int] = field(default_factory=list)  # new tokens only
+    accept_lengths: list[int] = field(default_factory=list)  # per cycle, prefill first
+    cycle_s: list[float] = field(default_factory=list)  # wall time of each cycle
+    wall_s: float = 0.0
+    text: str = ""
+    stopped_by: str = ""  # "stop_token" or "max_new_tokens"
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def cycles(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / max(self.cycles, 1)
+
+    @property
+    def tau_official(self) -> float:
+        return self.new_tokens / max(self.cycles - 1, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {"token_ids": self.token_ids, "text": self.text, "new_tokens": self.new_tokens,
+                "cycles": self.cycles, "tau": self.tau, "tau_official": self.tau_official,
+                "accept_lengths": self.accept_lengths, "wall_s": self.wall_s,
+                "tokens_per_s": self.tokens_per_s, "stopped_by": self.stopped_by}
+
+
+def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Run the prompt (1, P) through the target; commit it to the cache."""
+    p = input_ids.shape[1]
+    cache.check_room(p)
+    causal = torch.ones(p, p, dtype=torch.bool, device=input_ids.device).tril()
+    positions = torch.arange(p, device=input_ids.device)[None]
+    features, logits = target.forward(input_ids, positions, cache.hf, cache.attention_mask(causal))
+    cache.commit(p)
+    return features, logits
+
+
+def verify_tree(target: Target, cache: KVCache, tree: DraftTree) -> tuple[Tensor, Tensor]:
+    """One target forward over all tree nodes: features (K, H) and logits (K, V).
+
+    Node i sits at position length + depth(i) and sees the committed context, itself and
+    its ancestors; the step writes its K cache entries at slots length..length+K-1.
+    """
+    cache.check_room(tree.size)
+    positions = (cache.length + tree.depths)[None]
+    return target.forward(tree.tokens[None], positions, cache.hf, cache.attention_mask(tree.mask))
+
+
+def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features: Tensor,
+                    accepted: Tensor, bonus: Tensor) -> Tensor:
+    """Keep the accepted path in the cache, tell the drafter; returns the new tokens (n,)."""
+    cache.compact(accepted)
+    new_tokens = torch.cat([tree.tokens[accepted[1:]], bonus.view(1)])
+    drafter.observe(features[accepted], new_tokens)
+    return new_tokens
+
+
+def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
+                       config: GenerateConfig) -> Iterator[Tensor]:
+    """Yield the tokens (n,) each cycle emits, the prefill's single token first. Unbounded:
+    the caller stops it (see `generate`)."""
+    if not prompt_ids:
+        raise GumihoError("empty prompt: give some text to answer")
+    generator = torch.Generator().manual_seed(config.seed)
+    input_ids = torch.tensor([prompt_ids], device=target.device)
+    capacity = len(prompt_ids) + config.max_new_tokens + drafter.max_nodes + 1
+    cache = KVCache(target.model, capacity)
+    features, logits = prefill(target, cache, input_ids)
+    root = sample_token(logits[-1], config.temperature, generator)
+    drafter.begin(target, capacity)
+    drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]))
+    yield root.view(1)
+    while True:
+        tree = drafter.propose()
+        features, logits = verify_tree(target, cache, tree)
+        accepted, bonus = accept(tree, logits, config.temperature, generator)
+        yield commit_accepted(cache, drafter, tree, features, accepted, bonus)
+
+
+def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
+             config: GenerateConfig = GenerateConfig()) -> Iterator[list[int]]:
+    """Run the loop to a stop token or max_new_tokens.
+
+    A generator: yields each cycle's new token ids (cut at the stop) and returns the
+    GenerationResult (get it with `result = yield from generate(...)`, or use `run`).
+    """
+    result = GenerationResult()
+    start = last = time.perf_counter()
+    cycles = speculative_cycles(target, drafter, prompt_ids, config)
+    for step_tokens in cycles:
+        new = step_tokens.tolist()
+        room = config.max_new_tokens - result.new_tokens
+        stops = [i for i, t in enumerate(new[:room]) if t in target.stop_token_ids]
+        if stops:
+            new, result.stopped_by = new[: stops[0] + 1], "stop_token"
+        elif len(new) >= room:
+            new, result.stopped_by = new[:room], "max_new_tokens"
+        now = time.perf_counter()
+        result.token_ids += new
+        result.accept_lengths.append(len(new))
+        result.cycle_s.append(now - last)
+        last = now
+        yield new
+        if result.stopped_by:
+            break
+    cycles.close()
+    result.wall_s = time.perf_counter() - start
+    result.text = target.decode(result.token_ids)
+    return result
+
+
+def run(target: Target, drafter: Drafter, prompt_ids: list[int],
+        config: GenerateConfig = GenerateConfig()) -> GenerationResult:
+    """`generate` without streaming: the finished GenerationResult."""
+    steps = generate(target, drafter, prompt_ids, config)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value

