@@ -35,7 +35,8 @@ class KVCache:
         weight = model.get_output_embeddings().weight
         self.device, self.dtype = weight.device, weight.dtype
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (getattr(config, "head_dim", None)
+                    or config.hidden_size // config.num_attention_heads)
         self.hf.early_initialization(batch_size=1, num_heads=heads, head_dim=head_dim,
                                      dtype=self.dtype, device=self.device)
 

@@ -197,7 +197,8 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
                                                      attn_implementation="sdpa")
     except (ValueError, KeyError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise GumihoError(f"target {name_or_path!r} is not a supported causal LM: {first}") from None
+        raise GumihoError(
+            f"target {name_or_path!r} is not a supported causal LM: {first}") from None
     tokenizer = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
     return wrap_target(model.to(dev).eval(), tokenizer, name=name_or_path)
 

@@ -35,7 +35,8 @@ class DraftTree:
         k = tokens.shape[0]
         device = tokens.device
         parents = parents.to(device=device, dtype=torch.long)
-        if k == 0 or parents[0] != -1 or bool((parents[1:] >= torch.arange(1, k, device=device)).any()):
+        later = parents[1:] >= torch.arange(1, k, device=device)
+        if k == 0 or parents[0] != -1 or bool(later.any()):
             raise ValueError("parents must be topological: parents[0] == -1 and parents[i] < i")
         nodes = torch.arange(k, device=device)
         mask = torch.eye(k, dtype=torch.bool, device=device)

@@ -1,0 +1,62 @@
+"""The command line and bad input: one-line errors that say what to do."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import BertConfig
+
+from gumiho.engine import GenerateConfig
+from gumiho.errors import GumihoError
+from gumiho.generate import main
+from gumiho.target import load_target
+
+JSON_KEYS = {"token_ids", "text", "new_tokens", "cycles", "tau", "accept_lengths", "wall_s",
+             "tokens_per_s"}
+
+
+def test_missing_target_dir():
+    with pytest.raises(GumihoError, match="not a local model directory") as err:
+        load_target("/no/such/model")
+    assert "\n" not in str(err.value)
+
+
+def test_unsupported_model(tmp_path):
+    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=64).save_pretrained(tmp_path)
+    with pytest.raises(GumihoError, match="not a supported causal LM") as err:
+        load_target(str(tmp_path))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_new_tokens": 0}, {"temperature": -1.0}])
+def test_bad_generate_config(kwargs):
+    with pytest.raises(GumihoError):
+        GenerateConfig(**kwargs)
+
+
+def test_cli_errors_are_one_line(capsys, smollm2):
+    assert main(["--prompt", "   "]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: empty prompt: give some text to answer"
+    assert main(["--target", "/no/such/model", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: target")
+    assert main(["--method", "ar", "--draft", "random", "--prompt", "hi"]) == 2
+
+
+def test_cli_json_end_to_end(smollm2):
+    """`python -m gumiho.generate --json` on the embedded target, as a user runs it."""
+    out = subprocess.run(
+        [sys.executable, "-m", "gumiho.generate", "--target", "smollm2", "--method", "ar",
+         "--prompt", "Name a primary colour.", "--max-new-tokens", "12", "--json"],
+        capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout)
+    assert JSON_KEYS <= set(result)
+    assert result["new_tokens"] == len(result["token_ids"]) == sum(result["accept_lengths"])
+    assert result["tau"] == 1.0 and result["text"]
+    ids = smollm2.chat_ids("Name a primary colour.")
+    with torch.inference_mode():
+        ref = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    assert result["token_ids"] == ref[0, len(ids):].tolist()[: result["new_tokens"]]

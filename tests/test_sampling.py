@@ -1,0 +1,84 @@
+"""Speculative sampling preserves the target's distribution (chi-square, fixed seeds)."""
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_llama
+from drafters_for_tests import RandomDrafter
+
+from gumiho.engine import GenerateConfig, run
+from gumiho.sampling import accept_sampling
+from gumiho.tree import DraftTree
+
+
+def chi_square_rejects(counts: torch.Tensor, probs: torch.Tensor, z: float = 3.09) -> bool:
+    """True when counts are implausible under probs at level ~0.001 (Wilson-Hilferty)."""
+    n = counts.sum()
+    keep = probs * n >= 1e-9
+    expected = probs[keep] * n
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    df = int(keep.sum()) - 1
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > critical
+
+
+def small_tree():
+    # root -> {1: token 2, 2: token 0, 3: token 4}; node 1 -> {4: token 1, 5: token 3}
+    tokens = torch.tensor([5, 2, 0, 4, 1, 3])
+    parents = torch.tensor([-1, 0, 0, 0, 1, 1])
+    return DraftTree.from_parents(tokens, parents)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_accept_sampling_emits_target_distribution(temperature):
+    tree = small_tree()
+    logits = torch.randn(6, 6, generator=torch.Generator().manual_seed(3)) * 1.5
+    p = torch.softmax(logits / temperature, -1)
+    gen = torch.Generator().manual_seed(0)
+    first = torch.zeros(6)
+    second_after_2 = torch.zeros(6)  # the token after token 2, i.e. after node 1 was taken
+    for _ in range(12000):
+        accepted, bonus = accept_sampling(tree, logits, temperature, gen)
+        emitted = tree.tokens[accepted[1:]].tolist() + [int(bonus)]
+        first[emitted[0]] += 1
+        if emitted[0] == 2:
+            second_after_2[emitted[1]] += 1
+    assert not chi_square_rejects(first, p[0])
+    assert not chi_square_rejects(second_after_2, p[1])
+    # The statistic has power: a mildly different distribution is rejected.
+    assert chi_square_rejects(first, torch.softmax(logits[0] / (temperature * 1.15), -1))
+
+
+def exact_marginals(target, prompt, temperature, vocab):
+    """P(t2) and P(t3) of ancestral sampling from the target, by enumeration."""
+    with torch.inference_mode():
+        def probs(seqs):
+            return torch.softmax(target.model(torch.tensor(seqs)).logits[:, -1] / temperature, -1)
+
+        p1 = probs([prompt])[0]  # (V,)
+        p2 = probs([prompt + [a] for a in range(vocab)])  # (V, V): [t1, t2]
+        p3 = probs([prompt + [a, b] for a in range(vocab) for b in range(vocab)]).view(
+            vocab, vocab, vocab)
+    joint12 = p1[:, None] * p2
+    return joint12.sum(0), (joint12[:, :, None] * p3).sum((0, 1))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_speculative_sampling_end_to_end_matches_target(temperature):
+    vocab = 16
+    target = tiny_llama(vocab_size=vocab, seed=1, logit_scale=25.0)
+    prompt = [3, 9, 1, 12]
+    want2, want3 = exact_marginals(target, prompt, temperature, vocab)
+    drafter = RandomDrafter(vocab, size=24, seed=0)
+    got2, got3 = torch.zeros(vocab), torch.zeros(vocab)
+    drafted = 0
+    for seed in range(1500):
+        out = run(target, drafter, prompt, GenerateConfig(max_new_tokens=3,
+                                                          temperature=temperature, seed=seed))
+        got2[out.token_ids[1]] += 1
+        got3[out.token_ids[2]] += 1
+        drafted += out.accept_lengths[1] - 1
+    assert drafted > 200, "too few accepted drafts for the test to mean anything"
+    assert not chi_square_rejects(got2, want2)
+    assert not chi_square_rejects(got3, want3)

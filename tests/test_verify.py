@@ -1,0 +1,84 @@
+"""Tree verification on the stock HF model equals sequential decoding; cache compaction
+equals recomputation."""
+
+import pytest
+import torch
+from drafters_for_tests import random_tree
+
+from gumiho.engine import prefill, verify_tree
+from gumiho.kv_cache import KVCache
+
+
+def sequential_logits(target, tokens):
+    """Plain full forward (no cache, no custom mask): logits (L, V)."""
+    with torch.inference_mode():
+        out = target.model(torch.tensor([tokens], device=target.device))
+    return out.logits[0].float()
+
+
+def check_tree_logits_match(target, prompt, tree_size, vocab, seed, atol):
+    rng = torch.Generator().manual_seed(seed)
+    cache = KVCache(target.model, len(prompt) + tree_size + 4)
+    prefill(target, cache, torch.tensor([prompt]))
+    tree = random_tree(torch.tensor([prompt[-1] % vocab]), tree_size, vocab, rng)
+    _, logits = verify_tree(target, cache, tree)
+    for path in tree.paths:
+        nodes = path[path >= 0]
+        ref = sequential_logits(target, prompt + tree.tokens[nodes].tolist())[len(prompt):]
+        torch.testing.assert_close(logits[nodes], ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_verify_equals_sequential_tiny(tiny_target, seed):
+    check_tree_logits_match(tiny_target, [5, 17, 3, 42, 8], 24, 97, seed, atol=1e-5)
+
+
+def test_tree_verify_equals_sequential_smollm2(smollm2):
+    prompt = smollm2.chat_ids("Write a haiku about the sea.")
+    check_tree_logits_match(smollm2, prompt, 16, 49152, seed=0, atol=2e-4)
+
+
+def test_second_tree_after_compaction_still_exact(tiny_target):
+    """Two cycles: compact one path, verify a new tree on top, compare with sequential."""
+    prompt = [5, 17, 3, 42, 8]
+    rng = torch.Generator().manual_seed(1)
+    cache = KVCache(tiny_target.model, 64)
+    prefill(tiny_target, cache, torch.tensor([prompt]))
+    tree = random_tree(torch.tensor([9]), 20, 97, rng)
+    verify_tree(tiny_target, cache, tree)
+    path = tree.paths[0][tree.paths[0] >= 0]
+    cache.compact(path)
+    committed = prompt + tree.tokens[path].tolist()
+    tree2 = random_tree(torch.tensor([11]), 20, 97, rng)
+    _, logits = verify_tree(tiny_target, cache, tree2)
+    for p in tree2.paths:
+        nodes = p[p >= 0]
+        ref = sequential_logits(tiny_target, committed + tree2.tokens[nodes].tolist())
+        torch.testing.assert_close(logits[nodes], ref[len(committed):], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("which", [0, -1])
+def test_compaction_equals_recomputation(tiny_target, which):
+    prompt = [1, 2, 3, 4, 5, 6]
+    rng = torch.Generator().manual_seed(2)
+    cache = KVCache(tiny_target.model, 64)
+    prefill(tiny_target, cache, torch.tensor([prompt]))
+    tree = random_tree(torch.tensor([7]), 25, 97, rng)
+    verify_tree(tiny_target, cache, tree)
+    path = tree.paths[which][tree.paths[which] >= 0]
+    cache.compact(path)
+
+    fresh = KVCache(tiny_target.model, 64)
+    prefill(tiny_target, fresh, torch.tensor([prompt + tree.tokens[path].tolist()]))
+    assert cache.length == fresh.length == len(prompt) + len(path)
+    for layer in range(tiny_target.config.num_hidden_layers):
+        for got, want in zip(cache.keys_values(layer), fresh.keys_values(layer), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_cache_overflow_is_a_clear_error(tiny_target):
+    from gumiho.errors import GumihoError
+
+    cache = KVCache(tiny_target.model, 4)
+    with pytest.raises(GumihoError, match="KV cache full"):
+        prefill(tiny_target, cache, torch.tensor([[1, 2, 3, 4, 5]]))
