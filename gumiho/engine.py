@@ -79,7 +79,7 @@ class GenerationResult:
 def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, Tensor]:
     """Run the prompt (1, P) through the target; commit it to the cache."""
     p = input_ids.shape[1]
-    cache.check_room(p)
+    cache.begin_step(p)
     causal = torch.ones(p, p, dtype=torch.bool, device=input_ids.device).tril()
     positions = torch.arange(p, device=input_ids.device)[None]
     features, logits = target.forward(input_ids, positions, cache.hf, cache.attention_mask(causal))
@@ -93,7 +93,7 @@ def verify_tree(target: Target, cache: KVCache, tree: DraftTree) -> tuple[Tensor
     Node i sits at position length + depth(i) and sees the committed context, itself and
     its ancestors; the step writes its K cache entries at slots length..length+K-1.
     """
-    cache.check_room(tree.size)
+    cache.begin_step(tree.size)
     positions = (cache.length + tree.depths)[None]
     return target.forward(tree.tokens[None], positions, cache.hf, cache.attention_mask(tree.mask))
 

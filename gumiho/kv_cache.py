@@ -45,9 +45,13 @@ class KVCache:
         for layer in self.hf.layers:
             layer.cumulative_length.fill_(length)
 
-    def check_room(self, new_tokens: int) -> None:
+    def begin_step(self, new_tokens: int) -> None:
+        """Prepare a forward over `new_tokens` tokens: they go to slots length.. .
+
+        Rewinding here makes a step independent of what the last one left uncommitted."""
         if self.length + new_tokens > self.capacity:
             raise GumihoError(f"KV cache full ({self.capacity} slots): raise the capacity")
+        self.rewind(self.length)
 
     def attention_mask(self, tree_mask: Tensor) -> Tensor:
         """The (1, 1, K, capacity) bool mask for K new tokens laid at slots length.. .

@@ -82,3 +82,14 @@ def test_cache_overflow_is_a_clear_error(tiny_target):
     cache = KVCache(tiny_target.model, 4)
     with pytest.raises(GumihoError, match="KV cache full"):
         prefill(tiny_target, cache, torch.tensor([[1, 2, 3, 4, 5]]))
+
+
+def test_repeated_verify_without_commit_is_idempotent(tiny_target):
+    """A step always writes at the committed length, whatever the last step left behind."""
+    rng = torch.Generator().manual_seed(4)
+    cache = KVCache(tiny_target.model, 64)
+    prefill(tiny_target, cache, torch.tensor([[1, 2, 3]]))
+    tree = random_tree(torch.tensor([4]), 12, 97, rng)
+    _, first = verify_tree(tiny_target, cache, tree)
+    _, second = verify_tree(tiny_target, cache, tree)
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
