@@ -15,10 +15,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
+from gumiho.checkpoint import load_drafter_model
+from gumiho.config import METHODS, DrafterConfig, TreeConfig
 from gumiho.errors import GumihoError
-from gumiho.tree import DraftTree
+from gumiho.fta import exact_fta_tree, splice_official
+from gumiho.kv_cache import KVCache
+from gumiho.modeling import build_draft_model
+from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
 
 
 class Drafter(Protocol):
@@ -51,13 +57,176 @@ class PlainDrafter:
         return replace(self._single, tokens=self.root)  # same one-node shape every cycle
 
 
-def load_drafter(method: str, target, draft: str | None = None, **options) -> Drafter:
-    """The drafter for `method` on `target`: from a checkpoint dir, or `random` weights."""
+
+class SerialDrafter:
+    """Gumiho (serial levels 1-2, then all MLP heads at once) and EAGLE-2 (serial levels
+    all the way down) over one drafter KV cache.
+
+    The drafter's pair t is (f_t, x_{t+1}) at position t. Committed pairs live in its cache;
+    draft levels are written after them, uncommitted, and each level's entries see the
+    context, their own ancestors' entries and themselves (never their siblings).
+    """
+
+    def __init__(self, model, tree: TreeConfig):
+        self.model, self.tree = model, tree
+        self.method = model.config.method
+        self.name = self.method
+        self.max_nodes = tree.total_tokens
+
+    def begin(self, target, capacity: int) -> None:
+        self.lm_head = target.lm_head
+        levels = 1 if self.method == "gumiho" else self.tree.depth - 1
+        config = self.model.config.llama_config()
+        self.cache = KVCache(config, capacity + levels * self.tree.top_k,
+                             target.device, target.dtype)
+        self.pending: list[tuple[Tensor, Tensor]] = []
+
+    def observe(self, features: Tensor, next_tokens: Tensor) -> None:
+        self.pending.append((features, next_tokens))
+
+    def _logprobs(self, hidden: Tensor) -> Tensor:
+        return torch.log_softmax(self.lm_head(hidden).float(), -1)
+
+    def _catch_up(self) -> Tensor:
+        """Run the pending pairs (committing them); returns out1 (H,) of the newest."""
+        features = torch.cat([f for f, _ in self.pending])
+        tokens = torch.cat([t for _, t in self.pending])
+        self.pending = []
+        n, cache = tokens.shape[0], self.cache
+        cache.begin_step(n)
+        causal = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
+        positions = torch.arange(cache.length, cache.length + n, device=tokens.device)
+        out = self.model.serial_step(tokens[None], features[None], positions[None],
+                                     cache.attention_mask(causal), cache.hf)
+        cache.commit(n)
+        return out[0, -1]
+
+    def _serial_level(self, tokens: Tensor, parent_out: Tensor, seen: Tensor) -> Tensor:
+        """One serial step for k beam nodes. tokens (k,), parent_out (k, H) the output each
+        token was drawn from, seen (k, R) the earlier draft entries each node may see.
+        Writes the k entries after the R earlier ones; returns out (k, H)."""
+        k, r = seen.shape
+        cache = self.cache
+        cache.begin_step(k, offset=r)
+        rows = torch.cat([seen, torch.eye(k, dtype=torch.bool, device=seen.device)], 1)
+        positions = torch.full((1, k), cache.length + r // max(k, 1), device=seen.device)
+        out = self.model.serial_step(tokens[None], parent_out[None], positions,
+                                     cache.attention_mask(rows), cache.hf)
+        return out[0]
+
+    @torch.inference_mode()
+    def propose(self) -> DraftTree:
+        root = self.pending[-1][1][-1]
+        out1 = self._catch_up()
+        k = self.tree.top_k
+        lp1 = self._logprobs(out1).topk(k)
+        level = Pool(tokens=lp1.indices, parents=torch.full_like(lp1.indices, -1),
+                     scores=lp1.values, depths=torch.ones_like(lp1.indices))
+        levels, outs = [level], out1.expand(k, -1)
+        seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)
+        first = 0  # pool index of the current level's node 0
+        serial_depth = 2 if self.method == "gumiho" else self.tree.depth
+        for depth in range(2, serial_depth + 1):
+            parent_tokens, parent_outs = level.tokens, outs
+            new_outs = self._serial_level(level.tokens, outs, seen)
+            top = self._logprobs(new_outs).topk(k)
+            level, row = expand_level(level.scores, top.indices, top.values, k, first, depth)
+            first += levels[-1].tokens.shape[0]
+            levels.append(level)
+            outs = new_outs[row]
+            eye = torch.eye(seen.shape[0], dtype=torch.bool, device=seen.device)
+            seen = torch.cat([seen, eye], 1)[row]
+        if self.method != "gumiho":
+            return select_tree(root, Pool.concat(levels), self.tree.total_tokens - 1)[0]
+        return self._mlp_levels(root, levels, first, parent_tokens[row], parent_outs[row],
+                                level.tokens, outs)
+
+    def _mlp_levels(self, root, levels, first, d1, out1, d2, out2) -> DraftTree:
+        """All MLP heads for every level-2 node at once, then one pruned level per head.
+        Each input row pairs a level-2 node with its own level-1 parent."""
+        tree = self.tree
+        hidden = self.model.parallel_heads(d1, out1, d2, out2)  # (k, N, H)
+        top = self._logprobs(hidden).topk(tree.mlp_topk)  # (k, N, m)
+        branch_of_level = torch.arange(d2.shape[0], device=d2.device)
+        branches = [torch.full_like(lv.tokens, -1) for lv in levels[:-1]] + [branch_of_level]
+        level = levels[-1]
+        for head in range(hidden.shape[1]):
+            level, row = expand_level(level.scores, top.indices[branch_of_level, head],
+                                      top.values[branch_of_level, head], tree.pruning,
+                                      first, head + 3)
+            first += levels[-1].tokens.shape[0]
+            branch_of_level = branch_of_level[row]
+            levels.append(level)
+            branches.append(branch_of_level)
+        pool = Pool.concat(levels)
+        budget = tree.total_tokens - 1
+        if tree.fta == "exact":
+            return exact_fta_tree(root, pool, budget, torch.cat(branches),
+                                  top.indices[:, :, 0], first_mlp_depth=3)
+        drafted = select_tree(root, pool, budget)[0]
+        return splice_official(drafted) if tree.fta == "official" else drafted
+
+
+class MedusaDrafter:
+    """Medusa: heads on the newest target feature f_t; head i proposes x_{t+2+i}; a fixed
+    tree whose node at depth d takes its head's rank-r token."""
+
+    name = "medusa"
+
+    def __init__(self, model, tree: TreeConfig, head_accuracy: list[float] | None = None):
+        self.model, self.tree = model, tree
+        n_heads = model.w.shape[0]
+        depth = min(tree.depth, n_heads)
+        acc = head_accuracy or [0.6, 0.4, 0.3, 0.25, 0.2][:depth]
+        parents, depths, self.ranks = static_tree(tree.total_tokens - 1, depth, acc)
+        self.shape = DraftTree.from_parents(torch.zeros_like(parents), parents)
+        self.depths = depths
+        self.max_nodes = self.shape.size
+        self.max_rank = int(self.ranks.max()) + 1
+
+    def begin(self, target, capacity: int) -> None:
+        self.lm_head = target.lm_head
+        device = target.device
+        self.shape = DraftTree(*(getattr(self.shape, f).to(device) for f in
+                                 ("tokens", "parents", "depths", "mask", "paths")))
+        self.ranks, self.depths = self.ranks.to(device), self.depths.to(device)
+
+    def observe(self, features: Tensor, next_tokens: Tensor) -> None:
+        self.feature, self.root = features[-1], next_tokens[-1:]
+
+    @torch.inference_mode()
+    def propose(self) -> DraftTree:
+        hidden = self.model(self.feature.to(self.model.w.dtype))  # (N, H)
+        ranked = self.model.logits(hidden, self.lm_head).topk(self.max_rank).indices  # (N, r)
+        head = (self.depths - 1).clamp(min=0)
+        tokens = torch.where(self.depths > 0, ranked[head, self.ranks], self.root)
+        return replace(self.shape, tokens=tokens)
+
+
+def random_drafter_model(method: str, target, seed: int = 0):
+    """A seeded random-init drafter of `method` for `target` (for checks and timing)."""
+    torch.manual_seed(seed)
+    config = DrafterConfig.for_target(target.config, method)
+    model = build_draft_model(config)
+    if hasattr(model, "embed_tokens"):
+        model.embed_tokens.weight.data.copy_(target.embed_tokens.weight)
+    return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+
+def load_drafter(method: str, target, draft: str | None = None,
+                 tree: TreeConfig | None = None, seed: int = 0) -> Drafter:
+    """The drafter for `method` on `target`: a checkpoint dir, or `random` weights."""
     if method == "ar":
         if draft is not None:
             raise GumihoError("--method ar takes no --draft: plain decoding has no drafter")
         return PlainDrafter()
-    raise GumihoError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
-
-
-METHODS = ("ar",)
+    if method not in METHODS:
+        raise GumihoError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    if draft is None:
+        raise GumihoError(f"--method {method} needs --draft DIR (a trained drafter) or random")
+    model = random_drafter_model(method, target, seed) if draft == "random" else \
+        load_drafter_model(draft, target, method)
+    tree = tree or TreeConfig.for_method(method)
+    if method == "medusa":
+        return MedusaDrafter(model, tree)
+    return SerialDrafter(model, tree)

@@ -116,7 +116,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
     generator = torch.Generator().manual_seed(config.seed)
     input_ids = torch.tensor([prompt_ids], device=target.device)
     capacity = len(prompt_ids) + config.max_new_tokens + drafter.max_nodes + 1
-    cache = KVCache(target.model, capacity)
+    cache = KVCache.for_model(target.model, capacity)
     features, logits = prefill(target, cache, input_ids)
     root = sample_token(logits[-1], config.temperature, generator)
     drafter.begin(target, capacity)

@@ -16,7 +16,8 @@ import logging
 import sys
 from collections.abc import Iterator
 
-from gumiho.drafters import METHODS, Drafter, load_drafter
+from gumiho.config import FTA_MODES, METHODS, TreeConfig
+from gumiho.drafters import Drafter, load_drafter
 from gumiho.engine import GenerateConfig, GenerationResult, generate
 from gumiho.errors import GumihoError
 from gumiho.target import Target, load_target
@@ -34,9 +35,12 @@ class SpeculativeGenerator:
 
     @classmethod
     def load(cls, target: str = "smollm2", method: str = "ar", draft: str | None = None,
-             device: str | None = None, dtype: str | None = None, **drafter_options):
+             device: str | None = None, dtype: str | None = None, **tree_options):
+        """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
+        fta); unset ones take the method's reference defaults."""
         loaded = load_target(target, device=device, dtype=dtype)
-        return cls(loaded, load_drafter(method, loaded, draft, **drafter_options))
+        tree = TreeConfig.for_method(method, **tree_options)
+        return cls(loaded, load_drafter(method, loaded, draft, tree=tree))
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """A string is one user turn, a list of dicts a chat, a list of ints raw token ids."""
@@ -81,12 +85,33 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
                         "(default: float32 on CPU, bfloat16 on GPU)")
 
 
+def add_tree_args(parser: argparse.ArgumentParser) -> None:
+    """TreeConfig fields as flags; unset ones take the method's reference defaults."""
+    group = parser.add_argument_group("draft tree (defaults: the method's reference settings)")
+    group.add_argument("--total-tokens", type=int, help="verified tokens incl. the root "
+                       "(gumiho 64, eagle2 60, medusa 64)")
+    group.add_argument("--top-k", type=int, help="beam width at serial levels (gumiho 14, "
+                       "eagle2 10)")
+    group.add_argument("--mlp-topk", type=int, help="candidates per node at MLP levels (35)")
+    group.add_argument("--pruning", type=int, help="nodes kept per MLP level (35)")
+    group.add_argument("--depth", type=int, help="eagle2 draft levels (6), medusa depth (4)")
+    group.add_argument("--fta", choices=FTA_MODES, help="Full Tree Attention (gumiho): exact "
+                       "(lossless, default), off, or official (the released splice: "
+                       "APPROXIMATE, not lossless)")
+
+
+def tree_options(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ("total_tokens", "top_k", "mlp_topk", "pruning",
+                                          "depth", "fta")}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gumiho generate", description=__doc__.split("\n")[0])
     add_target_args(parser)
     parser.add_argument("--method", default="ar", choices=METHODS)
     parser.add_argument("--draft", default=None,
                         help="drafter checkpoint dir, or 'random' (seeded random weights)")
+    add_tree_args(parser)
     parser.add_argument("--prompt", required=True, help="one user turn")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -100,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)
     try:
         gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
-                                        device=args.device, dtype=args.dtype)
+                                        device=args.device, dtype=args.dtype,
+                                        **tree_options(args))
         pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed)
         for piece in pieces:
             if not args.json:

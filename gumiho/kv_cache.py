@@ -20,8 +20,8 @@ from gumiho.errors import GumihoError
 class KVCache:
     """A target KV cache of fixed capacity with accepted-path compaction."""
 
-    def __init__(self, model: torch.nn.Module, capacity: int):
-        config = model.config.get_text_config(decoder=True)
+    def __init__(self, config, capacity: int, device: torch.device, dtype: torch.dtype):
+        """config: a transformers decoder config (the target's, or the drafter's Llama one)."""
         window = getattr(config, "sliding_window", None)
         if window is not None and getattr(config, "use_sliding_window", True) and capacity > window:
             raise GumihoError(
@@ -32,37 +32,44 @@ class KVCache:
         self.length = 0  # committed tokens; a Python int, known on the host without a sync
         self.hf = StaticCache(config=config, max_cache_len=capacity)
         # Allocate now so compaction can run before the first write of a sequence.
-        weight = model.get_output_embeddings().weight
-        self.device, self.dtype = weight.device, weight.dtype
+        self.device, self.dtype = device, dtype
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
         self.hf.early_initialization(batch_size=1, num_heads=heads, head_dim=head_dim,
                                      dtype=self.dtype, device=self.device)
 
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, capacity: int) -> KVCache:
+        weight = model.get_output_embeddings().weight
+        return cls(model.config.get_text_config(decoder=True), capacity, weight.device,
+                   weight.dtype)
+
     def rewind(self, length: int) -> None:
         """Make the next forward write its K new entries at slots length..length+K-1."""
         for layer in self.hf.layers:
             layer.cumulative_length.fill_(length)
 
-    def begin_step(self, new_tokens: int) -> None:
-        """Prepare a forward over `new_tokens` tokens: they go to slots length.. .
+    def begin_step(self, new_tokens: int, offset: int = 0) -> None:
+        """Prepare a forward over `new_tokens` tokens: they go to slots length + offset.. .
 
-        Rewinding here makes a step independent of what the last one left uncommitted."""
-        if self.length + new_tokens > self.capacity:
+        offset > 0 stacks a step on uncommitted entries of earlier steps (the drafter's
+        tree levels). Rewinding makes a step independent of what the last one left behind."""
+        if self.length + offset + new_tokens > self.capacity:
             raise GumihoError(f"KV cache full ({self.capacity} slots): raise the capacity")
-        self.rewind(self.length)
+        self.rewind(self.length + offset)
 
     def attention_mask(self, tree_mask: Tensor) -> Tensor:
-        """The (1, 1, K, capacity) bool mask for K new tokens laid at slots length.. .
+        """The (1, 1, K, capacity) bool mask for K new tokens.
 
-        tree_mask: (K, K) bool, [i, j] true where new token i may see new token j (itself and
-        its ancestors). Every new token sees the whole committed context.
+        tree_mask: (K, U) bool over the U uncommitted slots length..length+U-1 (earlier
+        steps' entries, then the K new ones): [i, j] true where new token i may see slot
+        length + j (itself and its ancestors). Every new token sees the committed context.
         """
-        k = tree_mask.shape[0]
+        k, u = tree_mask.shape
         mask = torch.zeros(k, self.capacity, dtype=torch.bool, device=tree_mask.device)
         mask[:, : self.length] = True
-        mask[:, self.length : self.length + k] = tree_mask
+        mask[:, self.length : self.length + u] = tree_mask
         return mask[None, None]
 
     def commit(self, num_tokens: int) -> None:

@@ -66,3 +66,87 @@ class DraftTree:
     def children(self, node: int) -> Tensor:
         """Indices of node's children, in tree order (used by rejection sampling)."""
         return (self.parents == node).nonzero().flatten()
+
+
+# ---- building trees from a drafter's candidate pool -------------------------------------
+
+LOGPROB_FLOOR = -1e4  # keeps -inf (underflow) out of the ranking arithmetic
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Draft candidates in level order: a node's parent (index into the pool, -1 = the
+    root) always comes before it. scores are cumulative draft log-probs (root = 0)."""
+
+    tokens: Tensor  # (M,)
+    parents: Tensor  # (M,)
+    scores: Tensor  # (M,)
+    depths: Tensor  # (M,) root's children have depth 1
+
+    @staticmethod
+    def concat(levels: list[Pool]) -> Pool:
+        return Pool(*(torch.cat([getattr(lv, f) for lv in levels])
+                      for f in ("tokens", "parents", "scores", "depths")))
+
+
+def expand_level(scores: Tensor, tokens: Tensor, logprobs: Tensor, keep: int,
+                 first_index: int, depth: int) -> tuple[Pool, Tensor]:
+    """Children of P nodes: candidates (P, c) with draft log-probs (P, c); keeps the `keep`
+    best by cumulative score. Returns the new level (parents offset by `first_index`, the
+    pool index of node 0 of the level being expanded) and each kept child's row in 0..P-1.
+    """
+    total = scores[:, None] + logprobs.clamp(min=LOGPROB_FLOOR)  # (P, c)
+    best = total.flatten().topk(min(keep, total.numel()))
+    row = best.indices // total.shape[1]
+    level = Pool(tokens=tokens.flatten()[best.indices], parents=row + first_index,
+                 scores=best.values, depths=torch.full_like(row, depth))
+    return level, row
+
+
+def select_tree(root: Tensor, pool: Pool, budget: int) -> tuple[DraftTree, Tensor]:
+    """The `budget` best pool nodes by cumulative score under the root, as a DraftTree.
+
+    A child's score never exceeds its parent's; a tiny per-depth penalty breaks ties in
+    the parent's favour, so the selection is ancestor-closed. Returns the tree and the
+    selected pool indices (tree node i + 1 is pool node selected[i]).
+    """
+    key = pool.scores - 1e-6 * pool.depths
+    chosen = key.topk(min(budget, key.shape[0])).indices.sort().values  # pool order is topological
+    return tree_from_pool(root, pool, chosen), chosen
+
+
+def tree_from_pool(root: Tensor, pool: Pool, chosen: Tensor) -> DraftTree:
+    """A DraftTree of the root plus pool nodes `chosen` (sorted, ancestor-closed)."""
+    position = torch.full((pool.tokens.shape[0],), -1, dtype=torch.long, device=chosen.device)
+    position[chosen] = torch.arange(1, chosen.shape[0] + 1, device=chosen.device)
+    pool_parents = pool.parents[chosen]
+    parents = torch.where(pool_parents >= 0, position[pool_parents.clamp(min=0)], 0)
+    tokens = torch.cat([root.view(1), pool.tokens[chosen]])
+    return DraftTree.from_parents(tokens, torch.cat([parents.new_tensor([-1]), parents]))
+
+
+def static_tree(size: int, depth: int, head_accuracy: list[float], decay: float = 0.55,
+                max_rank: int = 10) -> tuple[Tensor, Tensor, Tensor]:
+    """A fixed (Medusa-style) tree of `size` nodes below the root: the paths of top-k ranks
+    with the highest estimated probability prod_d acc[d] * decay ** rank_d. Estimates can
+    come from measured per-head accuracies (the Medusa paper builds its tree the same way).
+
+    Returns parents (size + 1,), depths (size + 1,), ranks (size + 1,), root first.
+    """
+    import heapq
+
+    nodes = [(-1, 0, 0)]  # (parent, depth, rank)
+    values = [1.0]
+    frontier = [(-head_accuracy[0] * decay**r, 0, r) for r in range(max_rank)]
+    heapq.heapify(frontier)
+    while frontier and len(nodes) <= size:
+        neg_value, parent, rank = heapq.heappop(frontier)
+        nodes.append((parent, nodes[parent][1] + 1, rank))
+        values.append(-neg_value)
+        child_depth = nodes[-1][1]
+        if child_depth < depth:
+            for r in range(max_rank):
+                heapq.heappush(frontier, (neg_value * head_accuracy[child_depth] * decay**r,
+                                          len(nodes) - 1, r))
+    parents, depths, ranks = (torch.tensor(col) for col in zip(*nodes, strict=True))
+    return parents, depths, ranks

@@ -60,3 +60,76 @@ def random_tree(root, size, vocab_size, rng) -> DraftTree:
     parents = [-1] + [int(torch.randint(i, (), generator=rng)) for i in range(1, size)]
     tokens = torch.cat([root.view(1), torch.randint(vocab_size, (size - 1,), generator=rng)])
     return DraftTree.from_parents(tokens, torch.tensor(parents))
+
+
+class OracleModel(torch.nn.Module):
+    """Stands in for a drafter network that knows the target's greedy sequence `full`.
+
+    Hidden states carry (index in `full` of the token they predict, on-path flag) in their
+    first two channels; `OracleHead` turns that into logits that rank full[index] first
+    while the branch is still on the greedy path. Works with the real SerialDrafter code
+    (beam, MLP levels, rerank, FTA), so a Gumiho or EAGLE-2 tree built from it accepts often.
+    """
+
+    def __init__(self, config, full: list[int]):
+        super().__init__()
+        self.config, self.full = config, torch.tensor(full)
+
+    def _on(self, tokens, index):
+        inside = index < self.full.shape[0]
+        return inside & (self.full[index.clamp(max=self.full.shape[0] - 1)] == tokens)
+
+    def _hidden(self, index, on):
+        h = torch.zeros(*index.shape, self.config.hidden_size)
+        h[..., 0], h[..., 1] = index.float(), on.float()
+        return h
+
+    def serial_step(self, tokens, features, position_ids, attention_mask, cache=None):
+        if position_ids.shape[1] > 1 and bool((position_ids[0, 1:] > position_ids[0, :-1]).all()):
+            # committed pairs (f_t, x_{t+1}) at positions t: predict index t + 2
+            return self._hidden(position_ids + 2, torch.ones_like(tokens, dtype=torch.bool))
+        index, on = features[..., 0].long(), features[..., 1] > 0.5  # from the parent's out
+        return self._hidden(index + 1, on & self._on(tokens, index))
+
+    def parallel_heads(self, d1, out1, d2, out2):
+        index, on = out2[..., 0].long(), out2[..., 1] > 0.5  # d2 sits at `index`
+        on = on & self._on(d2, index)
+        n = self.config.num_mlp_heads
+        steps = torch.arange(1, n + 1)
+        return self._hidden(index[:, None] + steps, on[:, None].expand(-1, n))
+
+
+class OracleHead:
+    """Logits from an oracle hidden state: full[index] scores 10 while on the path; other
+    tokens get fixed pseudo-random scores in [0, 1)."""
+
+    def __init__(self, full: list[int], vocab_size: int):
+        self.full, self.vocab = torch.tensor(full), vocab_size
+        self.noise = torch.rand(len(full) + 16, vocab_size, generator=torch.Generator()
+                                .manual_seed(5))
+
+    def __call__(self, hidden):
+        index, on = hidden[..., 0].long(), hidden[..., 1] > 0.5
+        logits = self.noise[index.clamp(max=self.noise.shape[0] - 1)].clone()
+        inside = on & (index < self.full.shape[0])
+        best = self.full[index.clamp(max=self.full.shape[0] - 1)]
+        logits.scatter_(-1, best[..., None], torch.where(inside, 10.0, 0.0)[..., None]
+                        .expand_as(best[..., None]) + logits.gather(-1, best[..., None]))
+        return logits
+
+
+def oracle_drafter(method, target, full, tree):
+    """A SerialDrafter (gumiho or eagle2) whose network and lm_head are the oracle."""
+    from gumiho.config import DrafterConfig
+    from gumiho.drafters import SerialDrafter
+
+    config = DrafterConfig.for_target(target.config, method)
+    drafter = SerialDrafter(OracleModel(config, full), tree)
+    begin = drafter.begin
+
+    def begin_with_oracle_head(tgt, capacity):
+        begin(tgt, capacity)
+        drafter.lm_head = OracleHead(full, config.vocab_size)
+
+    drafter.begin = begin_with_oracle_head
+    return drafter

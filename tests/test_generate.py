@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from drafters_for_tests import RandomDrafter, ReplayDrafter
 
 from gumiho.drafters import PlainDrafter
 from gumiho.engine import GenerateConfig, run
+
+from drafters_for_tests import RandomDrafter, ReplayDrafter
 
 
 def hf_greedy(target, prompt, n):

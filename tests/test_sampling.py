@@ -4,12 +4,13 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_llama
-from drafters_for_tests import RandomDrafter
 
 from gumiho.engine import GenerateConfig, run
 from gumiho.sampling import accept_sampling
 from gumiho.tree import DraftTree
+
+from conftest import tiny_llama
+from drafters_for_tests import RandomDrafter
 
 
 def chi_square_rejects(counts: torch.Tensor, probs: torch.Tensor, z: float = 3.09) -> bool:

@@ -1,8 +1,9 @@
 import pytest
 import torch
-from drafters_for_tests import random_tree
 
 from gumiho.tree import DraftTree
+
+from drafters_for_tests import random_tree
 
 
 def ancestors(parents, i):

@@ -3,10 +3,11 @@ equals recomputation."""
 
 import pytest
 import torch
-from drafters_for_tests import random_tree
 
 from gumiho.engine import prefill, verify_tree
 from gumiho.kv_cache import KVCache
+
+from drafters_for_tests import random_tree
 
 
 def sequential_logits(target, tokens):
@@ -18,7 +19,7 @@ def sequential_logits(target, tokens):
 
 def check_tree_logits_match(target, prompt, tree_size, vocab, seed, atol):
     rng = torch.Generator().manual_seed(seed)
-    cache = KVCache(target.model, len(prompt) + tree_size + 4)
+    cache = KVCache.for_model(target.model, len(prompt) + tree_size + 4)
     prefill(target, cache, torch.tensor([prompt]))
     tree = random_tree(torch.tensor([prompt[-1] % vocab]), tree_size, vocab, rng)
     _, logits = verify_tree(target, cache, tree)
@@ -42,7 +43,7 @@ def test_second_tree_after_compaction_still_exact(tiny_target):
     """Two cycles: compact one path, verify a new tree on top, compare with sequential."""
     prompt = [5, 17, 3, 42, 8]
     rng = torch.Generator().manual_seed(1)
-    cache = KVCache(tiny_target.model, 64)
+    cache = KVCache.for_model(tiny_target.model, 64)
     prefill(tiny_target, cache, torch.tensor([prompt]))
     tree = random_tree(torch.tensor([9]), 20, 97, rng)
     verify_tree(tiny_target, cache, tree)
@@ -61,14 +62,14 @@ def test_second_tree_after_compaction_still_exact(tiny_target):
 def test_compaction_equals_recomputation(tiny_target, which):
     prompt = [1, 2, 3, 4, 5, 6]
     rng = torch.Generator().manual_seed(2)
-    cache = KVCache(tiny_target.model, 64)
+    cache = KVCache.for_model(tiny_target.model, 64)
     prefill(tiny_target, cache, torch.tensor([prompt]))
     tree = random_tree(torch.tensor([7]), 25, 97, rng)
     verify_tree(tiny_target, cache, tree)
     path = tree.paths[which][tree.paths[which] >= 0]
     cache.compact(path)
 
-    fresh = KVCache(tiny_target.model, 64)
+    fresh = KVCache.for_model(tiny_target.model, 64)
     prefill(tiny_target, fresh, torch.tensor([prompt + tree.tokens[path].tolist()]))
     assert cache.length == fresh.length == len(prompt) + len(path)
     for layer in range(tiny_target.config.num_hidden_layers):
@@ -79,7 +80,7 @@ def test_compaction_equals_recomputation(tiny_target, which):
 def test_cache_overflow_is_a_clear_error(tiny_target):
     from gumiho.errors import GumihoError
 
-    cache = KVCache(tiny_target.model, 4)
+    cache = KVCache.for_model(tiny_target.model, 4)
     with pytest.raises(GumihoError, match="KV cache full"):
         prefill(tiny_target, cache, torch.tensor([[1, 2, 3, 4, 5]]))
 
@@ -87,7 +88,7 @@ def test_cache_overflow_is_a_clear_error(tiny_target):
 def test_repeated_verify_without_commit_is_idempotent(tiny_target):
     """A step always writes at the committed length, whatever the last step left behind."""
     rng = torch.Generator().manual_seed(4)
-    cache = KVCache(tiny_target.model, 64)
+    cache = KVCache.for_model(tiny_target.model, 64)
     prefill(tiny_target, cache, torch.tensor([[1, 2, 3]]))
     tree = random_tree(torch.tensor([4]), 12, 97, rng)
     _, first = verify_tree(tiny_target, cache, tree)

@@ -48,7 +48,7 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: 
 def verify_step_seconds(target: Target, width: int, context: int, repeats: int) -> float:
     """One target forward over a `width`-node tree (a balanced binary tree) at `context`."""
     device = target.device
-    cache = KVCache(target.model, context + width + 1)
+    cache = KVCache.for_model(target.model, context + width + 1)
     prompt = torch.randint(100, 1000, (1, context), device=device)
     prefill(target, cache, prompt)
     parents = torch.cat([torch.tensor([-1]), torch.arange(width - 1) // 2]).to(device)
@@ -62,7 +62,7 @@ def draft_cycle_seconds(target: Target, method: str, context: int, repeats: int,
     device = target.device
     drafter = load_drafter(method, target, "random", **drafter_options)
     capacity = context + drafter.max_nodes + 8
-    cache = KVCache(target.model, capacity)
+    cache = KVCache.for_model(target.model, capacity)
     prompt = torch.randint(100, 1000, (1, context), device=device)
     features, _ = prefill(target, cache, prompt)
     drafter.begin(target, capacity)

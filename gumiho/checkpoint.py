@@ -1,0 +1,206 @@
+"""Save and load drafters in the official `amd/Gumiho-*` layout.
+
+A Gumiho checkpoint is `model.safetensors` or `pytorch_model.bin` with 80 keys for a
+2-layer / 5-head drafter (SPEC §2): `embed_tokens.weight`, `fc.{weight,bias}`,
+`layers.{i}.…` (stock Llama decoder-layer names, no `layers.0.input_layernorm`), and
+`mlp.{i}.{j}.linear.{weight,bias}` for the MLP heads, plus a `config.json`. Official files
+come without a Gumiho config: the shape is then derived from the target and the keys.
+`embed_tokens.weight` may be left out (it is a frozen copy of the target's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from gumiho.config import DrafterConfig
+from gumiho.errors import GumihoError
+from gumiho.modeling import build_draft_model
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+MLP_KEY = re.compile(r"^mlp\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
+MEDUSA_KEY = re.compile(r"^medusa_head\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
+
+
+def to_official(model: nn.Module) -> dict[str, Tensor]:
+    """The model's weights under the official key names."""
+    state = dict(model.state_dict())
+    if model.__class__.__name__ == "MedusaHeads":
+        out = {}
+        for i in range(model.w.shape[0]):
+            for j in range(model.w.shape[1]):
+                out[f"medusa_head.{i}.{j}.linear.weight"] = model.w[i, j]
+                out[f"medusa_head.{i}.{j}.linear.bias"] = model.b[i, j]
+            if model.lm_heads is not None:
+                out[f"medusa_head.{i}.lm_head.weight"] = model.lm_heads[i]
+        return out
+    for name in ("mlp.w_in", "mlp.b_in", "mlp.w_res", "mlp.b_res"):
+        state.pop(name, None)
+    if model.mlp is not None:
+        heads = model.mlp
+        for i in range(heads.w_in.shape[0]):
+            state[f"mlp.{i}.0.linear.weight"] = heads.w_in[i]
+            state[f"mlp.{i}.0.linear.bias"] = heads.b_in[i]
+            for j in range(heads.w_res.shape[1]):
+                state[f"mlp.{i}.{j + 1}.linear.weight"] = heads.w_res[i, j]
+                state[f"mlp.{i}.{j + 1}.linear.bias"] = heads.b_res[i, j]
+    return state
+
+
+def from_official(state: dict[str, Tensor], config: DrafterConfig) -> dict[str, Tensor]:
+    """Official keys -> the model's own (stacked MLP heads); other keys pass through."""
+    out, mlp = {}, {}
+    pattern = MEDUSA_KEY if config.method == "medusa" else MLP_KEY
+    for key, value in state.items():
+        match = pattern.match(key)
+        if match:
+            mlp[(int(match[1]), int(match[2]), match[3])] = value
+        elif config.method == "medusa" and key.endswith(".lm_head.weight"):
+            mlp[(int(key.split(".")[1]), "lm_head", "weight")] = value
+        else:
+            out[key] = value
+    if not mlp:
+        return out
+    heads, layers = config.num_mlp_heads, config.num_mlp_layers
+
+    def stack(j, kind):
+        try:
+            return torch.stack([mlp.pop((i, j, kind)) for i in range(heads)])
+        except KeyError as missing:
+            raise GumihoError(f"checkpoint lacks key {_mlp_name(config, missing.args[0])}") \
+                from None
+
+    if config.method == "medusa":
+        out["w"] = torch.stack([stack(j, "weight") for j in range(layers)], 1)
+        out["b"] = torch.stack([stack(j, "bias") for j in range(layers)], 1)
+        if config.medusa_own_lm_head:
+            out["lm_heads"] = stack("lm_head", "weight")
+    else:
+        out["mlp.w_in"], out["mlp.b_in"] = stack(0, "weight"), stack(0, "bias")
+        out["mlp.w_res"] = torch.stack([stack(j, "weight") for j in range(1, layers + 1)], 1)
+        out["mlp.b_res"] = torch.stack([stack(j, "bias") for j in range(1, layers + 1)], 1)
+    if mlp:
+        raise GumihoError(f"unexpected key {_mlp_name(config, next(iter(mlp)))} in checkpoint")
+    return out
+
+
+def _mlp_name(config: DrafterConfig, key: tuple) -> str:
+    i, j, kind = key
+    prefix = "medusa_head" if config.method == "medusa" else "mlp"
+    return f"{prefix}.{i}.{j}.linear.{kind}"
+
+
+def save_drafter(model: nn.Module, out_dir: str | Path, include_embed: bool = False,
+                 dtype: torch.dtype | None = None, extra_config: dict | None = None) -> Path:
+    """Write model.safetensors + config.json; by default without the frozen embedding."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = to_official(model)
+    if not include_embed:
+        state.pop("embed_tokens.weight", None)
+    state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu()
+             for k, v in state.items()}
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / "model.safetensors")
+    config = model.config
+    (out / "config.json").write_text(json.dumps({**config.to_json(), **(extra_config or {})},
+                                                indent=2) + "\n")
+    return out
+
+
+def read_state(path: Path) -> dict[str, Tensor]:
+    for name in WEIGHT_FILES:
+        file = path / name
+        if file.exists():
+            try:
+                if name.endswith(".safetensors"):
+                    from safetensors.torch import load_file
+                    return load_file(str(file))
+                return torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - any decode failure means a broken file
+                raise GumihoError(f"cannot read {file}: {type(exc).__name__} (is it complete?)") \
+                    from None
+    raise GumihoError(f"{path}: no {' or '.join(WEIGHT_FILES)} found")
+
+
+def infer_config(state: dict[str, Tensor], target_config, method: str | None,
+                 saved: dict | None) -> DrafterConfig:
+    """The drafter config: config.json's Gumiho fields if present, else derived from the
+    target config and the checkpoint's keys (official checkpoints)."""
+    if saved and saved.get("method"):
+        if method and saved["method"] != method:
+            raise GumihoError(f"checkpoint is a {saved['method']} drafter, not {method}")
+        return DrafterConfig.from_json(saved)
+    if method is None:
+        method = "medusa" if any(k.startswith("medusa_head.") for k in state) else (
+            "gumiho" if any(MLP_KEY.match(k) for k in state) else "eagle2")
+    layers = {int(k.split(".")[1]) for k in state if k.startswith("layers.")}
+    heads = {int(m[1]) for k in state if (m := (MEDUSA_KEY if method == "medusa"
+                                                else MLP_KEY).match(k))}
+    blocks = {int(m[2]) for k in state if (m := (MEDUSA_KEY if method == "medusa"
+                                                 else MLP_KEY).match(k))}
+    overrides = {}
+    if method != "medusa":
+        overrides["num_hidden_layers"] = len(layers) or 1
+    if heads:
+        overrides["num_mlp_heads"] = len(heads)
+        overrides["num_mlp_layers"] = len(blocks) - (0 if method == "medusa" else 1)
+    return DrafterConfig.for_target(target_config, method, **overrides)
+
+
+def load_drafter_model(path: str | Path, target, method: str | None = None) -> nn.Module:
+    """Load a drafter checkpoint dir for `target`; strict about keys and shapes."""
+    path = Path(path)
+    if not path.is_dir():
+        raise GumihoError(f"drafter {str(path)!r}: not a directory (give a checkpoint dir "
+                          "with model.safetensors or pytorch_model.bin, or 'random')")
+    state = read_state(path)
+    saved = None
+    if (path / "config.json").exists():
+        saved = json.loads((path / "config.json").read_text())
+    fc = state.get("fc.weight", state.get("medusa_head.0.0.linear.weight"))
+    if fc is not None and fc.shape[0] != target.hidden_size:
+        raise GumihoError(f"drafter {path} is for hidden size {fc.shape[0]}, but target "
+                          f"{target.name} has {target.hidden_size}: use a drafter trained "
+                          "for this target")
+    config = infer_config(state, target.config, method, saved)
+    vocab = target.lm_head.weight.shape[0]
+    if config.hidden_size != target.hidden_size or config.vocab_size != vocab:
+        raise GumihoError(
+            f"drafter {path} is for hidden size {config.hidden_size} / vocab "
+            f"{config.vocab_size}, but target {target.name} has {target.hidden_size} / "
+            f"{vocab}: use a drafter trained for this target")
+    model = build_draft_model(config)
+    own = from_official(state, config)
+    if "embed_tokens.weight" in model.state_dict() and "embed_tokens.weight" not in own:
+        own["embed_tokens.weight"] = target.embed_tokens.weight.detach()
+    check_keys(model.state_dict(), own, config)
+    model.load_state_dict(own, strict=True)
+    if config.method == "medusa" and config.medusa_own_lm_head and "lm_heads" not in own:
+        model.init_lm_heads(target.lm_head.weight)
+    return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+
+def check_keys(expected: dict[str, Tensor], got: dict[str, Tensor], config) -> None:
+    """One line naming the first missing, unexpected or mis-shaped key."""
+    to_name = {"mlp.w_in": "mlp.{i}.0.linear.weight", "mlp.b_in": "mlp.{i}.0.linear.bias",
+               "mlp.w_res": "mlp.{i}.{j}.linear.weight", "mlp.b_res": "mlp.{i}.{j}.linear.bias",
+               "w": "medusa_head.{i}.{j}.linear.weight", "b": "medusa_head.{i}.{j}.linear.bias"}
+    for key, tensor in expected.items():
+        if key not in got:
+            raise GumihoError(f"checkpoint lacks key {to_name.get(key, key)}")
+        if tuple(got[key].shape) != tuple(tensor.shape):
+            raise GumihoError(f"checkpoint key {to_name.get(key, key)} has shape "
+                              f"{list(got[key].shape)}, expected {list(tensor.shape)} "
+                              f"for this target")
+    for key in got:
+        if key not in expected:
+            raise GumihoError(f"unexpected key {key} in checkpoint (not a {config.method} "
+                              "drafter for this target?)")

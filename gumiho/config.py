@@ -1,0 +1,125 @@
+"""Config dataclasses, one per concern: the drafter's shape and the draft tree's settings.
+
+`DrafterConfig` is saved as `config.json` beside each checkpoint: the 2-layer Llama fields
+of the serial head plus the Gumiho fields that vLLM's GumihoConfig looks for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from gumiho.errors import GumihoError
+
+METHODS = ("ar", "gumiho", "eagle2", "medusa")
+FTA_MODES = ("off", "official", "exact")
+MODEL_TYPE = {"gumiho": "gumiho", "eagle2": "eagle2", "medusa": "medusa"}
+ARCHITECTURE = {"gumiho": "GumihoLlamaForCausalLM", "eagle2": "EagleLlamaForCausalLM",
+                "medusa": "MedusaModel"}
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    method: str  # gumiho | eagle2 | medusa
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default",
+                                                          "rope_theta": 10000.0})
+    hidden_act: str = "silu"
+    num_hidden_layers: int = 2  # serial (transformer) layers; eagle2 uses 1, medusa 0
+    num_mlp_heads: int = 5  # gumiho parallel heads; medusa heads
+    num_mlp_layers: int = 5  # residual H->H blocks per head (after gumiho's 2H->H block)
+    medusa_own_lm_head: bool = False  # original Medusa: one vocab projection per head
+
+    @classmethod
+    def for_target(cls, target_config, method: str = "gumiho", **overrides) -> DrafterConfig:
+        """The drafter shape for a target: its width, heads, norms and RoPE settings."""
+        t = target_config.get_text_config() if hasattr(target_config, "get_text_config") \
+            else target_config
+        heads = t.num_attention_heads
+        defaults = {"gumiho": {}, "eagle2": {"num_hidden_layers": 1, "num_mlp_heads": 0},
+                    "medusa": {"num_hidden_layers": 0, "num_mlp_heads": 4,
+                               "num_mlp_layers": 1}}
+        if method not in defaults:
+            raise GumihoError(f"no drafter for method {method!r}: use gumiho, eagle2 or medusa")
+        rope = dict(getattr(t, "rope_parameters", None) or {})
+        if not rope:
+            rope = {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)}
+        values = dict(
+            method=method, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
+            head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
+            vocab_size=t.vocab_size, rms_norm_eps=t.rms_norm_eps,
+            max_position_embeddings=t.max_position_embeddings, rope_parameters=rope,
+            hidden_act=getattr(t, "hidden_act", "silu"),
+        )
+        values.update(defaults[method])
+        values.update(overrides)
+        return cls(**values)
+
+    def llama_config(self):
+        """The transformers LlamaConfig of the serial layers (sdpa attention)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=max(self.num_hidden_layers, 1),
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters), hidden_act=self.hidden_act,
+            attn_implementation="sdpa",
+        )
+
+    def to_json(self) -> dict:
+        """config.json: Llama fields of the drafter plus the Gumiho/vLLM fields."""
+        out = asdict(self)
+        out.update(
+            model_type=MODEL_TYPE[self.method], architectures=[ARCHITECTURE[self.method]],
+            rope_theta=self.rope_parameters.get("rope_theta"),
+            rope_scaling=None if self.rope_parameters.get("rope_type", "default") == "default"
+            else dict(self.rope_parameters),
+            gumiho_fc_bias=True,
+        )
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> DrafterConfig:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if "rope_parameters" not in values and "rope_theta" in data:
+            values["rope_parameters"] = dict(data.get("rope_scaling") or {"rope_type": "default"},
+                                             rope_theta=data["rope_theta"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Draft tree settings; defaults per method follow the papers' reference settings."""
+
+    total_tokens: int = 64  # verified tokens, root included
+    top_k: int = 14  # beam width at serial levels
+    mlp_topk: int = 35  # candidates per node at each MLP level
+    pruning: int = 35  # nodes kept per MLP level
+    depth: int = 6  # serial levels (eagle2) / static tree depth (medusa)
+    fta: str = "exact"  # Full Tree Attention: off | official | exact
+
+    def __post_init__(self):
+        if self.fta not in FTA_MODES:
+            raise GumihoError(f"--fta must be one of {', '.join(FTA_MODES)}")
+        if self.total_tokens < 2 or self.top_k < 1 or self.mlp_topk < 1 or self.pruning < 1:
+            raise GumihoError("tree sizes must be positive (--total-tokens at least 2)")
+
+    @classmethod
+    def for_method(cls, method: str, **overrides) -> TreeConfig:
+        base = {"gumiho": cls(),
+                "eagle2": cls(total_tokens=60, top_k=10, depth=6, fta="off"),
+                "medusa": cls(total_tokens=64, depth=4, fta="off")}.get(method, cls())
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,136 @@
+"""Drafter networks: the serial transformer head, Gumiho's parallel MLP heads, Medusa heads.
+
+Plain `nn.Module`s built from a `DrafterConfig`: no file I/O, no tokenizer, no dtype
+forcing. Logits always come from the target's frozen lm_head, passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from gumiho.config import DrafterConfig
+
+
+def _linear_init(weight: Tensor, bias: Tensor, fan_in: int) -> None:
+    """nn.Linear's default initialisation, for stacked weights."""
+    bound = 1 / math.sqrt(fan_in)
+    nn.init.uniform_(weight, -bound, bound)
+    nn.init.uniform_(bias, -bound, bound)
+
+
+class ParallelHeads(nn.Module):
+    """Gumiho's N MLP heads, run together as batched matmuls.
+
+    Head i: SiLU(Linear(2H -> H)) then R residual blocks x + SiLU(Linear(H -> H)), the
+    residual weights zero-initialised. Weights are stacked over heads; the checkpoint code
+    maps them to and from the official `mlp.{i}.{j}.linear.*` keys.
+    """
+
+    def __init__(self, hidden: int, num_heads: int, num_layers: int):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.empty(num_heads, hidden, 2 * hidden))
+        self.b_in = nn.Parameter(torch.empty(num_heads, hidden))
+        self.w_res = nn.Parameter(torch.zeros(num_heads, num_layers, hidden, hidden))
+        self.b_res = nn.Parameter(torch.zeros(num_heads, num_layers, hidden))
+        _linear_init(self.w_in.data, self.b_in.data, 2 * hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., 2H) -> (..., N, H): every head's output for every input row."""
+        h = F.silu(torch.einsum("...i,noi->...no", x, self.w_in) + self.b_in)
+        for r in range(self.w_res.shape[1]):
+            h = h + F.silu(torch.einsum("...ni,noi->...no", h, self.w_res[:, r])
+                           + self.b_res[:, r])
+        return h
+
+
+class MedusaHeads(nn.Module):
+    """Medusa heads (Cai et al. 2024): head i reads only the target feature f_t and predicts
+    x_{t+2+i}; R residual blocks x + SiLU(Linear(H -> H)), zero-initialised. By default they
+    share the target's frozen lm_head; `own_lm_head` gives each head its own projection
+    (initialise it from the target's with `init_lm_heads`)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        hidden, num_heads, num_layers = (config.hidden_size, config.num_mlp_heads,
+                                         config.num_mlp_layers)
+        vocab, own_lm_head = config.vocab_size, config.medusa_own_lm_head
+        self.w = nn.Parameter(torch.zeros(num_heads, num_layers, hidden, hidden))
+        self.b = nn.Parameter(torch.zeros(num_heads, num_layers, hidden))
+        self.lm_heads = nn.Parameter(torch.zeros(num_heads, vocab, hidden)) if own_lm_head \
+            else None
+
+    def init_lm_heads(self, lm_head_weight: Tensor) -> None:
+        if self.lm_heads is not None:
+            self.lm_heads.data.copy_(lm_head_weight.expand_as(self.lm_heads))
+
+    def forward(self, features: Tensor) -> Tensor:
+        """features (..., H) -> (..., N, H)."""
+        h = features.unsqueeze(-2).expand(*features.shape[:-1], self.w.shape[0], -1)
+        for r in range(self.w.shape[1]):
+            h = h + F.silu(torch.einsum("...ni,noi->...no", h, self.w[:, r]) + self.b[:, r])
+        return h
+
+    def logits(self, hidden: Tensor, lm_head: nn.Module) -> Tensor:
+        if self.lm_heads is None:
+            return lm_head(hidden)
+        return torch.einsum("...nh,nvh->...nv", hidden, self.lm_heads)
+
+
+class DraftModel(nn.Module):
+    """Serial transformer head (Gumiho: 2 layers; EAGLE-2: 1) plus optional parallel heads.
+
+    The input at position t is fc(cat(embed(x_{t+1}), f_t)); layer 0 has no input norm and
+    there is no final norm; the output out_t approximates f_{t+1}. The embedding is a frozen
+    copy of the target's.
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        llama = config.llama_config()
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(llama, i) for i in range(config.num_hidden_layers))
+        self.layers[0].input_layernorm = nn.Identity()
+        self.rotary = LlamaRotaryEmbedding(llama)
+        self.mlp = ParallelHeads(h, config.num_mlp_heads, config.num_mlp_layers) \
+            if config.method == "gumiho" and config.num_mlp_heads else None
+
+    def fuse(self, tokens: Tensor, features: Tensor) -> Tensor:
+        """fc(cat(embed(tokens), features)): tokens (...,), features (..., H) -> (..., H)."""
+        return self.fc(torch.cat([self.embed_tokens(tokens), features.to(self.fc.weight.dtype)],
+                                 -1))
+
+    def serial_step(self, tokens: Tensor, features: Tensor, position_ids: Tensor,
+                    attention_mask: Tensor, cache=None) -> Tensor:
+        """One pass of the serial layers. tokens (B, T), features (B, T, H), position_ids
+        (B, T), attention_mask (B, 1, T, kv) bool; cache: an HF cache of the drafter's own
+        keys/values or None. Returns out (B, T, H)."""
+        h = self.fuse(tokens, features)
+        rope = self.rotary(h, position_ids)
+        for layer in self.layers:
+            h = layer(h, attention_mask=attention_mask, position_ids=position_ids,
+                      past_key_values=cache, use_cache=cache is not None,
+                      position_embeddings=rope)
+        return h
+
+    def parallel_heads(self, d1: Tensor, out1: Tensor, d2: Tensor, out2: Tensor) -> Tensor:
+        """All MLP heads at once. d1, d2 (...,) the serial levels' tokens; out1, out2
+        (..., H) the serial outputs they were drawn from. Returns (..., N, H): head i
+        approximates f_{t+3+i} (its logits give x_{t+4+i})."""
+        return self.mlp(torch.cat([self.fuse(d1, out1), self.fuse(d2, out2)], -1))
+
+
+def build_draft_model(config: DrafterConfig) -> nn.Module:
+    if config.method == "medusa":
+        return MedusaHeads(config)
+    return DraftModel(config)

@@ -1,0 +1,128 @@
+"""The official checkpoint layout: key names, shapes, loading, and clear errors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from gumiho.checkpoint import load_drafter_model, save_drafter, to_official
+from gumiho.config import DrafterConfig
+from gumiho.drafters import random_drafter_model
+from gumiho.errors import GumihoError
+
+
+def official_keys(h, v, inter, kv_dim):
+    """SPEC §2's 80 keys and shapes for a 2-layer / 5-head Gumiho drafter, written out."""
+    keys = {"embed_tokens.weight": [v, h], "fc.weight": [h, 2 * h], "fc.bias": [h],
+            "layers.1.input_layernorm.weight": [h]}
+    for i in (0, 1):
+        keys |= {f"layers.{i}.self_attn.q_proj.weight": [h, h],
+                 f"layers.{i}.self_attn.k_proj.weight": [kv_dim, h],
+                 f"layers.{i}.self_attn.v_proj.weight": [kv_dim, h],
+                 f"layers.{i}.self_attn.o_proj.weight": [h, h],
+                 f"layers.{i}.mlp.gate_proj.weight": [inter, h],
+                 f"layers.{i}.mlp.up_proj.weight": [inter, h],
+                 f"layers.{i}.mlp.down_proj.weight": [h, inter],
+                 f"layers.{i}.post_attention_layernorm.weight": [h]}
+    for i in range(5):
+        keys |= {f"mlp.{i}.0.linear.weight": [h, 2 * h], f"mlp.{i}.0.linear.bias": [h]}
+        for j in range(1, 6):
+            keys |= {f"mlp.{i}.{j}.linear.weight": [h, h], f"mlp.{i}.{j}.linear.bias": [h]}
+    return keys
+
+
+SMOL = official_keys(576, 49152, 1536, 192)  # SmolLM2: H 576, 3 kv heads x 64
+
+
+def test_official_key_list_has_80_keys():
+    assert len(SMOL) == 80
+
+
+def test_model_keys_and_shapes_match_spec(smollm2):
+    model = random_drafter_model("gumiho", smollm2)
+    got = {k: list(v.shape) for k, v in to_official(model).items()}
+    assert got == SMOL
+
+
+@pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])
+def test_save_load_round_trip(tmp_path, smollm2, method):
+    model = random_drafter_model(method, smollm2, seed=3)
+    with torch.no_grad():  # make the zero-initialised residual blocks non-trivial
+        for p in model.parameters():
+            if p.requires_grad or p.dim() > 0:
+                p.add_(torch.randn_like(p) * 0.01)
+    save_drafter(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["method"] == method
+    if method == "gumiho":
+        assert config["model_type"] == "gumiho"
+        assert config["architectures"] == ["GumihoLlamaForCausalLM"]
+        assert config["gumiho_fc_bias"] is True and config["num_hidden_layers"] == 2
+    loaded = load_drafter_model(tmp_path, smollm2, method)
+    for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(),
+                              strict=True):
+        if k == "embed_tokens.weight":  # left out of the file, taken from the target
+            torch.testing.assert_close(b, smollm2.embed_tokens.weight)
+        else:
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def write_official(path, keys, seed=0, fmt="safetensors", drop=(), reshape=None):
+    """An official-format checkpoint with random weights and no config.json."""
+    g = torch.Generator().manual_seed(seed)
+    state = {k: torch.randn(*shape, generator=g) * 0.02 for k, shape in keys.items()
+             if k not in drop}
+    if reshape:
+        state[reshape] = torch.zeros(3)
+    path.mkdir(exist_ok=True)
+    if fmt == "safetensors":
+        save_file(state, str(path / "model.safetensors"))
+    else:
+        torch.save(state, path / "pytorch_model.bin")
+    return state
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_official_checkpoint_without_config_loads_strictly(tmp_path, smollm2, fmt):
+    state = write_official(tmp_path, SMOL, fmt=fmt)
+    model = load_drafter_model(tmp_path, smollm2)  # method and shape from keys + target
+    assert model.config == DrafterConfig.for_target(smollm2.config, "gumiho")
+    back = to_official(model)
+    for key, value in state.items():
+        torch.testing.assert_close(back[key], value, atol=0, rtol=0)
+
+
+def test_checkpoint_without_embedding_takes_the_targets(tmp_path, smollm2):
+    write_official(tmp_path, SMOL, drop=("embed_tokens.weight",))
+    model = load_drafter_model(tmp_path, smollm2)
+    torch.testing.assert_close(model.embed_tokens.weight, smollm2.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("case, message", [
+    ({"drop": ("mlp.3.4.linear.bias",)}, "lacks key mlp.3.4.linear.bias"),
+    ({"drop": ("layers.1.self_attn.k_proj.weight",)}, "lacks key layers.1.self_attn.k_proj"),
+    ({"reshape": "fc.bias"}, "fc.bias has shape [3]"),
+])
+def test_bad_checkpoint_names_the_first_offending_key(tmp_path, smollm2, case, message):
+    write_official(tmp_path, SMOL, **case)
+    with pytest.raises(GumihoError, match=message.replace("[", r"\[").replace("]", r"\]")) \
+            as err:
+        load_drafter_model(tmp_path, smollm2)
+    assert "\n" not in str(err.value)
+
+
+def test_drafter_for_another_target_is_refused(tmp_path, smollm2):
+    write_official(tmp_path, official_keys(64, 97, 128, 32))
+    with pytest.raises(GumihoError, match="hidden size 64"):
+        load_drafter_model(tmp_path, smollm2)
+
+
+def test_truncated_file_is_a_clear_error(tmp_path, smollm2):
+    write_official(tmp_path, SMOL)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(GumihoError, match="cannot read .*model.safetensors"):
+        load_drafter_model(tmp_path, smollm2)
+    with pytest.raises(GumihoError, match="not a directory"):
+        load_drafter_model(tmp_path / "missing", smollm2)

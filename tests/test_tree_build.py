@@ -1,0 +1,151 @@
+"""Tree construction: selection, static trees, serial-level isolation, MLP-row pairing, FTA."""
+
+import pytest
+import torch
+
+from gumiho.config import TreeConfig
+from gumiho.drafters import load_drafter
+from gumiho.engine import prefill
+from gumiho.fta import complete_paths, exact_fta_tree, splice_official
+from gumiho.kv_cache import KVCache
+from gumiho.sampling import accept_greedy
+from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
+
+
+def random_pool(seed, levels=4, width=6, vocab=50):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.zeros(1)
+    parts, first = [], -1
+    for depth in range(1, levels + 1):
+        lp = torch.log_softmax(torch.randn(scores.shape[0], vocab, generator=g), -1)
+        top = lp.topk(width)
+        level, _ = expand_level(scores, top.indices, top.values, width, first, depth)
+        if depth == 1:  # root's children: no parent in the pool
+            level = Pool(level.tokens, torch.full_like(level.parents, -1), level.scores,
+                         level.depths)
+        first = sum(p.tokens.shape[0] for p in parts)
+        parts.append(level)
+        scores = level.scores
+    return Pool.concat(parts)
+
+
+@pytest.mark.parametrize("budget", [1, 5, 13, 24])
+def test_select_tree_takes_best_scores_ancestor_closed(budget):
+    pool = random_pool(0)
+    tree, chosen = select_tree(torch.tensor([3]), pool, budget)
+    assert tree.size == budget + 1
+    assert set(chosen.tolist()) == set(pool.scores.topk(budget).indices.tolist())
+    for node in chosen.tolist():  # parents of chosen nodes are chosen too
+        parent = int(pool.parents[node])
+        assert parent == -1 or parent in chosen.tolist()
+    assert (tree.depths[1:] == pool.depths[chosen]).all()
+    assert (tree.tokens[1:] == pool.tokens[chosen]).all()
+
+
+def test_static_tree_shape():
+    parents, depths, ranks = static_tree(63, 4, [0.6, 0.4, 0.3, 0.25])
+    tree = DraftTree.from_parents(torch.zeros(64, dtype=torch.long), parents)
+    assert tree.size == 64 and int(depths.max()) == 4
+    assert (tree.depths == depths).all()
+    # siblings have distinct ranks (so distinct tokens)
+    for node in range(64):
+        kids = (parents == node).nonzero().flatten()
+        assert len(set(ranks[kids].tolist())) == len(kids)
+
+
+@pytest.fixture()
+def gumiho_random(tiny_target):
+    drafter = load_drafter("gumiho", tiny_target, "random", tree=TreeConfig(top_k=5,
+                           mlp_topk=4, pruning=6, total_tokens=24, fta="off"))
+    prompt = torch.tensor([[5, 17, 3, 42, 8]])
+    cache = KVCache.for_model(tiny_target.model, 64)
+    features, _ = prefill(tiny_target, cache, prompt)
+    drafter.begin(tiny_target, 64)
+    drafter.observe(features, torch.cat([prompt[0, 1:], torch.tensor([11])]))
+    return drafter
+
+
+def test_serial_level_siblings_do_not_see_each_other(gumiho_random):
+    drafter = gumiho_random
+    out1 = drafter._catch_up()
+    tokens = torch.tensor([4, 9, 23, 51])
+    together = drafter._serial_level(tokens, out1.expand(4, -1),
+                                     torch.zeros(4, 0, dtype=torch.bool))
+    for i in range(4):
+        alone = drafter._serial_level(tokens[i : i + 1], out1[None],
+                                      torch.zeros(1, 0, dtype=torch.bool))
+        torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=0)
+
+
+def test_each_mlp_row_pairs_a_level2_node_with_its_own_parent(gumiho_random):
+    drafter = gumiho_random
+    seen = {}
+    original = drafter.model.parallel_heads
+
+    def record(d1, out1, d2, out2):
+        seen.update(d1=d1, out1=out1, d2=d2, out2=out2)
+        return original(d1, out1, d2, out2)
+
+    drafter.model.parallel_heads = record
+    drafter.propose()
+    out1 = seen["out1"][0]
+    for j in range(seen["d1"].shape[0]):
+        # out2[j] is what serial step 2 gives for d1[j] alone ...
+        alone = drafter._serial_level(seen["d1"][j : j + 1], out1[None],
+                                      torch.zeros(1, 0, dtype=torch.bool))[0]
+        torch.testing.assert_close(seen["out2"][j], alone, atol=1e-5, rtol=0)
+        # ... and d2[j] was drawn from that output's top-k
+        top = drafter._logprobs(alone).topk(drafter.tree.top_k).indices
+        assert int(seen["d2"][j]) in top.tolist()
+
+
+def test_gumiho_tree_invariants(gumiho_random):
+    tree = gumiho_random.propose()
+    assert tree.size == 24 and int(tree.depths.max()) <= 7
+    for i in range(tree.size):  # the mask is exactly "self and ancestors"
+        row = set(tree.mask[i].nonzero().flatten().tolist())
+        node, anc = i, {i}
+        while tree.parents[node] >= 0:
+            node = int(tree.parents[node])
+            anc.add(node)
+        assert row == anc
+
+
+def hand_tree():
+    # 0 root; long path 0-1-2-3 (A); short path 0-4 (B)
+    return DraftTree.from_parents(torch.tensor([0, 1, 2, 3, 4]),
+                                  torch.tensor([-1, 0, 1, 2, 0]))
+
+
+def test_official_fta_accepts_tokens_verified_in_another_branch():
+    tree = hand_tree()
+    spliced = splice_official(tree)
+    assert spliced.paths.tolist() == [[0, 1, 2, 3], [0, 4, 2, 3]]
+    # Target argmax: root -> 4 (branch B), node 4 -> 2, node 2 -> 3. Node 2's logits were
+    # computed in branch A's context (after token 1), not after token 4.
+    logits = torch.full((5, 5), -5.0)
+    for node, best in [(0, 4), (4, 2), (2, 3), (1, 0), (3, 0)]:
+        logits[node, best] = 5.0
+    accepted, _ = accept_greedy(spliced, logits)
+    assert accepted.tolist() == [0, 4, 2, 3]  # 3 drafts, the last justified by A's context
+    plain, bonus = accept_greedy(tree, logits)
+    assert plain.tolist() == [0, 4] and int(bonus) == 2  # lossless: 1 draft + bonus 2
+
+
+def test_exact_fta_completes_mlp_leaves_within_budget():
+    pool = random_pool(1, levels=7, width=5)
+    branch = torch.where(pool.depths >= 2, torch.arange(pool.tokens.shape[0]) % 5, -1)
+    chains = torch.randint(50, (5, 5), generator=torch.Generator().manual_seed(0))
+    root = torch.tensor([1])
+    for budget in (6, 12, 20, 30):
+        tree = exact_fta_tree(root, pool, budget, branch, chains, first_mlp_depth=3)
+        assert tree.size - 1 <= budget
+        leaves = [i for i in range(tree.size) if i not in tree.parents.tolist()]
+        assert all(int(tree.depths[leaf]) in (1, 7) for leaf in leaves)
+    # completion appends the branch's own chain under a depth-2 leaf
+    child = int((pool.depths == 2).nonzero()[0])
+    chosen = torch.tensor([int(pool.parents[child]), child])  # a depth-1 node and its child
+    tree = complete_paths(root, pool, chosen, branch, chains, first_mlp_depth=3)
+    leaf_branch = int(branch[chosen[-1]])
+    assert tree.tokens[3:].tolist() == chains[leaf_branch].tolist()
+    assert tree.paths.tolist() == [list(range(8))]
