@@ -116,8 +116,10 @@ class SerialDrafter:
 
     @torch.inference_mode()
     def propose(self) -> DraftTree:
-        root = self.pending[-1][1][-1]
-        out1 = self._catch_up()
+        if self.pending:  # else: propose again from the same state
+            self.root = self.pending[-1][1][-1]
+            self.out1 = self._catch_up()
+        root, out1 = self.root, self.out1
         k = self.tree.top_k
         lp1 = self._logprobs(out1).topk(k)
         level = Pool(tokens=lp1.indices, parents=torch.full_like(lp1.indices, -1),

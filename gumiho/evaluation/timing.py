@@ -57,17 +57,25 @@ def verify_step_seconds(target: Target, width: int, context: int, repeats: int) 
 
 
 def draft_cycle_seconds(target: Target, method: str, context: int, repeats: int,
-                        **drafter_options) -> float:
-    """One `propose()` of a random-weight drafter of `method` after a `context`-token prompt."""
+                        accepted: int = 4) -> float:
+    """One drafting cycle of a random-weight drafter of `method` after a `context`-token
+    prompt: observe `accepted` new tokens (as after a verify), then `propose()`."""
     device = target.device
-    drafter = load_drafter(method, target, "random", **drafter_options)
-    capacity = context + drafter.max_nodes + 8
+    drafter = load_drafter(method, target, "random")
+    capacity = context + accepted * (repeats + 2) + drafter.max_nodes + 8
     cache = KVCache.for_model(target.model, capacity)
     prompt = torch.randint(100, 1000, (1, context), device=device)
     features, _ = prefill(target, cache, prompt)
+    next_tokens = torch.cat([prompt[0, 1:], prompt[0, -1:]])
     drafter.begin(target, capacity)
-    drafter.observe(features, torch.cat([prompt[0, 1:], prompt[0, -1:]]))
-    return timed(drafter.propose, device, repeats)
+    drafter.observe(features, next_tokens)
+    drafter.propose()
+
+    def cycle():
+        drafter.observe(features[-accepted:], next_tokens[-accepted:])
+        return drafter.propose()
+
+    return timed(cycle, device, repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
