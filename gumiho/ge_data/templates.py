@@ -1,0 +1,59 @@
+"""Chat templating with a loss mask exactly on the assistant's tokens.
+
+The target tokenizer's own chat template is used; templates for models without one (e.g.
+Vicuna, the fschat `vicuna_v1.1` format) are written here. The mask covers each assistant
+reply and the token that ends it, and nothing of the template's glue after that token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gumiho.errors import GumihoError
+
+VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
+                 "The assistant gives helpful, detailed, and polite answers to the user's "
+                 "questions.")
+# fschat's vicuna_v1.1 layout: "SYSTEM USER: q ASSISTANT: a</s>USER: ..."
+VICUNA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% else %}" + VICUNA_SYSTEM + "{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ ' USER: ' + m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ ' ASSISTANT: ' + m['content'] + eos_token }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ ' ASSISTANT:' }}{% endif %}"
+)
+TEMPLATES = {"vicuna": VICUNA_TEMPLATE}
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool,
+           template: str | None) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+        chat_template=TEMPLATES.get(template, template))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_len: int,
+                          stop_token_ids: frozenset[int], template: str | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids (L,) and loss_mask (L,) with L <= max_len; mask = assistant tokens.
+
+    Each assistant span is the difference between the conversation rendered up to that
+    turn and the same with the generation prompt, cut after the first stop token in it.
+    """
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise GumihoError("this tokenizer has no chat template: pass --template vicuna "
+                          "(or a Jinja template string)")
+    ids = render(tokenizer, messages, False, template)
+    mask = torch.zeros(len(ids), dtype=torch.long)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(render(tokenizer, messages[:i], True, template))
+        through = render(tokenizer, messages[: i + 1], False, template)
+        if through != ids[: len(through)] or start > len(through):
+            raise GumihoError("the chat template is not prefix-consistent; cannot mask turns")
+        end = len(through)
+        stops = [j for j in range(start, end) if ids[j] in stop_token_ids]
+        mask[start : (stops[0] + 1 if stops else end)] = 1
+    return torch.tensor(ids[:max_len]), mask[:max_len]

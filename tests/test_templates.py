@@ -1,0 +1,89 @@
+"""Loss masks cover exactly the assistant tokens, per template family (golden files).
+
+SmolLM2's tokenizer is the only real one offline: the Llama-3, Llama-2-chat and Vicuna
+cases give it those families' special tokens and templates (written from their published
+formats), so the masking logic meets each layout. (The Llama-3 stand-in's masks start with one
+"\n": SmolLM2's BPE merges the header's "\n\n" with the reply; Llama-3's own tokenizer
+has "\n\n" as a single token.)
+"""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from gumiho.ge_data.conversations import normalise, salvage_json_array
+from gumiho.ge_data.templates import tokenize_conversation
+
+GOLDEN = Path(__file__).parent / "golden"
+CHAT = [{"role": "user", "content": "Hi! What is 2+2?"},
+        {"role": "assistant", "content": "2+2 is 4."},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "3+3 is 6. Anything else?"}]
+
+LLAMA3 = ("<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+          "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+          "{% endif %}")
+LLAMA2 = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ '<s>[INST] ' + m['content']"
+          " + ' [/INST]' }}{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + ' </s>'"
+          " }}{% endif %}{% endfor %}")
+FAMILIES = {"chatml": (None, []), "llama3": (LLAMA3, ["<|begin_of_text|>",
+            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
+            "llama2": (LLAMA2, ["<s>", "</s>"]), "vicuna": ("vicuna", ["<s>", "</s>"])}
+STOPS = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "llama2": "</s>", "vicuna": "</s>"}
+
+
+def family_tokenizer(smollm2, family):
+    template, specials = FAMILIES[family]
+    tok = copy.deepcopy(smollm2.tokenizer)
+    if specials:
+        tok.add_special_tokens({"additional_special_tokens": specials})
+    if family in ("llama2", "vicuna"):
+        tok.bos_token, tok.eos_token = "<s>", "</s>"
+    return tok, template
+
+
+def masked_segments(tok, ids, mask):
+    segments, current = [], []
+    for token, m in zip(ids.tolist(), mask.tolist(), strict=True):
+        if m:
+            current.append(token)
+        elif current:
+            segments.append(tok.decode(current))
+            current = []
+    if current:
+        segments.append(tok.decode(current))
+    return segments
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_mask_matches_golden(smollm2, family):
+    tok, template = family_tokenizer(smollm2, family)
+    stop = tok.convert_tokens_to_ids(STOPS[family])
+    ids, mask = tokenize_conversation(tok, CHAT, 4096, frozenset({stop}), template)
+    got = {"text": tok.decode(ids), "masked": masked_segments(tok, ids, mask)}
+    golden = GOLDEN / f"mask_{family}.json"
+    want = json.loads(golden.read_text())
+    assert got == want
+
+
+def test_mask_is_cut_by_max_len(smollm2):
+    ids, mask = tokenize_conversation(smollm2.tokenizer, CHAT, 20,
+                                      smollm2.stop_token_ids)
+    assert ids.shape == mask.shape == (20,)
+
+
+def test_salvage_truncated_array():
+    text = '[{"id": "a", "conversations": []}, {"id": "b"}, {"id": "c", "conv'
+    assert [r["id"] for r in salvage_json_array(text)] == ["a", "b"]
+
+
+def test_normalise_roles_and_alternation():
+    rec = {"conversations": [{"from": "gpt", "value": "orphan"},
+                             {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
+                             {"from": "human", "value": "dangling"}]}
+    assert normalise(rec) == [{"role": "user", "content": "q"},
+                              {"role": "assistant", "content": "a"}]
+    assert normalise({"conversations": [{"from": "gpt", "value": "x"}]}) is None
