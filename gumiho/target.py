@@ -80,6 +80,13 @@ class Target:
         features = out.last_hidden_state[0]  # (K, H)
         return features, self.lm_head(features).float()
 
+    @torch.inference_mode()
+    def features(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Post-norm last hidden states (B, L, H) of whole sequences, no cache."""
+        out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                       use_cache=False)
+        return out.last_hidden_state
+
     def chat_ids(self, messages: list[dict] | str) -> list[int]:
         """Token ids of a chat (a prompt string is one user turn) ready for the reply."""
         if isinstance(messages, str):

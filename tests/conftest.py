@@ -30,3 +30,29 @@ def tiny_target():
 @pytest.fixture(scope="session")
 def smollm2():
     return load_target("smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smollm2):
+    """A local HF model dir: a tiny random Llama with SmolLM2's real tokenizer and template."""
+    path = tmp_path_factory.mktemp("tiny_target")
+    torch.manual_seed(0)
+    vocab = len(smollm2.tokenizer)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, tie_word_embeddings=True,
+                         eos_token_id=smollm2.model.generation_config.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tmp_path_factory, tiny_target_dir):
+    """Stored training data for the tiny target: 12 real ShareGPT conversations."""
+    from gumiho.ge_data import allocation
+
+    out = tmp_path_factory.mktemp("tiny_data")
+    assert allocation.main(["--outdir", str(out), "--target", tiny_target_dir, "--end", "12",
+                            "--shard-size", "6", "--max-len", "96"]) == 0
+    return str(out)

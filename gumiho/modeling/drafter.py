@@ -123,6 +123,40 @@ class DraftModel(nn.Module):
                       position_embeddings=rope)
         return h
 
+    def forward(self, input_ids: Tensor, features: Tensor, valid: Tensor) -> dict[str, Tensor]:
+        """Teacher-forced training pass. input_ids (B, L), features (B, L, H) (noised by the
+        caller), valid (B, L) bool (False on padding).
+
+        Returns out1 (B, L-1, H): serial step 1 on the true pairs (f_t, x_{t+1}), each
+        approximating f_{t+1}; and, for Gumiho, out2 (B, L-2, H): serial step 2 on
+        (out1_t, x_{t+2}) at position t+1, seeing the true pairs 0..t and itself as at
+        inference; mlp (B, L-3, N, H): the heads on (x_{t+2}, out1_t, x_{t+3}, out2_t),
+        head i approximating f_{t+3+i}.
+        """
+        from transformers import DynamicCache
+
+        n = input_ids.shape[1] - 1
+        device = input_ids.device
+        keys = valid[:, 1:]  # pair t is real iff x_{t+1} is
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        mask1 = (causal[None] & keys[:, None, :])[:, None]  # (B, 1, n, n)
+        positions = torch.arange(n, device=device).expand(input_ids.shape[0], -1)
+        cache = DynamicCache() if self.mlp is not None else None
+        out1 = self.serial_step(input_ids[:, 1:], features[:, :-1], positions, mask1, cache)
+        result = {"out1": out1}
+        if self.mlp is None:
+            return result
+        m = n - 1
+        seen = torch.ones(m, n, dtype=torch.bool, device=device).tril()  # true pairs 0..t
+        own = torch.eye(m, dtype=torch.bool, device=device)
+        mask2 = torch.cat([seen[None] & keys[:, None, :], own[None].expand(len(keys), -1, -1)],
+                          -1)[:, None]  # (B, 1, m, n + m)
+        out2 = self.serial_step(input_ids[:, 2:], out1[:, :-1], positions[:, 1:] , mask2, cache)
+        result["out2"] = out2
+        result["mlp"] = self.parallel_heads(input_ids[:, 2:-1], out1[:, :-2],
+                                            input_ids[:, 3:], out2[:, :-1])
+        return result
+
     def parallel_heads(self, d1: Tensor, out1: Tensor, d2: Tensor, out2: Tensor) -> Tensor:
         """All MLP heads at once. d1, d2 (...,) the serial levels' tokens; out1, out2
         (..., H) the serial outputs they were drawn from. Returns (..., N, H): head i

@@ -1,0 +1,82 @@
+"""The on-disk training data: fixed-name shards plus a manifest, written atomically.
+
+A shard `shard_{i:05d}.pt` holds, per conversation, its `id`, `input_ids` [L] (int32),
+`hidden_state` [L, H] (the target's post-norm last-layer features, 16-bit) and `loss_mask`
+[L] (uint8).
+A shard exists only once complete: it is written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from gumiho.errors import GumihoError
+
+MANIFEST = "manifest.json"
+# Settings that must agree between a manifest and a run that resumes it.
+PLAN_KEYS = ("target", "data", "split", "start", "end", "shard_size", "max_len", "template",
+             "regenerate", "dtype")
+
+
+def shard_path(outdir: Path, index: int) -> Path:
+    return outdir / f"shard_{index:05d}.pt"
+
+
+def write_shard(outdir: Path, index: int, samples: list[dict]) -> None:
+    final = shard_path(outdir, index)
+    tmp = final.with_suffix(".pt.tmp")
+    torch.save(samples, tmp)
+    os.replace(tmp, final)
+
+
+def read_shard(path: Path) -> list[dict]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any decode failure means a broken shard
+        raise GumihoError(f"cannot read shard {path} ({type(exc).__name__}): delete it and "
+                          "rerun the same allocation command to regenerate it") from None
+
+
+def read_manifest(outdir: Path) -> dict | None:
+    path = outdir / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_manifest(outdir: Path, manifest: dict) -> None:
+    tmp = outdir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, outdir / MANIFEST)
+
+
+def check_same_plan(old: dict, new: dict, outdir: Path) -> None:
+    for key in PLAN_KEYS:
+        if old.get(key) != new.get(key):
+            raise GumihoError(f"{outdir} holds data made with {key}={old.get(key)!r}, not "
+                              f"{new.get(key)!r}: use another --outdir or the same settings")
+
+
+def missing_shards(outdir: Path, count: int) -> list[int]:
+    for tmp in outdir.glob("shard_*.pt.tmp"):  # half-written by an interrupted run
+        tmp.unlink()
+    return [i for i in range(count) if not shard_path(outdir, i).exists()]
+
+
+def load_samples(data_dir: str | Path) -> tuple[dict, list[dict]]:
+    """The manifest and every sample of a finished data dir."""
+    outdir = Path(data_dir)
+    manifest = read_manifest(outdir)
+    if manifest is None:
+        raise GumihoError(f"{outdir}: no {MANIFEST}; make data with "
+                          "python -m gumiho.ge_data.allocation --outdir DIR")
+    missing = missing_shards(outdir, manifest["num_shards"])
+    if missing:
+        raise GumihoError(f"{outdir}: {len(missing)} shards missing (first: {missing[0]}); "
+                          "rerun the allocation command to finish them")
+    samples = []
+    for i in range(manifest["num_shards"]):
+        samples += read_shard(shard_path(outdir, i))
+    return manifest, samples

@@ -1,0 +1,114 @@
+"""One data-generation worker: `python -m gumiho.ge_data.worker --outdir DIR --shards 0,2`.
+
+Started by `gumiho.ge_data.allocation` (one per GPU group or CPU slot). Reads its settings
+from the manifest, skips finished shards, writes each shard atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from gumiho.errors import GumihoError
+from gumiho.ge_data.conversations import load_conversations, split
+from gumiho.ge_data.shards import read_manifest, shard_path, write_shard
+from gumiho.ge_data.templates import render, tokenize_conversation
+from gumiho.target import Target, choose_device_dtype, load_target
+
+STORE_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def planned_conversations(manifest: dict) -> list[dict]:
+    """The conversations the manifest's range covers, in order."""
+    train, held_out = split(load_conversations(manifest["data"]))
+    chosen = held_out if manifest["split"] == "held_out" else train
+    return chosen[manifest["start"] : manifest["end"]]
+
+
+@torch.inference_mode()
+def regenerate(target: Target, conversations: list[dict], template: str | None,
+               max_new_tokens: int, max_len: int, batch_size: int = 8) -> list[dict]:
+    """Replace each conversation's first assistant turn with the target's own greedy reply
+    (self-distillation) and drop later turns. Prompts that leave no room for a reply within
+    max_len are skipped before generating; batches group similar lengths (less padding)."""
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(target.stop_token_ids)
+    prompts = [render(tok, c["messages"][: first_user(c) + 1], True, template)
+               for c in conversations]
+    keep = sorted((i for i, p in enumerate(prompts) if len(p) <= max_len - 32),
+                  key=lambda i: len(prompts[i]))
+    out = []
+    for start in range(0, len(keep), batch_size):
+        rows = keep[start : start + batch_size]
+        batch = [conversations[i] for i in rows]
+        prompts_now = [prompts[i] for i in rows]
+        width = max(map(len, prompts_now))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts_now])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts_now])
+        gen = target.model.generate(ids.to(target.device), attention_mask=mask.to(target.device),
+                                    max_new_tokens=max_new_tokens, do_sample=False,
+                                    eos_token_id=sorted(target.stop_token_ids), pad_token_id=pad)
+        for conv, row in zip(batch, gen[:, width:].tolist(), strict=True):
+            reply = tok.decode(row, skip_special_tokens=True).strip()
+            history = conv["messages"][: first_user(conv) + 1]
+            out.append({**conv, "messages": history + [{"role": "assistant", "content": reply}]})
+    return out
+
+
+def first_user(conversation: dict) -> int:
+    return next(i for i, m in enumerate(conversation["messages"]) if m["role"] == "user")
+
+
+def make_samples(target: Target, conversations: list[dict], manifest: dict) -> list[dict]:
+    if manifest["regenerate"]:
+        conversations = regenerate(target, conversations, manifest["template"],
+                                   manifest["regen_max_tokens"], manifest["max_len"])
+    dtype = STORE_DTYPE[manifest["dtype"]]
+    samples = []
+    for conv in conversations:
+        ids, mask = tokenize_conversation(target.tokenizer, conv["messages"],
+                                          manifest["max_len"], target.stop_token_ids,
+                                          manifest["template"])
+        if int(mask.sum()) == 0:
+            continue  # nothing to learn from (the reply was cut by max_len)
+        hidden = target.features(ids[None].to(target.device))[0]
+        samples.append({"id": conv["id"], "input_ids": ids.to(torch.int32),
+                        "hidden_state": hidden.to(dtype).cpu(), "loss_mask": mask.to(torch.uint8)})
+    return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gumiho.ge_data.worker")
+    parser.add_argument("--outdir", required=True)
+    parser.add_argument("--shards", required=True, help="comma-separated shard indices")
+    parser.add_argument("--rank", type=int, default=0, help="progress-bar row")
+    args = parser.parse_args(argv)
+    outdir = Path(args.outdir)
+    try:
+        manifest = read_manifest(outdir)
+        if manifest is None:
+            raise GumihoError(f"{outdir}: no manifest (start with gumiho.ge_data.allocation)")
+        device, _ = choose_device_dtype(None, None)
+        target = load_target(manifest["target"], device=str(device),
+                             dtype=manifest.get("target_dtype"))
+        conversations = planned_conversations(manifest)
+        size = manifest["shard_size"]
+        shards = [int(s) for s in args.shards.split(",") if s]
+        for index in tqdm(shards, desc=f"worker {args.rank}", position=args.rank,
+                          unit="shard"):
+            if shard_path(outdir, index).exists():
+                continue
+            chunk = conversations[index * size : (index + 1) * size]
+            write_shard(outdir, index, make_samples(target, chunk, manifest))
+    except GumihoError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
