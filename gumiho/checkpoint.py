@@ -24,6 +24,10 @@ from gumiho.modeling import build_draft_model
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MLP_KEY = re.compile(r"^mlp\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
 MEDUSA_KEY = re.compile(r"^medusa_head\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
+# The original Medusa layout: head i's own vocab projection after its R residual blocks.
+MEDUSA_LM_KEY = re.compile(r"^medusa_head\.(\d+)\.(\d+)\.weight$")
+# Unused by every drafter here (layer 0 has no input norm), present in some EAGLE files.
+IGNORED_KEYS = ("layers.0.input_layernorm.weight",)
 
 
 def to_official(model: nn.Module) -> dict[str, Tensor]:
@@ -36,7 +40,7 @@ def to_official(model: nn.Module) -> dict[str, Tensor]:
                 out[f"medusa_head.{i}.{j}.linear.weight"] = model.w[i, j]
                 out[f"medusa_head.{i}.{j}.linear.bias"] = model.b[i, j]
             if model.lm_heads is not None:
-                out[f"medusa_head.{i}.lm_head.weight"] = model.lm_heads[i]
+                out[f"medusa_head.{i}.{model.w.shape[1]}.weight"] = model.lm_heads[i]
         return out
     for name in ("mlp.w_in", "mlp.b_in", "mlp.w_res", "mlp.b_res"):
         state.pop(name, None)
@@ -57,10 +61,13 @@ def from_official(state: dict[str, Tensor], config: DrafterConfig) -> dict[str, 
     pattern = MEDUSA_KEY if config.method == "medusa" else MLP_KEY
     for key, value in state.items():
         match = pattern.match(key)
+        lm = MEDUSA_LM_KEY.match(key) if config.method == "medusa" else None
         if match:
             mlp[(int(match[1]), int(match[2]), match[3])] = value
-        elif config.method == "medusa" and key.endswith(".lm_head.weight"):
-            mlp[(int(key.split(".")[1]), "lm_head", "weight")] = value
+        elif lm:
+            mlp[(int(lm[1]), "lm_head", "weight")] = value
+        elif key in IGNORED_KEYS:
+            continue
         else:
             out[key] = value
     if not mlp:
@@ -152,6 +159,8 @@ def infer_config(state: dict[str, Tensor], target_config, method: str | None,
     if heads:
         overrides["num_mlp_heads"] = len(heads)
         overrides["num_mlp_layers"] = len(blocks) - (0 if method == "medusa" else 1)
+    if method == "medusa":
+        overrides["medusa_own_lm_head"] = any(MEDUSA_LM_KEY.match(k) for k in state)
     return DrafterConfig.for_target(target_config, method, **overrides)
 
 

@@ -7,6 +7,12 @@ import sys
 
 SUBCOMMANDS = {
     "generate": "gumiho.generate",
+    "demo": "gumiho.demo",
+    "timing": "gumiho.evaluation.timing",
+    "gen-answers": "gumiho.evaluation.gen_answers",
+    "speed": "gumiho.evaluation.speed",
+    "allocation": "gumiho.ge_data.allocation",
+    "train": "gumiho.train",
 }
 
 

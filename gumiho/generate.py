@@ -35,10 +35,11 @@ class SpeculativeGenerator:
 
     @classmethod
     def load(cls, target: str = "smollm2", method: str = "ar", draft: str | None = None,
-             device: str | None = None, dtype: str | None = None, **tree_options):
+             device: str | None = None, dtype: str | None = None,
+             chat_template: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
         fta); unset ones take the method's reference defaults."""
-        loaded = load_target(target, device=device, dtype=dtype)
+        loaded = load_target(target, device=device, dtype=dtype, chat_template=chat_template)
         tree = TreeConfig.for_method(method, **tree_options)
         return cls(loaded, load_drafter(method, loaded, draft, tree=tree))
 
@@ -83,6 +84,8 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: auto)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 "
                         "(default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--chat-template", default=None,
+                        help="for tokenizers without one: 'vicuna' or a Jinja template")
 
 
 def add_tree_args(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
                                         device=args.device, dtype=args.dtype,
+                                        chat_template=args.chat_template,
                                         **tree_options(args))
         pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed)
         for piece in pieces:

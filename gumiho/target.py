@@ -193,8 +193,9 @@ def resolve_target_path(name_or_path: str) -> Path:
 
 
 def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
-                dtype: str | None = None) -> Target:
-    """Load a frozen target model and tokenizer from a local dir or the `smollm2` alias."""
+                dtype: str | None = None, chat_template: str | None = None) -> Target:
+    """Load a frozen target model and tokenizer from a local dir or the `smollm2` alias.
+    chat_template: 'vicuna' or a Jinja string, for tokenizers without their own."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -210,6 +211,10 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
         raise GumihoError(
             f"target {name_or_path!r} is not a supported causal LM: {first}") from None
     tokenizer = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
+    if chat_template:
+        from gumiho.ge_data.templates import TEMPLATES
+
+        tokenizer.chat_template = TEMPLATES.get(chat_template, chat_template)
     return wrap_target(model.to(dev).eval(), tokenizer, name=name_or_path)
 
 

@@ -1,0 +1,168 @@
+"""Speed report from answer files: `python -m gumiho.evaluation.speed --answers F ... --out R`.
+
+Per benchmark and method (same engine, same questions, same token counting):
+tokens/s, speedup over plain decoding (`ar`) on the questions both answered, tau =
+new tokens / cycles (the prefill counts as a cycle), tau_official = new tokens /
+(cycles - 1) as the released scripts compute it, and per-position acceptance over verify
+cycles: unconditional a_i (fraction of cycles that accept at least i drafts, vLLM's
+figure) and conditional a_i / a_{i-1}. Writes R.md, R.json and R.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from gumiho.errors import GumihoError
+from gumiho.evaluation.benchmarks import BENCHMARKS
+
+MAX_POSITIONS = 8
+
+
+def method_label(settings: dict) -> str:
+    fta = (settings.get("tree") or {}).get("fta", "exact")
+    if settings["method"] == "gumiho" and fta != "exact":
+        return f"gumiho (fta {fta})"
+    return settings["method"]
+
+
+def read_answers(paths: list[str]) -> dict[tuple, dict]:
+    """{(label, bench, temperature): {question_id: record}}."""
+    groups: dict[tuple, dict] = defaultdict(dict)
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            s = rec["settings"]
+            groups[(method_label(s), s["bench"], s["temperature"])][rec["question_id"]] = rec
+    if not groups:
+        raise GumihoError("no answers in the given files")
+    return groups
+
+
+def stats(records: list[dict]) -> dict:
+    """Totals and acceptance over all turns of the given question records."""
+    tokens = cycles = 0
+    wall = 0.0
+    drafts_per_cycle: list[int] = []
+    for rec in records:
+        for turn in rec["turns"]:
+            tokens += turn["new_tokens"]
+            cycles += turn["cycles"]
+            wall += turn["wall_s"]
+            drafts_per_cycle += [n - 1 for n in turn["accept_lengths"][1:]]
+    verify = max(len(drafts_per_cycle), 1)
+    reach = [sum(d >= i for d in drafts_per_cycle) / verify for i in range(1, MAX_POSITIONS)]
+    conditional = [r / prev if prev else 0.0 for prev, r in zip([1.0] + reach, reach,
+                                                                strict=False)]
+    return {"questions": len(records), "new_tokens": tokens, "cycles": cycles, "wall_s": wall,
+            "tokens_per_s": tokens / wall if wall else 0.0, "tau": tokens / max(cycles, 1),
+            "tau_official": tokens / max(cycles - sum(len(r["turns"]) for r in records), 1),
+            "acceptance": reach, "acceptance_conditional": conditional}
+
+
+def report(groups: dict[tuple, dict], baseline: str = "ar") -> dict:
+    """{temperature: {bench: {label: stats + speedup}}, with a "mean" bench}."""
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for (label, bench, temp), answers in groups.items():
+        base = groups.get((baseline, bench, temp), {})
+        shared = sorted(set(answers) & set(base), key=str) or sorted(answers, key=str)
+        row = stats([answers[q] for q in shared])
+        if base:
+            base_row = stats([base[q] for q in shared])
+            row["speedup"] = row["tokens_per_s"] / base_row["tokens_per_s"]
+        out[temp][bench][label] = row
+    for benches in out.values():
+        labels = {label for rows in benches.values() for label in rows}
+        mean = {}
+        for label in labels:
+            rows = [rows[label] for rows in benches.values() if label in rows]
+            mean[label] = {k: sum(r[k] for r in rows) / len(rows)
+                           for k in ("tokens_per_s", "tau", "tau_official", "speedup")
+                           if all(k in r for r in rows)}
+            mean[label]["acceptance"] = [sum(v) / len(rows) for v in
+                                         zip(*(r["acceptance"] for r in rows), strict=True)]
+        benches["mean"] = mean
+    return json.loads(json.dumps(out))
+
+
+def markdown(rep: dict, env: dict) -> str:
+    lines = [f"Device: {env.get('device_name', '?')} ({env.get('device', '?')}), dtype "
+             f"{env.get('dtype', '?')}, torch {env.get('torch', '?')}, transformers "
+             f"{env.get('transformers', '?')}, commit {env.get('git_commit', '?')[:10]}.", ""]
+    for temp, benches in rep.items():
+        lines += [f"### T = {temp}", "",
+                  "| benchmark | method | tokens/s | speedup | tau | tau (official formula) | "
+                  "acceptance a1..a7 (unconditional) |", "|---|---|---|---|---|---|---|"]
+        order = [b for b in BENCHMARKS if b in benches] + ["mean"]
+        for bench in order:
+            for label, row in sorted(benches[bench].items()):
+                acc = " ".join(f"{a:.2f}" for a in row.get("acceptance", []))
+                speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
+                name = BENCHMARKS.get(bench, "**mean**")
+                lines.append(f"| {name} | {label} | {row['tokens_per_s']:.1f} | {speedup} | "
+                             f"{row['tau']:.2f} | {row['tau_official']:.2f} | {acc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rep: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    temps = list(rep)
+    fig, axes = plt.subplots(len(temps), 2, figsize=(11, 4 * len(temps)), squeeze=False)
+    for ax_row, temp in zip(axes, temps, strict=True):
+        mean = rep[temp]["mean"]
+        labels = sorted(mean)
+        ax_row[0].bar(labels, [mean[k]["tau"] for k in labels], color="tab:blue")
+        ax_row[0].set_title(f"mean tau over benchmarks (T = {temp})")
+        ax_row[0].tick_params(axis="x", rotation=20)
+        for label in labels:
+            acc = mean[label]["acceptance"]
+            ax_row[1].plot(range(1, len(acc) + 1), acc, marker="o", label=label)
+        ax_row[1].set_title("per-position acceptance (unconditional)")
+        ax_row[1].set_xlabel("draft position")
+        ax_row[1].set_ylim(0, 1)
+        ax_row[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gumiho.evaluation.speed",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--answers", nargs="+", required=True, help="answer JSONL files")
+    p.add_argument("--out", required=True, help="output path without extension")
+    p.add_argument("--baseline", default="ar")
+    args = p.parse_args(argv)
+    try:
+        groups = read_answers(args.answers)
+    except (GumihoError, OSError, json.JSONDecodeError, KeyError) as exc:
+        print(f"error: cannot read answers: {exc}", file=sys.stderr)
+        return 2
+    rep = report(groups, args.baseline)
+    first = next(iter(next(iter(groups.values())).values()))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = markdown(rep, first.get("env", {}))
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({"env": first.get("env", {}),
+                                                    "results": rep}, indent=2))
+    drew = plot(rep, out.with_suffix(".png"))
+    print(text)
+    if not drew:
+        print("(matplotlib not installed: no plot)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+# Shared by the eval_*.sh scripts: run every method on every benchmark, then the report.
+# Expects: TARGET, OUT, TEMPS, QEND, MAXNEW, and per method a draft path (empty = skip):
+# GUMIHO_DRAFT, EAGLE_DRAFT, MEDUSA_DRAFT; extra flags: GUMIHO_ARGS, EAGLE_ARGS,
+# MEDUSA_ARGS, COMMON_ARGS.
+BENCHES=${BENCHES:-"mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like"}
+
+answer() {  # method draft temperature bench extra-args...
+  local method=$1 draft=$2 temp=$3 bench=$4; shift 4
+  local draft_args=()
+  [[ -n "$draft" ]] && draft_args=(--draft "$draft")
+  python3 -m gumiho.evaluation.gen_answers --target "$TARGET" --method "$method" \
+    "${draft_args[@]}" --bench "$bench" --temperature "$temp" --question-end "$QEND" \
+    --max-new-tokens "$MAXNEW" --answer-file "$OUT/T$temp/${bench}_${method}.jsonl" \
+    ${COMMON_ARGS:-} "$@"
+}
+
+run_all() {
+  for temp in $TEMPS; do
+    for bench in $BENCHES; do
+      answer ar "" "$temp" "$bench"
+      [[ -n "${GUMIHO_DRAFT:-}" ]] && answer gumiho "$GUMIHO_DRAFT" "$temp" "$bench" ${GUMIHO_ARGS:-}
+      [[ -n "${EAGLE_DRAFT:-}" ]] && answer eagle2 "$EAGLE_DRAFT" "$temp" "$bench" ${EAGLE_ARGS:-}
+      [[ -n "${MEDUSA_DRAFT:-}" ]] && answer medusa "$MEDUSA_DRAFT" "$temp" "$bench" ${MEDUSA_ARGS:-}
+    done
+  done
+  python3 -m gumiho.evaluation.speed --answers "$OUT"/T*/*.jsonl --out "$OUT/report"
+}
+
+need_dir() {  # variable-name description
+  local value=${!1:-}
+  if [[ -z "$value" || ! -d "$value" ]]; then
+    echo "error: set $1 to a local $2 directory (got '${value}')" >&2
+    exit 2
+  fi
+}
+
+need_gpu() {
+  if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "error: $1 needs a GPU (CUDA or ROCm); none is visible here" >&2
+    exit 2
+  fi
+}

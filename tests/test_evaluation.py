@@ -1,0 +1,83 @@
+"""Benchmarks are well-formed; the report's arithmetic is right on hand-made answers; a
+small end-to-end evaluation on SmolLM2 produces a complete report."""
+
+import json
+
+import pytest
+
+from gumiho.evaluation import gen_answers, speed
+from gumiho.evaluation.benchmarks import BENCHMARKS, load_questions
+
+
+@pytest.mark.parametrize("bench", BENCHMARKS)
+def test_each_benchmark_has_80_well_formed_questions(bench):
+    questions = load_questions(bench)
+    assert len(questions) == 80
+    assert len({q["question_id"] for q in questions}) == 80
+    for q in questions:
+        assert q["turns"] and all(isinstance(t, str) and t.strip() for t in q["turns"])
+    assert all(len(q["turns"]) == (2 if bench == "mt_bench" else 1) for q in questions)
+
+
+def record(qid, method, tokens, cycles, wall, accept, bench="mt_bench"):
+    return {"question_id": qid, "settings": {"method": method, "bench": bench,
+                                             "temperature": 0.0, "tree": None},
+            "turns": [{"new_tokens": tokens, "cycles": cycles, "wall_s": wall,
+                       "accept_lengths": accept}], "env": {"device": "cpu"}}
+
+
+def test_report_arithmetic(tmp_path):
+    ar = [record(1, "ar", 10, 10, 2.0, [1] * 10), record(2, "ar", 6, 6, 1.0, [1] * 6)]
+    # gumiho: q1 = prefill + cycles accepting 4, 2, 3 tokens (3, 1, 2 drafts)
+    gm = [record(1, "gumiho", 10, 4, 1.0, [1, 4, 2, 3]),
+          record(2, "gumiho", 6, 3, 0.5, [1, 1, 4])]
+    files = []
+    for name, recs in (("ar", ar), ("gm", gm)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        files.append(str(path))
+    rep = speed.report(speed.read_answers(files))
+    row = rep["0.0"]["mt_bench"]["gumiho"]
+    assert row["tau"] == pytest.approx(16 / 7)
+    assert row["tau_official"] == pytest.approx(16 / 5)
+    assert row["tokens_per_s"] == pytest.approx(16 / 1.5)
+    assert row["speedup"] == pytest.approx((16 / 1.5) / (16 / 3.0))
+    # verify cycles accept 3, 1, 2, 0, 3 drafts
+    assert row["acceptance"][:4] == pytest.approx([4 / 5, 3 / 5, 2 / 5, 0])
+    assert row["acceptance_conditional"][:3] == pytest.approx([4 / 5, 3 / 4, 2 / 3])
+    assert rep["0.0"]["mt_bench"]["ar"]["tau"] == 1.0
+    assert rep["0.0"]["mean"]["gumiho"]["speedup"] == pytest.approx(2.0)
+    assert speed.main(["--answers", *files, "--out", str(tmp_path / "r")]) == 0
+    assert "| MT-Bench | gumiho |" in (tmp_path / "r.md").read_text()
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_answer_file_resume_drops_half_line(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"question_id": 81}) + "\n" + '{"question_id": 82, "tu')
+    assert gen_answers.answered(path) == {81}
+    assert path.read_text().count("\n") == 1
+
+
+def test_small_end_to_end_evaluation(smollm2, tmp_path):
+    files = []
+    for method, extra in (("ar", []), ("gumiho", ["--draft", "random", "--total-tokens",
+                                                  "16"])):
+        for bench in ("mt_bench", "gsm8k_like"):
+            out = tmp_path / f"{bench}_{method}.jsonl"
+            args = ["--method", method, "--bench", bench, "--question-end", "1",
+                    "--max-new-tokens", "12", "--answer-file", str(out), *extra]
+            assert gen_answers.main(args) == 0
+            assert gen_answers.main(args) == 0  # resumes: nothing left to do
+            lines = out.read_text().splitlines()
+            assert len(lines) == 1
+            rec = json.loads(lines[0])
+            assert rec["env"]["git_commit"] and rec["settings"]["method"] == method
+            files.append(str(out))
+    assert speed.main(["--answers", *files, "--out", str(tmp_path / "report")]) == 0
+    rep = json.loads((tmp_path / "report.json").read_text())["results"]["0.0"]
+    assert set(rep) == {"mt_bench", "gsm8k_like", "mean"}
+    assert rep["mt_bench"]["gumiho"]["speedup"] > 0
+    # MT-Bench: two turns, the second after the model's own first answer
+    mt = json.loads((tmp_path / "mt_bench_ar.jsonl").read_text())
+    assert len(mt["turns"]) == 2
