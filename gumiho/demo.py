@@ -12,7 +12,7 @@ from pathlib import Path
 from gumiho.config import TreeConfig
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, run
-from gumiho.errors import GumihoError
+from gumiho.errors import GumihoError, cli_errors
 from gumiho.generate import SpeculativeGenerator
 from gumiho.target import load_target
 
@@ -29,6 +29,7 @@ def shipped_drafter(method: str = "gumiho") -> Path:
     return path
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gumiho demo", description=__doc__.split("\n")[0])
     p.add_argument("--prompt", default=PROMPT)
@@ -40,25 +41,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="gumiho: %(message)s")
-    try:
-        target = load_target("smollm2", device=args.device)
-        width = args.total_tokens or (CPU_TREE_TOKENS if target.device.type == "cpu" else None)
-        tree = TreeConfig.for_method(args.method, total_tokens=width)
-        drafter = load_drafter(args.method, target, str(shipped_drafter(args.method)), tree=tree)
-        gen = SpeculativeGenerator(target, drafter)
-        ids = gen.prompt_ids(args.prompt)
-        config = GenerateConfig(max_new_tokens=args.max_new_tokens)
-        run(target, drafter, ids, GenerateConfig(max_new_tokens=8))  # warm-up, untimed
-        print(f"> {args.prompt}\n")
-        for piece in gen.stream(ids, args.max_new_tokens):
-            print(piece, end="", flush=True)
-        fast = gen.last_result
-        print("\n\n(decoding the same prompt plainly for comparison ...)", flush=True)
-        run(target, PlainDrafter(), ids, GenerateConfig(max_new_tokens=8))
-        plain = run(target, PlainDrafter(), ids, config)
-    except GumihoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    target = load_target("smollm2", device=args.device)
+    width = args.total_tokens or (CPU_TREE_TOKENS if target.device.type == "cpu" else None)
+    tree = TreeConfig.for_method(args.method, total_tokens=width)
+    drafter = load_drafter(args.method, target, str(shipped_drafter(args.method)), tree=tree)
+    gen = SpeculativeGenerator(target, drafter)
+    ids = gen.prompt_ids(args.prompt)
+    config = GenerateConfig(max_new_tokens=args.max_new_tokens)
+    run(target, drafter, ids, GenerateConfig(max_new_tokens=8))  # warm-up, untimed
+    print(f"> {args.prompt}\n")
+    for piece in gen.stream(ids, args.max_new_tokens):
+        print(piece, end="", flush=True)
+    fast = gen.last_result
+    print("\n\n(decoding the same prompt plainly for comparison ...)", flush=True)
+    run(target, PlainDrafter(), ids, GenerateConfig(max_new_tokens=8))
+    plain = run(target, PlainDrafter(), ids, config)
     same = "identical" if plain.token_ids == fast.token_ids else "DIFFERENT (a bug!)"
     print(f"\n{args.method} ({tree.total_tokens}-token tree, fta {tree.fta}) on "
           f"{target.device}: {fast.new_tokens} tokens, tau {fast.tau:.2f}, "

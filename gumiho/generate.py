@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from gumiho.config import FTA_MODES, METHODS, TreeConfig
 from gumiho.drafters import Drafter, load_drafter
 from gumiho.engine import GenerateConfig, GenerationResult, generate
-from gumiho.errors import GumihoError
+from gumiho.errors import cli_errors
 from gumiho.target import Target, load_target
 
 Prompt = str | list[dict] | list[int]
@@ -123,21 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)
-    try:
-        gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
-                                        device=args.device, dtype=args.dtype,
-                                        chat_template=args.chat_template,
-                                        **tree_options(args))
-        pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed)
-        for piece in pieces:
-            if not args.json:
-                print(piece, end="", flush=True)
-    except GumihoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
+                                    device=args.device, dtype=args.dtype,
+                                    chat_template=args.chat_template,
+                                    **tree_options(args))
+    pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed)
+    for piece in pieces:
+        if not args.json:
+            print(piece, end="", flush=True)
     result = gen.last_result
     if args.json:
         print(json.dumps(result.to_json()))

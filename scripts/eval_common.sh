@@ -40,3 +40,16 @@ need_gpu() {
     exit 2
   fi
 }
+
+run_real_model() {  # name [extra COMMON_ARGS]: the paper's run of one model family on a GPU
+  local name=$1 extra=${2:-}
+  need_dir TARGET "Hugging Face target model"
+  need_dir GUMIHO_DRAFT "Gumiho drafter checkpoint"
+  [[ -n "${EAGLE_DRAFT:-}" ]] && need_dir EAGLE_DRAFT "EAGLE-2 drafter checkpoint"
+  [[ -n "${MEDUSA_DRAFT:-}" ]] && need_dir MEDUSA_DRAFT "Medusa checkpoint"
+  need_gpu "scripts/eval_$name.sh"
+  OUT=${OUT:-runs/eval_$name}; TEMPS=${TEMPS:-"0 1"}; QEND=${QEND:-80}; MAXNEW=${MAXNEW:-1024}
+  COMMON_ARGS=${COMMON_ARGS:-"--device cuda $extra"}
+  run_all
+  echo "report: $OUT/report.md"
+}

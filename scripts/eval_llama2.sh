@@ -7,12 +7,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/eval_common.sh
-need_dir TARGET "Hugging Face target model"
-need_dir GUMIHO_DRAFT "Gumiho drafter checkpoint"
-[[ -n "${EAGLE_DRAFT:-}" ]] && need_dir EAGLE_DRAFT "EAGLE-2 drafter checkpoint"
-[[ -n "${MEDUSA_DRAFT:-}" ]] && need_dir MEDUSA_DRAFT "Medusa checkpoint"
-need_gpu "scripts/eval_llama2.sh"
-OUT=${OUT:-runs/eval_llama2}; TEMPS=${TEMPS:-"0 1"}; QEND=${QEND:-80}; MAXNEW=${MAXNEW:-1024}
-COMMON_ARGS=${COMMON_ARGS:-"--device cuda"}
-run_all
-echo "report: $OUT/report.md"
+run_real_model llama2

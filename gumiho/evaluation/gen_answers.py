@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from gumiho.config import METHODS, TreeConfig
-from gumiho.errors import GumihoError
+from gumiho.errors import cli_errors
 from gumiho.evaluation.benchmarks import BENCHMARKS, load_questions
 from gumiho.generate import SpeculativeGenerator, add_target_args, add_tree_args, tree_options
 
@@ -90,35 +90,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
-                                        device=args.device, dtype=args.dtype,
-                                        chat_template=args.chat_template,
-                                        **tree_options(args))
-        questions = load_questions(args.bench)[args.question_begin : args.question_end]
-        path = Path(args.answer_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        done = answered(path)
-        todo = [q for q in questions if q["question_id"] not in done]
-        for _ in range(args.warmup if todo else 0):
-            gen.generate(todo[0]["turns"][0], min(32, args.max_new_tokens))
-        tree = TreeConfig.for_method(args.method, **tree_options(args))
-        settings = {"target": args.target, "method": args.method, "draft": args.draft,
-                    "bench": args.bench, "temperature": args.temperature,
-                    "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                    "tree": vars(tree) if args.method != "ar" else None}
-        env = environment(gen)
-        with path.open("a") as f:
-            for q in tqdm(todo, desc=f"{args.method} {args.bench}", unit="q"):
-                turns = answer(gen, q, args.max_new_tokens, args.temperature, args.seed)
-                f.write(json.dumps({"question_id": q["question_id"], "turns": turns,
-                                    "settings": settings, "env": env}) + "\n")
-                f.flush()
-    except GumihoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
+                                    device=args.device, dtype=args.dtype,
+                                    chat_template=args.chat_template,
+                                    **tree_options(args))
+    questions = load_questions(args.bench)[args.question_begin : args.question_end]
+    path = Path(args.answer_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = answered(path)
+    todo = [q for q in questions if q["question_id"] not in done]
+    for _ in range(args.warmup if todo else 0):
+        gen.generate(todo[0]["turns"][0], min(32, args.max_new_tokens))
+    tree = TreeConfig.for_method(args.method, **tree_options(args))
+    settings = {"target": args.target, "method": args.method, "draft": args.draft,
+                "bench": args.bench, "temperature": args.temperature,
+                "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+                "tree": vars(tree) if args.method != "ar" else None}
+    env = environment(gen)
+    with path.open("a") as f:
+        for q in tqdm(todo, desc=f"{args.method} {args.bench}", unit="q"):
+            turns = answer(gen, q, args.max_new_tokens, args.temperature, args.seed)
+            f.write(json.dumps({"question_id": q["question_id"], "turns": turns,
+                                "settings": settings, "env": env}) + "\n")
+            f.flush()
     return 0
 
 

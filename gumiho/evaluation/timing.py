@@ -20,7 +20,7 @@ import torch
 
 from gumiho.drafters import load_drafter
 from gumiho.engine import prefill, verify_tree
-from gumiho.errors import GumihoError
+from gumiho.errors import cli_errors
 from gumiho.generate import add_target_args
 from gumiho.kv_cache import KVCache
 from gumiho.target import Target, load_target
@@ -78,6 +78,7 @@ def draft_cycle_seconds(target: Target, method: str, context: int, repeats: int,
     return timed(cycle, device, repeats)
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gumiho.evaluation.timing",
                                      description=__doc__.split("\n")[0])
@@ -89,21 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    try:
-        target = load_target(args.target, device=args.device, dtype=args.dtype)
-        widths = [int(w) for w in args.widths.split(",") if w]
-        report = {"target": args.target, "device": str(target.device),
-                  "dtype": str(target.dtype), "context": args.context,
-                  "torch": torch.__version__, "verify_s": {}, "draft_s": {}}
-        for width in widths:
-            report["verify_s"][width] = verify_step_seconds(target, width, args.context,
-                                                            args.repeats)
-        for method in filter(None, args.methods.split(",")):
-            report["draft_s"][method] = draft_cycle_seconds(target, method, args.context,
-                                                            args.repeats)
-    except GumihoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    widths = [int(w) for w in args.widths.split(",") if w]
+    report = {"target": args.target, "device": str(target.device),
+              "dtype": str(target.dtype), "context": args.context,
+              "torch": torch.__version__, "verify_s": {}, "draft_s": {}}
+    for width in widths:
+        report["verify_s"][width] = verify_step_seconds(target, width, args.context,
+                                                        args.repeats)
+    for method in filter(None, args.methods.split(",")):
+        report["draft_s"][method] = draft_cycle_seconds(target, method, args.context,
+                                                        args.repeats)
     if args.json:
         print(json.dumps(report))
         return 0

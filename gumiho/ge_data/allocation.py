@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from gumiho.errors import GumihoError
+from gumiho.errors import GumihoError, cli_errors
 from gumiho.ge_data.shards import (
     check_same_plan,
     missing_shards,
@@ -101,31 +101,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     outdir = Path(args.outdir)
-    try:
-        manifest = plan(args)
-        old = read_manifest(outdir)
-        if old is not None:
-            check_same_plan(old, manifest, outdir)
-            manifest = old
-        outdir.mkdir(parents=True, exist_ok=True)
-        write_manifest(outdir, manifest)
-        todo = missing_shards(outdir, manifest["num_shards"])
-        print(f"{manifest['end'] - manifest['start']} conversations in "
-              f"{manifest['num_shards']} shards ({len(todo)} to make); needs about "
-              f"{manifest['estimated_bytes'] / 2**30:.2f} GiB in {outdir}", flush=True)
-        if args.gpus:
-            slots = [{"CUDA_VISIBLE_DEVICES": g} for g in args.gpus]
-        else:
-            threads = str(max(1, (os.cpu_count() or 1) // args.workers))
-            slots = [{"OMP_NUM_THREADS": threads, "CUDA_VISIBLE_DEVICES": ""}] * args.workers
-        start = time.perf_counter()
-        launch(outdir, todo, slots)
-    except GumihoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    manifest = plan(args)
+    old = read_manifest(outdir)
+    if old is not None:
+        check_same_plan(old, manifest, outdir)
+        manifest = old
+    outdir.mkdir(parents=True, exist_ok=True)
+    write_manifest(outdir, manifest)
+    todo = missing_shards(outdir, manifest["num_shards"])
+    print(f"{manifest['end'] - manifest['start']} conversations in "
+          f"{manifest['num_shards']} shards ({len(todo)} to make); needs about "
+          f"{manifest['estimated_bytes'] / 2**30:.2f} GiB in {outdir}", flush=True)
+    if args.gpus:
+        slots = [{"CUDA_VISIBLE_DEVICES": g} for g in args.gpus]
+    else:
+        threads = str(max(1, (os.cpu_count() or 1) // args.workers))
+        slots = [{"OMP_NUM_THREADS": threads, "CUDA_VISIBLE_DEVICES": ""}] * args.workers
+    start = time.perf_counter()
+    launch(outdir, todo, slots)
     print(f"done in {time.perf_counter() - start:.0f} s: {outdir}")
     return 0
 

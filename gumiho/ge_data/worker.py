@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gumiho.errors import GumihoError
+from gumiho.errors import GumihoError, cli_errors
 from gumiho.ge_data.conversations import load_conversations, split
 from gumiho.ge_data.shards import read_manifest, shard_path, write_shard
 from gumiho.ge_data.templates import render, tokenize_conversation
@@ -81,6 +81,7 @@ def make_samples(target: Target, conversations: list[dict], manifest: dict) -> l
     return samples
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gumiho.ge_data.worker")
     parser.add_argument("--outdir", required=True)
@@ -88,25 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=0, help="progress-bar row")
     args = parser.parse_args(argv)
     outdir = Path(args.outdir)
-    try:
-        manifest = read_manifest(outdir)
-        if manifest is None:
-            raise GumihoError(f"{outdir}: no manifest (start with gumiho.ge_data.allocation)")
-        device, _ = choose_device_dtype(None, None)
-        target = load_target(manifest["target"], device=str(device),
-                             dtype=manifest.get("target_dtype"))
-        conversations = planned_conversations(manifest)
-        size = manifest["shard_size"]
-        shards = [int(s) for s in args.shards.split(",") if s]
-        for index in tqdm(shards, desc=f"worker {args.rank}", position=args.rank,
-                          unit="shard"):
-            if shard_path(outdir, index).exists():
-                continue
-            chunk = conversations[index * size : (index + 1) * size]
-            write_shard(outdir, index, make_samples(target, chunk, manifest))
-    except GumihoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    manifest = read_manifest(outdir)
+    if manifest is None:
+        raise GumihoError(f"{outdir}: no manifest (start with gumiho.ge_data.allocation)")
+    device, _ = choose_device_dtype(None, None)
+    target = load_target(manifest["target"], device=str(device),
+                         dtype=manifest.get("target_dtype"))
+    conversations = planned_conversations(manifest)
+    size = manifest["shard_size"]
+    shards = [int(s) for s in args.shards.split(",") if s]
+    for index in tqdm(shards, desc=f"worker {args.rank}", position=args.rank,
+                      unit="shard"):
+        if shard_path(outdir, index).exists():
+            continue
+        chunk = conversations[index * size : (index + 1) * size]
+        write_shard(outdir, index, make_samples(target, chunk, manifest))
     return 0
 
 

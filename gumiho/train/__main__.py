@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from gumiho.checkpoint import save_drafter
 from gumiho.config import DrafterConfig
-from gumiho.errors import GumihoError
+from gumiho.errors import GumihoError, cli_errors
 from gumiho.modeling import build_draft_model
 from gumiho.target import load_target
 from gumiho.train.dataset import add_noise, collate, online_samples, stored_samples
@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=float, default=0.5)
     p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise scale")
     p.add_argument("--ploss-fraction", type=float, default=1.0,
-                   help="score ploss on this random fraction of positions (1.0 = the "
-                   "reference; lower it to fit a CPU budget)")
+                   help="score ploss (Medusa: its cross-entropy) on this random fraction "
+                   "of positions (1.0 = the reference; lower it to fit a CPU budget)")
     p.add_argument("--eval-data", default=None, help="held-out data dir for accuracy")
     p.add_argument("--export-dtype", default="float16", choices=list(EXPORT_DTYPE))
     p.add_argument("--seed", type=int, default=0)
@@ -93,7 +93,7 @@ def batch_loss(model, target, batch, method: str, epoch: int, noise: float,
     lm_head = target.lm_head
     if method == "medusa":
         return medusa_loss(model(features), batch["input_ids"], batch["loss_mask"], model,
-                           lm_head)
+                           lm_head, p_fraction, generator)
     noised = add_noise(features, valid, noise, generator) if model.training else features
     outputs = model(batch["input_ids"], noised, valid)
     return serial_loss(outputs, features, batch["loss_mask"], lm_head, epoch,
@@ -116,13 +116,10 @@ def evaluate(model, target, samples, method, epoch, batch_size, device) -> dict[
     return {k: v / max(batches, 1) for k, v in sums.items() if k.startswith("acc")}
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return train(args)
-    except GumihoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return train(args)
 
 
 def train(args: argparse.Namespace) -> int:

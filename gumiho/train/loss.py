@@ -92,15 +92,20 @@ def serial_loss(outputs: dict, features: Tensor, loss_mask: Tensor, lm_head, epo
     return total, logs
 
 
-def medusa_loss(hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, heads, lm_head
+def medusa_loss(hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, heads, lm_head,
+                p_fraction: float = 1.0, generator: torch.Generator | None = None
                 ) -> tuple[Tensor, dict[str, float]]:
-    """hidden (B, L, N, H): head i at position t predicts x_{t+2+i} (cross-entropy)."""
+    """hidden (B, L, N, H): head i at position t predicts x_{t+2+i} (cross-entropy, on a
+    `p_fraction` sample of positions)."""
     total, logs = hidden.new_zeros(()), {}
     for i in range(hidden.shape[2]):
         t = input_ids.shape[1] - 2 - i
         if t <= 0:
             break
         mask = shifted_mask(loss_mask, 2 + i, t)
+        if p_fraction < 1.0:
+            mask = mask & (torch.rand(mask.shape, generator=generator) < p_fraction).to(
+                mask.device)
         h = hidden[:, :t, i][mask]
         if h.shape[0] == 0:
             continue
