@@ -16,11 +16,27 @@ BENCHMARKS = {  # name -> label used in tables (substitutes say so)
     "mt_bench": "MT-Bench", "humaneval": "HumanEval", "gsm8k_like": "GSM8K-like",
     "alpaca_like": "Alpaca-like", "cnndm_like": "CNN/DM-like", "nq_like": "NQ-like",
 }
+# Not one of the six: first user turns of the ShareGPT held-out split (never trained on).
+HELD_OUT = "sharegpt_heldout"
+LABELS = {**BENCHMARKS, HELD_OUT: "ShareGPT held-out"}
+MAX_HELD_OUT_CHARS = 1500  # skip very long prompts
 
 
 def load_questions(bench: str) -> list[dict]:
     """[{"question_id", "category", "turns": [str, ...]}, ...] of one benchmark."""
+    if bench == HELD_OUT:
+        return held_out_questions()
     if bench not in BENCHMARKS:
-        raise GumihoError(f"unknown benchmark {bench!r}: use one of {', '.join(BENCHMARKS)}")
+        raise GumihoError(f"unknown benchmark {bench!r}: use one of {', '.join(LABELS)}")
     path = DATA / f"{bench}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def held_out_questions(count: int = 80) -> list[dict]:
+    from gumiho.ge_data.conversations import load_conversations, split
+
+    _, held = split(load_conversations("sharegpt"))
+    firsts = [(c["id"], next(m["content"] for m in c["messages"] if m["role"] == "user"))
+              for c in held]
+    return [{"question_id": cid, "category": "sharegpt", "turns": [text]}
+            for cid, text in firsts if 0 < len(text) <= MAX_HELD_OUT_CHARS][:count]

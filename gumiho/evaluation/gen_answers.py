@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from gumiho.config import METHODS, TreeConfig
 from gumiho.errors import cli_errors
-from gumiho.evaluation.benchmarks import BENCHMARKS, load_questions
+from gumiho.evaluation.benchmarks import LABELS, load_questions
 from gumiho.generate import SpeculativeGenerator, add_target_args, add_tree_args, tree_options
 
 
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_args(p)
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--draft", default=None)
-    p.add_argument("--bench", required=True, choices=list(BENCHMARKS))
+    p.add_argument("--bench", required=True, choices=list(LABELS))
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--question-begin", type=int, default=0)

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from gumiho.errors import GumihoError
-from gumiho.evaluation.benchmarks import BENCHMARKS
+from gumiho.evaluation.benchmarks import LABELS
 
 MAX_POSITIONS = 8
 
@@ -98,12 +98,12 @@ def markdown(rep: dict, env: dict) -> str:
         lines += [f"### T = {temp}", "",
                   "| benchmark | method | tokens/s | speedup | tau | tau (official formula) | "
                   "acceptance a1..a7 (unconditional) |", "|---|---|---|---|---|---|---|"]
-        order = [b for b in BENCHMARKS if b in benches] + ["mean"]
+        order = [b for b in LABELS if b in benches] + ["mean"]
         for bench in order:
             for label, row in sorted(benches[bench].items()):
                 acc = " ".join(f"{a:.2f}" for a in row.get("acceptance", []))
                 speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
-                name = BENCHMARKS.get(bench, "**mean**")
+                name = LABELS.get(bench, "**mean**")
                 lines.append(f"| {name} | {label} | {row['tokens_per_s']:.1f} | {speedup} | "
                              f"{row['tau']:.2f} | {row['tau_official']:.2f} | {acc} |")
         lines.append("")
