@@ -180,9 +180,8 @@ class MedusaDrafter:
         n_heads = model.w.shape[0]
         depth = min(tree.depth, n_heads)
         acc = head_accuracy or [0.6, 0.4, 0.3, 0.25, 0.2][:depth]
-        parents, depths, self.ranks = static_tree(tree.total_tokens - 1, depth, acc)
+        parents, _, self.ranks = static_tree(tree.total_tokens - 1, depth, acc)
         self.shape = DraftTree.from_parents(torch.zeros_like(parents), parents)
-        self.depths = depths
         self.max_nodes = self.shape.size
         self.max_rank = int(self.ranks.max()) + 1
 
@@ -191,7 +190,7 @@ class MedusaDrafter:
         device = target.device
         self.shape = DraftTree(*(getattr(self.shape, f).to(device) for f in
                                  ("tokens", "parents", "depths", "mask", "paths")))
-        self.ranks, self.depths = self.ranks.to(device), self.depths.to(device)
+        self.ranks = self.ranks.to(device)
 
     def observe(self, features: Tensor, next_tokens: Tensor) -> None:
         self.feature, self.root = features[-1], next_tokens[-1:]
@@ -200,8 +199,9 @@ class MedusaDrafter:
     def propose(self) -> DraftTree:
         hidden = self.model(self.feature.to(self.model.w.dtype))  # (N, H)
         ranked = self.model.logits(hidden, self.lm_head).topk(self.max_rank).indices  # (N, r)
-        head = (self.depths - 1).clamp(min=0)
-        tokens = torch.where(self.depths > 0, ranked[head, self.ranks], self.root)
+        depths = self.shape.depths
+        tokens = torch.where(depths > 0, ranked[(depths - 1).clamp(min=0), self.ranks],
+                             self.root)
         return replace(self.shape, tokens=tokens)
 
 
