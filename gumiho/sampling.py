@@ -48,11 +48,8 @@ def accept_sampling(tree: DraftTree, logits: Tensor, temperature: float,
     q(x) is 1), this emits exactly p's distribution: P(x_1) = p(x_1),
     P(x_2) = (1 - p(x_1)) * p(x_2) / (1 - p(x_1)) = p(x_2), and so on.
     """
-    parents = tree.parents.tolist()
     tokens = tree.tokens.tolist()
-    children: list[list[int]] = [[] for _ in tokens]
-    for node, parent in enumerate(parents[1:], start=1):
-        children[parent].append(node)
+    children = path_children(tree)
     accepted = [0]
     node = 0
     while True:
@@ -70,6 +67,17 @@ def accept_sampling(tree: DraftTree, logits: Tensor, temperature: float,
             break
     device = tree.tokens.device
     return torch.tensor(accepted, device=device), bonus.to(device)
+
+
+def path_children(tree: DraftTree) -> list[list[int]]:
+    """Each node's successors along the tree's paths, in node order. For a plain tree these
+    are its children; for the official FTA splice they include the spliced nodes."""
+    successors: list[set[int]] = [set() for _ in range(tree.size)]
+    for path in tree.paths.tolist():
+        nodes = [n for n in path if n >= 0]
+        for a, b in zip(nodes, nodes[1:], strict=False):
+            successors[a].add(b)
+    return [sorted(s) for s in successors]
 
 
 def accept(tree: DraftTree, logits: Tensor, temperature: float,

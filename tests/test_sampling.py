@@ -83,3 +83,13 @@ def test_speculative_sampling_end_to_end_matches_target(temperature):
     assert drafted > 200, "too few accepted drafts for the test to mean anything"
     assert not chi_square_rejects(got2, want2)
     assert not chi_square_rejects(got3, want3)
+
+
+def test_path_children_are_the_tree_children():
+    from gumiho.sampling import path_children
+
+    from drafters_for_tests import random_tree
+
+    for seed in range(5):
+        tree = random_tree(torch.tensor([1]), 25, 50, torch.Generator().manual_seed(seed))
+        assert path_children(tree) == [tree.children(n).tolist() for n in range(tree.size)]
