@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ class GenerateConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0
     seed: int = 0
+    profile: bool = False  # time each phase (adds a device sync around every phase)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -48,6 +50,7 @@ class GenerationResult:
     wall_s: float = 0.0
     text: str = ""
     stopped_by: str = ""  # "stop_token" or "max_new_tokens"
+    phase_s: dict[str, float] = field(default_factory=dict)  # with GenerateConfig.profile
 
     @property
     def new_tokens(self) -> int:
@@ -73,7 +76,32 @@ class GenerationResult:
         return {"token_ids": self.token_ids, "text": self.text, "new_tokens": self.new_tokens,
                 "cycles": self.cycles, "tau": self.tau, "tau_official": self.tau_official,
                 "accept_lengths": self.accept_lengths, "wall_s": self.wall_s,
-                "tokens_per_s": self.tokens_per_s, "stopped_by": self.stopped_by}
+                "tokens_per_s": self.tokens_per_s, "stopped_by": self.stopped_by,
+                **({"phase_s": self.phase_s} if self.phase_s else {})}
+
+
+class PhaseTimer:
+    """Seconds per phase, summed over cycles. Off by default: timing a phase honestly
+    needs a device synchronisation on each side, which the fast path avoids."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device, self.enabled = device, enabled
+        self.totals: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if not self.enabled:
+            yield
+            return
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -108,25 +136,32 @@ def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features:
 
 
 def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
-                       config: GenerateConfig) -> Iterator[Tensor]:
+                       config: GenerateConfig, timer: PhaseTimer | None = None
+                       ) -> Iterator[Tensor]:
     """Yield the tokens (n,) each cycle emits, the prefill's single token first. Unbounded:
     the caller stops it (see `generate`)."""
     if not prompt_ids:
         raise GumihoError("empty prompt: give some text to answer")
+    timer = timer or PhaseTimer(target.device, enabled=False)
     generator = torch.Generator().manual_seed(config.seed)
     input_ids = torch.tensor([prompt_ids], device=target.device)
     capacity = len(prompt_ids) + config.max_new_tokens + drafter.max_nodes + 1
     cache = KVCache.for_model(target.model, capacity)
-    features, logits = prefill(target, cache, input_ids)
-    root = sample_token(logits[-1], config.temperature, generator)
-    drafter.begin(target, capacity)
-    drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]))
+    with timer("prefill"):
+        features, logits = prefill(target, cache, input_ids)
+        root = sample_token(logits[-1], config.temperature, generator)
+        drafter.begin(target, capacity)
+        drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]))
     yield root.view(1)
     while True:
-        tree = drafter.propose()
-        features, logits = verify_tree(target, cache, tree)
-        accepted, bonus = accept(tree, logits, config.temperature, generator)
-        yield commit_accepted(cache, drafter, tree, features, accepted, bonus)
+        with timer("draft"):
+            tree = drafter.propose()
+        with timer("verify"):
+            features, logits = verify_tree(target, cache, tree)
+        with timer("accept_commit"):
+            accepted, bonus = accept(tree, logits, config.temperature, generator)
+            new_tokens = commit_accepted(cache, drafter, tree, features, accepted, bonus)
+        yield new_tokens
 
 
 def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
@@ -137,8 +172,9 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
     GenerationResult (get it with `result = yield from generate(...)`, or use `run`).
     """
     result = GenerationResult()
+    timer = PhaseTimer(target.device, config.profile)
     start = last = time.perf_counter()
-    cycles = speculative_cycles(target, drafter, prompt_ids, config)
+    cycles = speculative_cycles(target, drafter, prompt_ids, config, timer)
     for step_tokens in cycles:
         new = step_tokens.tolist()
         room = config.max_new_tokens - result.new_tokens
@@ -157,6 +193,7 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
             break
     cycles.close()
     result.wall_s = time.perf_counter() - start
+    result.phase_s = dict(timer.totals)
     result.text = target.decode(result.token_ids)
     return result
 

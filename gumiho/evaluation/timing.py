@@ -21,7 +21,7 @@ import torch
 from gumiho.drafters import load_drafter
 from gumiho.engine import prefill, verify_tree
 from gumiho.errors import cli_errors
-from gumiho.generate import add_target_args
+from gumiho.generate import add_target_args, add_tree_args, tree_options
 from gumiho.kv_cache import KVCache
 from gumiho.target import Target, load_target
 from gumiho.tree import DraftTree
@@ -79,6 +79,31 @@ def draft_cycle_seconds(target: Target, method: str, context: int, repeats: int,
 
 
 @cli_errors
+def profile_generation(target: Target, method: str, draft: str, prompt: str,
+                       max_new_tokens: int, **tree_options) -> dict:
+    """Per-cycle phase costs of a real generation, and plain decoding on the same prompt."""
+    from gumiho.config import TreeConfig
+    from gumiho.drafters import PlainDrafter
+    from gumiho.engine import GenerateConfig, run
+
+    tree = TreeConfig.for_method(method, **tree_options)
+    drafter = load_drafter(method, target, draft, tree=tree)
+    ids = target.chat_ids(prompt)
+    config = GenerateConfig(max_new_tokens=max_new_tokens, profile=True)
+    run(target, drafter, ids, GenerateConfig(max_new_tokens=8))  # warm-up
+    fast = run(target, drafter, ids, config)
+    plain = run(target, PlainDrafter(), ids, config)
+    verify_cycles = max(fast.cycles - 1, 1)
+    per_cycle = {k: v / verify_cycles for k, v in fast.phase_s.items() if k != "prefill"}
+    plain_step = plain.phase_s["verify"] / max(plain.cycles - 1, 1)
+    cycle = sum(per_cycle.values())
+    return {"method": method, "tree": vars(tree), "tau": fast.tau, "per_cycle_s": per_cycle,
+            "plain_step_s": plain_step, "cycle_over_plain_step": cycle / plain_step,
+            "tokens_per_s": fast.tokens_per_s, "plain_tokens_per_s": plain.tokens_per_s,
+            "speedup": fast.tokens_per_s / plain.tokens_per_s,
+            "identical_to_plain": fast.token_ids == plain.token_ids}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gumiho.evaluation.timing",
                                      description=__doc__.split("\n")[0])
@@ -88,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=128, help="committed tokens in cache")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile-draft", default=None, help="profile real generation with "
+                        "this drafter dir (or 'random') of --profile-method")
+    parser.add_argument("--profile-method", default="gumiho")
+    parser.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    add_tree_args(parser)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
@@ -101,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     for method in filter(None, args.methods.split(",")):
         report["draft_s"][method] = draft_cycle_seconds(target, method, args.context,
                                                         args.repeats)
+    if args.profile_draft:
+        report["profile"] = profile_generation(target, args.profile_method, args.profile_draft,
+                                               args.prompt, args.max_new_tokens,
+                                               **tree_options(args))
     if args.json:
         print(json.dumps(report))
         return 0
@@ -110,6 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label:32s} {sec * 1e3:8.1f} ms")
     for method, sec in report["draft_s"].items():
         print(f"  {'draft cycle, ' + method:32s} {sec * 1e3:8.1f} ms")
+    if "profile" in report:
+        prof = report["profile"]
+        print(f"generation with {prof['method']} ({prof['tree']}):")
+        for phase, sec in prof["per_cycle_s"].items():
+            print(f"  {phase + ' per cycle':32s} {sec * 1e3:8.1f} ms")
+        print(f"  plain decode step {prof['plain_step_s'] * 1e3:.1f} ms; a cycle costs "
+              f"{prof['cycle_over_plain_step']:.2f} plain steps (break-even tau); tau "
+              f"{prof['tau']:.2f} -> speedup {prof['speedup']:.2f}x "
+              f"(identical output: {prof['identical_to_plain']})")
     return 0
 
 
