@@ -34,6 +34,7 @@ class GenerateConfig:
     temperature: float = 0.0
     seed: int = 0
     profile: bool = False  # time each phase (adds a device sync around every phase)
+    verify_width: int | None = None  # pad every verify step to this many tokens (static shape)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -115,15 +116,28 @@ def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, 
     return features, logits
 
 
-def verify_tree(target: Target, cache: KVCache, tree: DraftTree) -> tuple[Tensor, Tensor]:
+def verify_tree(target: Target, cache: KVCache, tree: DraftTree,
+                width: int | None = None) -> tuple[Tensor, Tensor]:
     """One target forward over all tree nodes: features (K, H) and logits (K, V).
 
     Node i sits at position length + depth(i) and sees the committed context, itself and
     its ancestors; the step writes its K cache entries at slots length..length+K-1.
+    With `width`, the input is padded to that many tokens so every step has one shape:
+    padding rows see only the context and themselves, and no real row sees them.
     """
-    cache.begin_step(tree.size)
-    positions = (cache.length + tree.depths)[None]
-    return target.forward(tree.tokens[None], positions, cache.hf, cache.attention_mask(tree.mask))
+    k = tree.size
+    tokens, depths, mask = tree.tokens, tree.depths, tree.mask
+    if width is not None and width > k:
+        pad = width - k
+        tokens = torch.cat([tokens, tokens[:1].expand(pad)])
+        depths = torch.cat([depths, depths.new_zeros(pad)])
+        mask = torch.eye(width, dtype=torch.bool, device=mask.device)
+        mask[:k, :k] = tree.mask
+    cache.begin_step(tokens.shape[0])
+    positions = (cache.length + depths)[None]
+    features, logits = target.forward(tokens[None], positions, cache.hf,
+                                      cache.attention_mask(mask))
+    return features[:k], logits[:k]
 
 
 def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features: Tensor,
@@ -145,7 +159,8 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
     timer = timer or PhaseTimer(target.device, enabled=False)
     generator = torch.Generator().manual_seed(config.seed)
     input_ids = torch.tensor([prompt_ids], device=target.device)
-    capacity = len(prompt_ids) + config.max_new_tokens + drafter.max_nodes + 1
+    capacity = (len(prompt_ids) + config.max_new_tokens + 1
+                + max(drafter.max_nodes, config.verify_width or 0))
     cache = KVCache.for_model(target.model, capacity)
     with timer("prefill"):
         features, logits = prefill(target, cache, input_ids)
@@ -157,7 +172,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         with timer("draft"):
             tree = drafter.propose()
         with timer("verify"):
-            features, logits = verify_tree(target, cache, tree)
+            features, logits = verify_tree(target, cache, tree, config.verify_width)
         with timer("accept_commit"):
             accepted, bonus = accept(tree, logits, config.temperature, generator)
             new_tokens = commit_accepted(cache, drafter, tree, features, accepted, bonus)

@@ -28,9 +28,10 @@ Prompt = str | list[dict] | list[int]
 class SpeculativeGenerator:
     """A target and a drafter loaded once; `generate` and `stream` as often as you like."""
 
-    def __init__(self, target: Target, drafter: Drafter):
+    def __init__(self, target: Target, drafter: Drafter, verify_width: int | None = None):
         self.target = target
         self.drafter = drafter
+        self.verify_width = verify_width  # pad verify steps to one static shape
         self.last_result: GenerationResult | None = None
 
     @classmethod
@@ -50,7 +51,8 @@ class SpeculativeGenerator:
         return self.target.chat_ids(prompt)
 
     def _steps(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int):
-        config = GenerateConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        config = GenerateConfig(max_new_tokens=max_new_tokens, temperature=temperature,
+                                seed=seed, verify_width=self.verify_width)
         return generate(self.target, self.drafter, self.prompt_ids(prompt), config)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
@@ -120,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--verify-width", type=int, default=None,
+                        help="pad every verify step to this many tokens (one static shape)")
     return parser
 
 

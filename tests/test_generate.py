@@ -87,3 +87,11 @@ def test_max_new_tokens_is_exact(tiny_target, n):
                  GenerateConfig(max_new_tokens=n))
     assert len(replay.token_ids) == n and replay.token_ids == reference.token_ids
     assert replay.accept_lengths[0] == 1 and sum(replay.accept_lengths) == n
+
+
+def test_fixed_verify_width_keeps_output(tiny_target):
+    prompt = [5, 17, 3, 42, 8]
+    plain = run(tiny_target, PlainDrafter(), prompt, GenerateConfig(max_new_tokens=16))
+    drafter = ReplayDrafter(prompt + plain.token_ids, depth=4)
+    out = run(tiny_target, drafter, prompt, GenerateConfig(max_new_tokens=16, verify_width=12))
+    assert out.token_ids == plain.token_ids and out.tau > 2

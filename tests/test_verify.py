@@ -94,3 +94,17 @@ def test_repeated_verify_without_commit_is_idempotent(tiny_target):
     _, first = verify_tree(tiny_target, cache, tree)
     _, second = verify_tree(tiny_target, cache, tree)
     torch.testing.assert_close(first, second, atol=0, rtol=0)
+
+
+def test_padded_verify_equals_unpadded(tiny_target):
+    """A fixed verify width (static shape) changes nothing for the real nodes."""
+    rng = torch.Generator().manual_seed(6)
+    tree = random_tree(torch.tensor([4]), 10, 97, rng)
+    outs = []
+    for width in (None, 16):
+        cache = KVCache.for_model(tiny_target.model, 40)
+        prefill(tiny_target, cache, torch.tensor([[1, 2, 3, 9]]))
+        outs.append(verify_tree(tiny_target, cache, tree, width))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
