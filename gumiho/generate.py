@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                                     device=args.device, dtype=args.dtype,
                                     chat_template=args.chat_template,
                                     **tree_options(args))
+    gen.verify_width = args.verify_width
     pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed)
     for piece in pieces:
         if not args.json:
