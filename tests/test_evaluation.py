@@ -61,10 +61,13 @@ def test_answer_file_resume_drops_half_line(tmp_path):
 
 def test_small_end_to_end_evaluation(smollm2, tmp_path):
     files = []
-    for method, extra in (("ar", []), ("gumiho", ["--draft", "random", "--total-tokens",
-                                                  "16"])):
+    shipped = "gumiho/assets/smollm2/gumiho"
+    for method, extra in (("ar", []),
+                          ("gumiho", ["--draft", "random", "--total-tokens", "16"]),
+                          ("gumiho", ["--draft", shipped, "--total-tokens", "16",
+                                      "--fta", "off"])):
         for bench in ("mt_bench", "gsm8k_like"):
-            out = tmp_path / f"{bench}_{method}.jsonl"
+            out = tmp_path / f"{bench}_{method}_{len(files)}.jsonl"
             args = ["--method", method, "--bench", bench, "--question-end", "1",
                     "--max-new-tokens", "12", "--answer-file", str(out), *extra]
             assert gen_answers.main(args) == 0
@@ -77,7 +80,8 @@ def test_small_end_to_end_evaluation(smollm2, tmp_path):
     assert speed.main(["--answers", *files, "--out", str(tmp_path / "report")]) == 0
     rep = json.loads((tmp_path / "report.json").read_text())["results"]["0.0"]
     assert set(rep) == {"mt_bench", "gsm8k_like", "mean"}
-    assert rep["mt_bench"]["gumiho"]["speedup"] > 0
+    assert rep["mt_bench"]["gumiho (random)"]["speedup"] > 0
+    assert rep["mt_bench"]["gumiho (fta off)"]["tau"] >= 1.0  # the trained one
     # MT-Bench: two turns, the second after the model's own first answer
-    mt = json.loads((tmp_path / "mt_bench_ar.jsonl").read_text())
+    mt = json.loads((tmp_path / "mt_bench_ar_0.jsonl").read_text())
     assert len(mt["turns"]) == 2

@@ -23,10 +23,12 @@ MAX_POSITIONS = 8
 
 
 def method_label(settings: dict) -> str:
+    """The method, plus what sets this run apart: a random drafter, a non-default FTA."""
+    notes = ["random"] if settings.get("draft") == "random" else []
     fta = (settings.get("tree") or {}).get("fta", "exact")
     if settings["method"] == "gumiho" and fta != "exact":
-        return f"gumiho (fta {fta})"
-    return settings["method"]
+        notes.append(f"fta {fta}")
+    return settings["method"] + (f" ({', '.join(notes)})" if notes else "")
 
 
 def read_answers(paths: list[str]) -> dict[tuple, dict]:
