@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ploss-fraction", type=float, default=1.0,
                    help="score ploss (Medusa: its cross-entropy) on this random fraction "
                    "of positions (1.0 = the reference; lower it to fit a CPU budget)")
-    p.add_argument("--eval-data", default=None, help="held-out data dir for accuracy")
+    p.add_argument("--eval-data", default=None, help="held-out data dir: per-position "
+                   "accuracy at the end (and each epoch with --eval-each-epoch)")
+    p.add_argument("--eval-each-epoch", action="store_true")
     p.add_argument("--export-dtype", default="float16", choices=list(EXPORT_DTYPE))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
@@ -197,7 +199,7 @@ def train(args: argparse.Namespace) -> int:
             progress["epoch"] += 1
             progress["batches_done"] = 0
             save(accelerator, model, progress, out, args, f"checkpoint-epoch{progress['epoch']}")
-            if eval_samples:
+            if eval_samples and args.eval_each_epoch:
                 acc = evaluate(accelerator.unwrap_model(model), target, eval_samples,
                                args.method, progress["epoch"], args.batch_size,
                                accelerator.device)
