@@ -168,6 +168,7 @@ def train(args: argparse.Namespace) -> int:
             args.seed * 1000 + progress["epoch"])).tolist()
         loader = accelerator.prepare_data_loader(torch.utils.data.DataLoader(
             [samples[i] for i in order], batch_size=args.batch_size, collate_fn=collate))
+        epoch_batches = len(loader)
         loader = accelerator.skip_first_batches(loader, progress["batches_done"])
         for batch in loader:
             with accelerator.accumulate(model):
@@ -193,8 +194,8 @@ def train(args: argparse.Namespace) -> int:
                 with log_file.open("a") as f:
                     f.write(json.dumps({"step": progress["step"], "epoch": progress["epoch"],
                                         "lr": scheduler.get_last_lr()[0], **logs}) + "\n")
-            if progress["step"] >= stop_at:
-                break
+            if progress["step"] >= stop_at and progress["batches_done"] < epoch_batches:
+                break  # mid-epoch; an epoch that ends here completes below
         else:
             progress["epoch"] += 1
             progress["batches_done"] = 0
