@@ -65,7 +65,7 @@ def test_small_end_to_end_evaluation(smollm2, tmp_path):
     for method, extra in (("ar", []),
                           ("gumiho", ["--draft", "random", "--total-tokens", "16"]),
                           ("gumiho", ["--draft", shipped, "--total-tokens", "16",
-                                      "--fta", "off"])):
+                                      "--fta", "exact"])):
         for bench in ("mt_bench", "gsm8k_like"):
             out = tmp_path / f"{bench}_{method}_{len(files)}.jsonl"
             args = ["--method", method, "--bench", bench, "--question-end", "1",
@@ -81,7 +81,7 @@ def test_small_end_to_end_evaluation(smollm2, tmp_path):
     rep = json.loads((tmp_path / "report.json").read_text())["results"]["0.0"]
     assert set(rep) == {"mt_bench", "gsm8k_like", "mean"}
     assert rep["mt_bench"]["gumiho (random)"]["speedup"] > 0
-    assert rep["mt_bench"]["gumiho (fta off)"]["tau"] >= 1.0  # the trained one
+    assert rep["mt_bench"]["gumiho (fta exact)"]["tau"] >= 1.0  # the trained one
     # MT-Bench: two turns, the second after the model's own first answer
     mt = json.loads((tmp_path / "mt_bench_ar_0.jsonl").read_text())
     assert len(mt["turns"]) == 2

@@ -25,8 +25,8 @@ MAX_POSITIONS = 8
 def method_label(settings: dict) -> str:
     """The method, plus what sets this run apart: a random drafter, a non-default FTA."""
     notes = ["random"] if settings.get("draft") == "random" else []
-    fta = (settings.get("tree") or {}).get("fta", "exact")
-    if settings["method"] == "gumiho" and fta != "exact":
+    fta = (settings.get("tree") or {}).get("fta", "off")
+    if settings["method"] == "gumiho" and fta != "off":
         notes.append(f"fta {fta}")
     return settings["method"] + (f" ({', '.join(notes)})" if notes else "")
 

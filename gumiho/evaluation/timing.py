@@ -78,7 +78,6 @@ def draft_cycle_seconds(target: Target, method: str, context: int, repeats: int,
     return timed(cycle, device, repeats)
 
 
-@cli_errors
 def profile_generation(target: Target, method: str, draft: str, prompt: str,
                        max_new_tokens: int, **tree_options) -> dict:
     """Per-cycle phase costs of a real generation, and plain decoding on the same prompt."""
@@ -104,6 +103,7 @@ def profile_generation(target: Target, method: str, draft: str, prompt: str,
             "identical_to_plain": fast.token_ids == plain.token_ids}
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gumiho.evaluation.timing",
                                      description=__doc__.split("\n")[0])
