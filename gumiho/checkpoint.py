@@ -149,10 +149,10 @@ def infer_config(state: dict[str, Tensor], target_config, method: str | None,
         method = "medusa" if any(k.startswith("medusa_head.") for k in state) else (
             "gumiho" if any(MLP_KEY.match(k) for k in state) else "eagle2")
     layers = {int(k.split(".")[1]) for k in state if k.startswith("layers.")}
-    heads = {int(m[1]) for k in state if (m := (MEDUSA_KEY if method == "medusa"
-                                                else MLP_KEY).match(k))}
-    blocks = {int(m[2]) for k in state if (m := (MEDUSA_KEY if method == "medusa"
-                                                 else MLP_KEY).match(k))}
+    head_key = MEDUSA_KEY if method == "medusa" else MLP_KEY
+    matches = [m for k in state if (m := head_key.match(k))]
+    heads = {int(m[1]) for m in matches}
+    blocks = {int(m[2]) for m in matches}
     overrides = {}
     if method != "medusa":
         overrides["num_hidden_layers"] = len(layers) or 1

@@ -8,10 +8,11 @@ from safetensors.torch import load_file
 from gumiho.config import TreeConfig
 from gumiho.drafters import PlainDrafter, SerialDrafter, load_drafter
 from gumiho.engine import GenerateConfig, prefill, run
+from gumiho.ge_data.shards import load_samples
 from gumiho.kv_cache import KVCache
 from gumiho.target import load_target
 from gumiho.train.__main__ import batch_loss, main, new_model
-from gumiho.train.dataset import collate, stored_samples
+from gumiho.train.dataset import collate
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def tiny(tiny_target_dir):
 
 @pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])
 def test_training_steps_lower_the_loss(tiny, tiny_data_dir, method):
-    _, samples = stored_samples(tiny_data_dir)
+    _, samples = load_samples(tiny_data_dir)
     batch = collate(samples[:4])
     model = new_model(tiny, method, seed=0)
     model.train()

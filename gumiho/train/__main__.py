@@ -21,9 +21,10 @@ from tqdm import tqdm
 from gumiho.checkpoint import save_drafter
 from gumiho.config import DrafterConfig
 from gumiho.errors import GumihoError, cli_errors
+from gumiho.ge_data.shards import load_samples
 from gumiho.modeling import build_draft_model
 from gumiho.target import load_target
-from gumiho.train.dataset import add_noise, collate, online_samples, stored_samples
+from gumiho.train.dataset import add_noise, collate, online_samples
 from gumiho.train.loss import medusa_loss, serial_loss
 
 EXPORT_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -135,13 +136,13 @@ def train(args: argparse.Namespace) -> int:
     target = load_target(args.target, device=str(accelerator.device),
                          dtype="float32" if accelerator.device.type == "cpu" else "bfloat16")
     if args.data:
-        _, samples = stored_samples(args.data)
+        _, samples = load_samples(args.data)
     else:
         samples = online_samples(target, args.conversations, args.num_conversations,
                                  args.max_len)
     if not samples:
         raise GumihoError("no training samples")
-    eval_samples = stored_samples(args.eval_data)[1] if args.eval_data else []
+    eval_samples = load_samples(args.eval_data)[1] if args.eval_data else []
     model = new_model(target, args.method, args.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95))

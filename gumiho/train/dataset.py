@@ -6,12 +6,7 @@ import torch
 from torch import Tensor
 
 from gumiho.ge_data.conversations import load_conversations, split
-from gumiho.ge_data.shards import load_samples
 from gumiho.ge_data.templates import tokenize_conversation
-
-
-def stored_samples(data_dir: str) -> tuple[dict, list[dict]]:
-    return load_samples(data_dir)
 
 
 def online_samples(target, source: str, count: int, max_len: int,
