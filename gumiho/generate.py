@@ -37,12 +37,13 @@ class SpeculativeGenerator:
     @classmethod
     def load(cls, target: str = "smollm2", method: str = "ar", draft: str | None = None,
              device: str | None = None, dtype: str | None = None,
-             chat_template: str | None = None, **tree_options):
+             chat_template: str | None = None, verify_width: int | None = None,
+             **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
         fta); unset ones take the method's reference defaults."""
         loaded = load_target(target, device=device, dtype=dtype, chat_template=chat_template)
         tree = TreeConfig.for_method(method, **tree_options)
-        return cls(loaded, load_drafter(method, loaded, draft, tree=tree))
+        return cls(loaded, load_drafter(method, loaded, draft, tree=tree), verify_width)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """A string is one user turn, a list of dicts a chat, a list of ints raw token ids."""
@@ -134,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
                                     device=args.device, dtype=args.dtype,
                                     chat_template=args.chat_template,
-                                    **tree_options(args))
-    gen.verify_width = args.verify_width
+                                    verify_width=args.verify_width, **tree_options(args))
     pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed)
     for piece in pieces:
         if not args.json:

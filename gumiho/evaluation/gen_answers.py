@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gumiho.config import METHODS, TreeConfig
+from gumiho.config import METHODS
 from gumiho.errors import cli_errors
 from gumiho.evaluation.benchmarks import LABELS, load_questions
 from gumiho.generate import SpeculativeGenerator, add_target_args, add_tree_args, tree_options
@@ -104,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     todo = [q for q in questions if q["question_id"] not in done]
     for _ in range(args.warmup if todo else 0):
         gen.generate(todo[0]["turns"][0], min(32, args.max_new_tokens))
-    tree = TreeConfig.for_method(args.method, **tree_options(args))
+    tree = getattr(gen.drafter, "tree", None)  # the settings the drafter was built with
     settings = {"target": args.target, "method": args.method, "draft": args.draft,
                 "bench": args.bench, "temperature": args.temperature,
                 "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                "tree": vars(tree) if args.method != "ar" else None}
+                "tree": vars(tree) if tree is not None else None}
     env = environment(gen)
     with path.open("a") as f:
         for q in tqdm(todo, desc=f"{args.method} {args.bench}", unit="q"):
