@@ -22,8 +22,10 @@ from gumiho.checkpoint import load_drafter_model
 from gumiho.config import METHODS, DrafterConfig, TreeConfig
 from gumiho.errors import GumihoError
 from gumiho.fta import exact_fta_tree, splice_official
+from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache
 from gumiho.modeling import build_draft_model
+from gumiho.profiling import PhaseTimer
 from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
 
 
@@ -67,19 +69,53 @@ class SerialDrafter:
     context, their own ancestors' entries and themselves (never their siblings).
     """
 
-    def __init__(self, model, tree: TreeConfig):
-        self.model, self.tree = model, tree
+    def __init__(self, model, tree: TreeConfig, engine: str = "eager"):
+        self.model, self.tree, self.engine = model, tree, engine
         self.method = model.config.method
         self.name = self.method
         self.max_nodes = tree.total_tokens
+        self.serial_depth = 2 if self.method == "gumiho" else tree.depth
+        heads = model.config.num_mlp_heads if self.method == "gumiho" else 0
+        self.draft_depth = self.serial_depth + heads  # deepest node a tree can have
+        self.cache: KVCache | None = None
+        self.timer = PhaseTimer(torch.device("cpu"), enabled=False)  # the loop's, to profile
 
     def begin(self, target, capacity: int) -> None:
         self.lm_head = target.lm_head
-        levels = 1 if self.method == "gumiho" else self.tree.depth - 1
-        config = self.model.config.llama_config()
-        self.cache = KVCache(config, capacity + levels * self.tree.top_k,
-                             target.device, target.dtype)
         self.pending: list[tuple[Tensor, Tensor]] = []
+        capacity += (self.serial_depth - 1) * self.tree.top_k
+        if self.engine != "eager" and self.cache is not None and self.cache.capacity >= capacity:
+            self.cache.reset()  # keep the memory the captured steps are bound to
+            return
+        if self.engine != "eager":
+            capacity = -(-capacity // 512) * 512
+        config = self.model.config.llama_config()
+        self.cache = KVCache(config, capacity, target.device, target.dtype)
+        # Captured: the serial step at the beam width (every level) and at the longest
+        # accept length (catch-ups are padded to it); the MLP heads. Prompts run eagerly.
+        self._serial_step = StaticStep(self._serial_fn(last_only=False), self.engine)
+        self._prompt_step = self._serial_fn(last_only=True)
+        self._heads_step = StaticStep(self._heads_fn, self.engine)
+
+    def _serial_fn(self, last_only: bool):
+        """The serial layers on one step's tokens, then the top_k of the outputs' logits."""
+        cache, k = self.cache, self.tree.top_k
+
+        def serial(tokens, features, positions, mask, write_at):
+            cache.seek(write_at)
+            out = self.model.serial_step(tokens, features, positions, mask, cache.hf)[0]
+            if last_only:
+                out = out[-1:]
+            top = self._logprobs(out).topk(k)
+            return out, top.values, top.indices
+
+        return serial
+
+    def _heads_fn(self, d1, out1, d2, out2):
+        """All MLP heads for every level-2 node, and their top mlp_topk candidates."""
+        hidden = self.model.parallel_heads(d1, out1, d2, out2)  # (k, N, H)
+        top = self._logprobs(hidden).topk(self.tree.mlp_topk)  # (k, N, m)
+        return top.values, top.indices
 
     def observe(self, features: Tensor, next_tokens: Tensor) -> None:
         self.pending.append((features, next_tokens))
@@ -87,59 +123,71 @@ class SerialDrafter:
     def _logprobs(self, hidden: Tensor) -> Tensor:
         return torch.log_softmax(self.lm_head(hidden).float(), -1)
 
-    def _catch_up(self) -> Tensor:
-        """Run the pending pairs (committing them); returns out1 (H,) of the newest."""
+    def _catch_up(self) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Run the pending pairs (committing them); returns out1 (H,) of the newest and
+        its top_k (log-probs, tokens)."""
         features = torch.cat([f for f, _ in self.pending])
         tokens = torch.cat([t for _, t in self.pending])
         self.pending = []
-        n, cache = tokens.shape[0], self.cache
-        cache.begin_step(n)
-        causal = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
-        positions = torch.arange(cache.length, cache.length + n, device=tokens.device)
-        out = self.model.serial_step(tokens[None], features[None], positions[None],
-                                     cache.attention_mask(causal), cache.hf)
+        n, cache, device = tokens.shape[0], self.cache, tokens.device
+        width = self.draft_depth + 1  # the longest accept: bonus + every draft level
+        if self.engine == "eager" or n > width:
+            width, step = n, self._prompt_step
+        else:  # pad to one shape; padding rows see only themselves and are not committed
+            step = self._serial_step
+            tokens = torch.cat([tokens, tokens[-1:].expand(width - n)])
+            features = torch.cat([features, features[-1:].expand(width - n, -1)])
+        cache.begin_step(width)
+        rows = torch.eye(width, dtype=torch.bool, device=device)
+        rows[:n, :n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        positions = cache.length + torch.arange(width, device=device)
+        out, values, indices = step(tokens[None], features[None], positions[None],
+                                    cache.attention_mask(rows), cache.write_position())
         cache.commit(n)
-        return out[0, -1]
+        last = -1 if step is self._prompt_step else n - 1
+        return out[last], (values[last], indices[last])
 
-    def _serial_level(self, tokens: Tensor, parent_out: Tensor, seen: Tensor) -> Tensor:
+    def _serial_level(self, tokens: Tensor, parent_out: Tensor, seen: Tensor
+                      ) -> tuple[Tensor, Tensor, Tensor]:
         """One serial step for k beam nodes. tokens (k,), parent_out (k, H) the output each
         token was drawn from, seen (k, R) the earlier draft entries each node may see.
-        Writes the k entries after the R earlier ones; returns out (k, H)."""
+        Writes the k entries after the R earlier ones; returns out (k, H) and its top_k
+        (log-probs (k, top_k), tokens (k, top_k))."""
         k, r = seen.shape
         cache = self.cache
         cache.begin_step(k, offset=r)
         rows = torch.cat([seen, torch.eye(k, dtype=torch.bool, device=seen.device)], 1)
         positions = torch.full((1, k), cache.length + r // max(k, 1), device=seen.device)
-        out = self.model.serial_step(tokens[None], parent_out[None], positions,
-                                     cache.attention_mask(rows), cache.hf)
-        return out[0]
+        return self._serial_step(tokens[None], parent_out[None], positions,
+                                 cache.attention_mask(rows), cache.write_position(r))
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: compiled steps reject inference tensors
     def propose(self) -> DraftTree:
         if self.pending:  # else: propose again from the same state
             self.root = self.pending[-1][1][-1]
-            self.out1 = self._catch_up()
+            with self.timer("draft_serial"):
+                self.out1, self.top1 = self._catch_up()
         root, out1 = self.root, self.out1
         k = self.tree.top_k
-        lp1 = self._logprobs(out1).topk(k)
-        level = Pool(tokens=lp1.indices, parents=torch.full_like(lp1.indices, -1),
-                     scores=lp1.values, depths=torch.ones_like(lp1.indices))
+        values, indices = self.top1
+        level = Pool(tokens=indices, parents=torch.full_like(indices, -1),
+                     scores=values, depths=torch.ones_like(indices))
         levels, outs = [level], out1.expand(k, -1)
         seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)
         first = 0  # pool index of the current level's node 0
-        serial_depth = 2 if self.method == "gumiho" else self.tree.depth
-        for depth in range(2, serial_depth + 1):
+        for depth in range(2, self.serial_depth + 1):
             parent_tokens, parent_outs = level.tokens, outs
-            new_outs = self._serial_level(level.tokens, outs, seen)
-            top = self._logprobs(new_outs).topk(k)
-            level, row = expand_level(level.scores, top.indices, top.values, k, first, depth)
+            with self.timer("draft_serial"):
+                new_outs, top_values, top_indices = self._serial_level(level.tokens, outs, seen)
+            level, row = expand_level(level.scores, top_indices, top_values, k, first, depth)
             first += levels[-1].tokens.shape[0]
             levels.append(level)
             outs = new_outs[row]
             eye = torch.eye(seen.shape[0], dtype=torch.bool, device=seen.device)
             seen = torch.cat([seen, eye], 1)[row]
         if self.method != "gumiho":
-            return select_tree(root, Pool.concat(levels), self.tree.total_tokens - 1)[0]
+            return select_tree(root, Pool.concat(levels), self.tree.total_tokens - 1,
+                               self.draft_depth)[0]
         return self._mlp_levels(root, levels, first, parent_tokens[row], parent_outs[row],
                                 level.tokens, outs)
 
@@ -147,14 +195,14 @@ class SerialDrafter:
         """All MLP heads for every level-2 node at once, then one pruned level per head.
         Each input row pairs a level-2 node with its own level-1 parent."""
         tree = self.tree
-        hidden = self.model.parallel_heads(d1, out1, d2, out2)  # (k, N, H)
-        top = self._logprobs(hidden).topk(tree.mlp_topk)  # (k, N, m)
+        with self.timer("draft_heads"):
+            top_values, top_indices = self._heads_step(d1, out1, d2, out2)  # (k, N, m)
         branch_of_level = torch.arange(d2.shape[0], device=d2.device)
         branches = [torch.full_like(lv.tokens, -1) for lv in levels[:-1]] + [branch_of_level]
         level = levels[-1]
-        for head in range(hidden.shape[1]):
-            level, row = expand_level(level.scores, top.indices[branch_of_level, head],
-                                      top.values[branch_of_level, head], tree.pruning,
+        for head in range(top_values.shape[1]):
+            level, row = expand_level(level.scores, top_indices[branch_of_level, head],
+                                      top_values[branch_of_level, head], tree.pruning,
                                       first, head + 3)
             first += levels[-1].tokens.shape[0]
             branch_of_level = branch_of_level[row]
@@ -164,8 +212,8 @@ class SerialDrafter:
         budget = tree.total_tokens - 1
         if tree.fta == "exact":
             return exact_fta_tree(root, pool, budget, torch.cat(branches),
-                                  top.indices[:, :, 0], first_mlp_depth=3)
-        drafted = select_tree(root, pool, budget)[0]
+                                  top_indices[:, :, 0], first_mlp_depth=3)
+        drafted = select_tree(root, pool, budget, self.draft_depth)[0]
         return splice_official(drafted) if tree.fta == "official" else drafted
 
 
@@ -175,30 +223,40 @@ class MedusaDrafter:
 
     name = "medusa"
 
-    def __init__(self, model, tree: TreeConfig, head_accuracy: list[float] | None = None):
+    def __init__(self, model, tree: TreeConfig, head_accuracy: list[float] | None = None,
+                 engine: str = "eager"):
         self.model, self.tree = model, tree
         n_heads = model.w.shape[0]
         depth = min(tree.depth, n_heads)
         acc = head_accuracy or [0.6, 0.4, 0.3, 0.25, 0.2][:depth]
         parents, _, self.ranks = static_tree(tree.total_tokens - 1, depth, acc)
-        self.shape = DraftTree.from_parents(torch.zeros_like(parents), parents)
+        # static_tree lists nodes best first, so a smaller budget keeps a prefix
+        self.shape = replace(DraftTree.from_parents(torch.zeros_like(parents), parents),
+                             priority=-torch.arange(parents.shape[0], dtype=torch.float))
         self.max_nodes = self.shape.size
         self.max_rank = int(self.ranks.max()) + 1
+        self._heads_step = StaticStep(self._heads_fn, engine)
+        self.timer = PhaseTimer(torch.device("cpu"), enabled=False)
 
     def begin(self, target, capacity: int) -> None:
         self.lm_head = target.lm_head
         device = target.device
         self.shape = DraftTree(*(getattr(self.shape, f).to(device) for f in
-                                 ("tokens", "parents", "depths", "mask", "paths")))
+                                 ("tokens", "parents", "depths", "mask")),
+                               priority=self.shape.priority.to(device))
         self.ranks = self.ranks.to(device)
 
     def observe(self, features: Tensor, next_tokens: Tensor) -> None:
         self.feature, self.root = features[-1], next_tokens[-1:]
 
-    @torch.inference_mode()
+    def _heads_fn(self, feature: Tensor) -> tuple[Tensor]:
+        hidden = self.model(feature.to(self.model.w.dtype))  # (N, H)
+        return (self.model.logits(hidden, self.lm_head).topk(self.max_rank).indices,)  # (N, r)
+
+    @torch.no_grad()  # not inference_mode: compiled steps reject inference tensors
     def propose(self) -> DraftTree:
-        hidden = self.model(self.feature.to(self.model.w.dtype))  # (N, H)
-        ranked = self.model.logits(hidden, self.lm_head).topk(self.max_rank).indices  # (N, r)
+        with self.timer("draft_heads"):
+            (ranked,) = self._heads_step(self.feature)
         depths = self.shape.depths
         tokens = torch.where(depths > 0, ranked[(depths - 1).clamp(min=0), self.ranks],
                              self.root)
@@ -216,8 +274,10 @@ def random_drafter_model(method: str, target, seed: int = 0):
 
 
 def load_drafter(method: str, target, draft: str | None = None,
-                 tree: TreeConfig | None = None, seed: int = 0) -> Drafter:
-    """The drafter for `method` on `target`: a checkpoint dir, or `random` weights."""
+                 tree: TreeConfig | None = None, seed: int = 0,
+                 engine: str | None = None) -> Drafter:
+    """The drafter for `method` on `target`: a checkpoint dir, or `random` weights.
+    engine: how its steps run (graphs.py); None picks by the target's device."""
     if method == "ar":
         if draft is not None:
             raise GumihoError("--method ar takes no --draft: plain decoding has no drafter")
@@ -229,6 +289,7 @@ def load_drafter(method: str, target, draft: str | None = None,
     model = random_drafter_model(method, target, seed) if draft == "random" else \
         load_drafter_model(draft, target, method)
     tree = tree or TreeConfig.for_method(method)
+    engine = resolve_engine(engine, target.device)
     if method == "medusa":
-        return MedusaDrafter(model, tree)
-    return SerialDrafter(model, tree)
+        return MedusaDrafter(model, tree, engine=engine)
+    return SerialDrafter(model, tree, engine=engine)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +21,9 @@ from torch import Tensor
 
 from gumiho.drafters import Drafter
 from gumiho.errors import GumihoError
+from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache
+from gumiho.profiling import PhaseTimer
 from gumiho.sampling import accept, sample_token
 from gumiho.target import Target
 from gumiho.tree import DraftTree
@@ -35,6 +36,7 @@ class GenerateConfig:
     seed: int = 0
     profile: bool = False  # time each phase (adds a device sync around every phase)
     verify_width: int | None = None  # pad every verify step to this many tokens (static shape)
+    engine: str | None = None  # eager | graphs | compile (graphs.py); None: by device
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -81,30 +83,6 @@ class GenerationResult:
                 **({"phase_s": self.phase_s} if self.phase_s else {})}
 
 
-class PhaseTimer:
-    """Seconds per phase, summed over cycles. Off by default: timing a phase honestly
-    needs a device synchronisation on each side, which the fast path avoids."""
-
-    def __init__(self, device: torch.device, enabled: bool):
-        self.device, self.enabled = device, enabled
-        self.totals: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, phase: str):
-        if not self.enabled:
-            yield
-            return
-        self._sync()
-        start = time.perf_counter()
-        yield
-        self._sync()
-        self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
-
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
 def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, Tensor]:
     """Run the prompt (1, P) through the target; commit it to the cache."""
     p = input_ids.shape[1]
@@ -116,14 +94,15 @@ def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, 
     return features, logits
 
 
-def verify_tree(target: Target, cache: KVCache, tree: DraftTree,
-                width: int | None = None) -> tuple[Tensor, Tensor]:
+def verify_tree(target: Target, cache: KVCache, tree: DraftTree, width: int | None = None,
+                step: StaticStep | None = None) -> tuple[Tensor, Tensor]:
     """One target forward over all tree nodes: features (K, H) and logits (K, V).
 
     Node i sits at position length + depth(i) and sees the committed context, itself and
     its ancestors; the step writes its K cache entries at slots length..length+K-1.
     With `width`, the input is padded to that many tokens so every step has one shape:
     padding rows see only the context and themselves, and no real row sees them.
+    `step`: a TargetRunner's (possibly captured) step; None runs the target eagerly.
     """
     k = tree.size
     tokens, depths, mask = tree.tokens, tree.depths, tree.mask
@@ -135,47 +114,91 @@ def verify_tree(target: Target, cache: KVCache, tree: DraftTree,
         mask[:k, :k] = tree.mask
     cache.begin_step(tokens.shape[0])
     positions = (cache.length + depths)[None]
-    features, logits = target.forward(tokens[None], positions, cache.hf,
-                                      cache.attention_mask(mask))
+    if step is None:
+        features, logits = target.forward(tokens[None], positions, cache.hf,
+                                          cache.attention_mask(mask))
+    else:
+        features, logits = step(tokens[None], positions, cache.attention_mask(mask),
+                                cache.write_position())
     return features[:k], logits[:k]
 
 
+class TargetRunner:
+    """The target's side of the loop on one engine: its KV cache and its step.
+
+    Eager runs size the cache to each sequence. Captured engines keep one cache (rounded
+    up to 512 slots) across generations, because their recorded steps are bound to its
+    memory; a sequence that needs more slots replaces it and the steps are recaptured.
+    """
+
+    def __init__(self, target: Target, engine: str):
+        self.target, self.engine = target, engine
+        self.cache: KVCache | None = None
+        self.step: StaticStep | None = None
+
+    def cache_for(self, capacity: int) -> KVCache:
+        if self.engine != "eager" and self.cache is not None and self.cache.capacity >= capacity:
+            self.cache.reset()
+            return self.cache
+        if self.engine != "eager":
+            capacity = -(-capacity // 512) * 512
+        self.cache = cache = KVCache.for_model(self.target.model, capacity)
+
+        def target_step(tokens, positions, mask, write_at):
+            cache.seek(write_at)
+            return self.target.forward(tokens, positions, cache.hf, mask)
+
+        self.step = StaticStep(target_step, self.engine)
+        return cache
+
+
+def target_runner(target: Target, engine: str) -> TargetRunner:
+    """The target's runner for `engine`, made once per target and engine."""
+    runners = target.__dict__.setdefault("_runners", {})
+    if engine not in runners:
+        runners[engine] = TargetRunner(target, engine)
+    return runners[engine]
+
+
 def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features: Tensor,
-                    accepted: Tensor, bonus: Tensor) -> Tensor:
-    """Keep the accepted path in the cache, tell the drafter; returns the new tokens (n,)."""
+                    accepted: Tensor, bonus: Tensor) -> None:
+    """Keep the accepted path in the cache and tell the drafter (device ops only)."""
     cache.compact(accepted)
-    new_tokens = torch.cat([tree.tokens[accepted[1:]], bonus.view(1)])
-    drafter.observe(features[accepted], new_tokens)
-    return new_tokens
+    drafter.observe(features[accepted], torch.cat([tree.tokens[accepted[1:]], bonus.view(1)]))
 
 
 def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
                        config: GenerateConfig, timer: PhaseTimer | None = None
-                       ) -> Iterator[Tensor]:
-    """Yield the tokens (n,) each cycle emits, the prefill's single token first. Unbounded:
-    the caller stops it (see `generate`)."""
+                       ) -> Iterator[list[int]]:
+    """Yield the tokens each cycle emits (host ints), the prefill's single token first.
+    Unbounded: the caller stops it (see `generate`)."""
     if not prompt_ids:
         raise GumihoError("empty prompt: give some text to answer")
     timer = timer or PhaseTimer(target.device, enabled=False)
     generator = torch.Generator().manual_seed(config.seed)
     input_ids = torch.tensor([prompt_ids], device=target.device)
+    runner = target_runner(target, resolve_engine(config.engine, target.device))
+    # Captured engines pad every verify to the drafter's largest tree: one shape, one graph.
+    width = config.verify_width or (drafter.max_nodes if runner.engine != "eager" else None)
     capacity = (len(prompt_ids) + config.max_new_tokens + 1
-                + max(drafter.max_nodes, config.verify_width or 0))
-    cache = KVCache.for_model(target.model, capacity)
+                + max(drafter.max_nodes, width or 0))
+    cache = runner.cache_for(capacity)
+    if timer.enabled and hasattr(drafter, "timer"):
+        drafter.timer = timer  # the drafter's own phases (serial steps, MLP heads)
     with timer("prefill"):
         features, logits = prefill(target, cache, input_ids)
         root = sample_token(logits[-1], config.temperature, generator)
         drafter.begin(target, capacity)
         drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]))
-    yield root.view(1)
+    yield [int(root)]
     while True:
         with timer("draft"):
             tree = drafter.propose()
         with timer("verify"):
-            features, logits = verify_tree(target, cache, tree, config.verify_width)
+            features, logits = verify_tree(target, cache, tree, width, runner.step)
         with timer("accept_commit"):
-            accepted, bonus = accept(tree, logits, config.temperature, generator)
-            new_tokens = commit_accepted(cache, drafter, tree, features, accepted, bonus)
+            accepted, bonus, new_tokens = accept(tree, logits, config.temperature, generator)
+            commit_accepted(cache, drafter, tree, features, accepted, bonus)
         yield new_tokens
 
 
@@ -190,8 +213,7 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
     timer = PhaseTimer(target.device, config.profile)
     start = last = time.perf_counter()
     cycles = speculative_cycles(target, drafter, prompt_ids, config, timer)
-    for step_tokens in cycles:
-        new = step_tokens.tolist()
+    for new in cycles:
         room = config.max_new_tokens - result.new_tokens
         stops = [i for i, t in enumerate(new[:room]) if t in target.stop_token_ids]
         if stops:

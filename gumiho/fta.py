@@ -35,7 +35,7 @@ def splice_official(tree: DraftTree) -> DraftTree:
     if bool(longest.all()):
         return tree
     fill = paths[longest].mode(0).values  # (D + 1,)
-    return replace(tree, paths=torch.where(paths >= 0, paths, fill[None]))
+    return replace(tree, spliced_paths=torch.where(paths >= 0, paths, fill[None]))
 
 
 def complete_paths(root: Tensor, pool: Pool, chosen: Tensor, branch: Tensor,

@@ -15,11 +15,14 @@ import json
 import logging
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 
+from gumiho.budget import choose_total_tokens
 from gumiho.config import FTA_MODES, METHODS, TreeConfig
 from gumiho.drafters import Drafter, load_drafter
 from gumiho.engine import GenerateConfig, GenerationResult, generate
-from gumiho.errors import cli_errors
+from gumiho.errors import GumihoError, cli_errors
+from gumiho.graphs import ENGINES, resolve_engine
 from gumiho.target import Target, load_target
 
 Prompt = str | list[dict] | list[int]
@@ -28,22 +31,39 @@ Prompt = str | list[dict] | list[int]
 class SpeculativeGenerator:
     """A target and a drafter loaded once; `generate` and `stream` as often as you like."""
 
-    def __init__(self, target: Target, drafter: Drafter, verify_width: int | None = None):
+    def __init__(self, target: Target, drafter: Drafter, verify_width: int | None = None,
+                 engine: str | None = None):
         self.target = target
         self.drafter = drafter
         self.verify_width = verify_width  # pad verify steps to one static shape
+        self.engine = engine  # eager | graphs | compile; None: graphs on GPU, eager on CPU
         self.last_result: GenerationResult | None = None
+        self.auto_report: dict | None = None
 
     @classmethod
     def load(cls, target: str = "smollm2", method: str = "ar", draft: str | None = None,
              device: str | None = None, dtype: str | None = None,
              chat_template: str | None = None, verify_width: int | None = None,
-             **tree_options):
+             engine: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
-        fta); unset ones take the method's reference defaults."""
+        fta); unset ones take the method's reference defaults. total_tokens="auto" times
+        this device and the drafter and picks the fastest size (budget.py)."""
         loaded = load_target(target, device=device, dtype=dtype, chat_template=chat_template)
+        auto = tree_options.get("total_tokens") == "auto"
+        if auto:
+            tree_options = {**tree_options, "total_tokens": None}
         tree = TreeConfig.for_method(method, **tree_options)
-        return cls(loaded, load_drafter(method, loaded, draft, tree=tree), verify_width)
+        report = None
+        if auto and method != "ar":
+            if draft is None:
+                raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
+            report = choose_total_tokens(loaded, method, draft, tree,
+                                         resolve_engine(engine, loaded.device))
+            tree = replace(tree, total_tokens=report["total_tokens"])
+        drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
+        gen = cls(loaded, drafter, verify_width, engine)
+        gen.auto_report = report  # how `auto` chose the tree size, or None
+        return gen
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """A string is one user turn, a list of dicts a chat, a list of ints raw token ids."""
@@ -53,7 +73,8 @@ class SpeculativeGenerator:
 
     def _steps(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int):
         config = GenerateConfig(max_new_tokens=max_new_tokens, temperature=temperature,
-                                seed=seed, verify_width=self.verify_width)
+                                seed=seed, verify_width=self.verify_width,
+                                engine=self.engine)
         return generate(self.target, self.drafter, self.prompt_ids(prompt), config)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
@@ -89,13 +110,18 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
                         "(default: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--chat-template", default=None,
                         help="for tokenizers without one: 'vicuna' or a Jinja template")
+    parser.add_argument("--engine", default=None, choices=ENGINES,
+                        help="how steps run: eager, graphs (CUDA graphs) or compile "
+                        "(torch.compile); default graphs on a GPU, eager on a CPU")
 
 
 def add_tree_args(parser: argparse.ArgumentParser) -> None:
     """TreeConfig fields as flags; unset ones take the method's reference defaults."""
     group = parser.add_argument_group("draft tree (defaults: the method's reference settings)")
-    group.add_argument("--total-tokens", type=int, help="verified tokens incl. the root "
-                       "(gumiho 64, eagle2 60, medusa 64)")
+    group.add_argument("--total-tokens", type=total_tokens_arg,
+                       help="verified tokens incl. the root (gumiho 64, eagle2 60, medusa 64), "
+                       "or 'auto': time this device and the drafter and pick the fastest size "
+                       "up to the reference (cached)")
     group.add_argument("--top-k", type=int, help="beam width at serial levels (gumiho 14, "
                        "eagle2 10)")
     group.add_argument("--mlp-topk", type=int, help="candidates per node at MLP levels (35)")
@@ -104,6 +130,15 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fta", choices=FTA_MODES, help="Full Tree Attention (gumiho): off "
                        "(plain dynamic tree, default), exact (lossless path completion), or "
                        "official (the released splice: APPROXIMATE, not lossless)")
+
+
+def total_tokens_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
 
 
 def tree_options(args: argparse.Namespace) -> dict:
@@ -135,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
                                     device=args.device, dtype=args.dtype,
                                     chat_template=args.chat_template,
-                                    verify_width=args.verify_width, **tree_options(args))
+                                    verify_width=args.verify_width, engine=args.engine,
+                                    **tree_options(args))
     pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed)
     for piece in pieces:
         if not args.json:

@@ -50,6 +50,20 @@ class KVCache:
         for layer in self.hf.layers:
             layer.cumulative_length.fill_(length)
 
+    def seek(self, write_at: Tensor) -> None:
+        """Device-side `rewind`, for captured steps: write_at is a (1,) long tensor."""
+        for layer in self.hf.layers:
+            layer.cumulative_length.copy_(write_at[0])
+
+    def write_position(self, offset: int = 0) -> Tensor:
+        """Where the next step writes, as the (1,) tensor a captured step takes."""
+        return torch.full((1,), self.length + offset, dtype=torch.long, device=self.device)
+
+    def reset(self) -> None:
+        """Start a new sequence in the same memory (captured steps stay valid)."""
+        self.length = 0
+        self.rewind(0)
+
     def begin_step(self, new_tokens: int, offset: int = 0) -> None:
         """Prepare a forward over `new_tokens` tokens: they go to slots length + offset.. .
 

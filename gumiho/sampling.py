@@ -18,15 +18,48 @@ def accept_greedy(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor]:
 
     logits: (K, V) target logits at the tree nodes.
     """
+    accepted, bonus, _ = accept_greedy_tokens(tree, logits)
+    return accepted, bonus
+
+
+def accept_greedy_tokens(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+    """`accept_greedy`, plus the emitted tokens (accepted drafts, then the bonus) on the host.
+
+    One host sync: a single transfer brings back the accept length and the tokens.
+    A node is reachable when it and all its ancestors match the target's argmax at their
+    parents; the deepest reachable node (the first in node order on a tie: equal token
+    chains, so equal output) ends the accepted path.
+    """
     argmax = logits.argmax(-1)  # (K,)
+    if tree.spliced_paths is not None:  # the official FTA: follow its spliced paths
+        return _accept_along_paths(tree, argmax)
+    k = tree.size
+    matched = tree.tokens == argmax[tree.parents.clamp(min=0)]
+    matched[0] = True  # the root is already the target's
+    reachable = ~(tree.mask & ~matched[None, :]).any(1)
+    reach = torch.where(reachable, tree.depths, -1)
+    best = reach.argmax()
+    # best's ancestors ordered by depth (slot k collects the non-ancestors, then is dropped)
+    order = torch.zeros(k + 1, dtype=torch.long, device=argmax.device)
+    order.scatter_(0, torch.where(tree.mask[best], tree.depths, k),
+                   torch.arange(k, device=argmax.device))
+    bonus = argmax[best]
+    packed = torch.cat([reach[best].view(1), tree.tokens[order[1:k]], bonus.view(1)])
+    host = packed.tolist()  # the host sync of the cycle: accept length and tokens
+    n = host[0]
+    return order[: n + 1], bonus, host[1 : n + 1] + host[-1:]
+
+
+def _accept_along_paths(tree: DraftTree, argmax: Tensor) -> tuple[Tensor, Tensor, list[int]]:
     paths = tree.paths  # (P, D + 1)
     safe = paths.clamp(min=0)
     match = (tree.tokens[safe[:, 1:]] == argmax[safe[:, :-1]]) & (paths[:, 1:] >= 0)
     lengths = match.long().cumprod(1).sum(1)  # (P,) accepted draft tokens per path
     best = int(lengths.argmax())
-    n = int(lengths[best])  # the host sync of the cycle: the accept length
+    n = int(lengths[best])
     accepted = safe[best, : n + 1]
-    return accepted, argmax[accepted[-1]]
+    bonus = argmax[accepted[-1]]
+    return accepted, bonus, tree.tokens[accepted[1:]].tolist() + [int(bonus)]
 
 
 def sample_token(logits: Tensor, temperature: float, generator: torch.Generator) -> Tensor:
@@ -81,7 +114,9 @@ def path_children(tree: DraftTree) -> list[list[int]]:
 
 
 def accept(tree: DraftTree, logits: Tensor, temperature: float,
-           generator: torch.Generator) -> tuple[Tensor, Tensor]:
+           generator: torch.Generator) -> tuple[Tensor, Tensor, list[int]]:
+    """(accepted node indices, bonus token, the emitted tokens on the host)."""
     if temperature == 0:
-        return accept_greedy(tree, logits)
-    return accept_sampling(tree, logits, temperature, generator)
+        return accept_greedy_tokens(tree, logits)
+    accepted, bonus = accept_sampling(tree, logits, temperature, generator)
+    return accepted, bonus, tree.tokens[accepted[1:]].tolist() + [int(bonus)]

@@ -60,7 +60,7 @@ class Target:
     def embed_tokens(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: compiled steps reject inference tensors
     def forward(
         self, input_ids: Tensor, position_ids: Tensor, cache, attention_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:

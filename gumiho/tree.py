@@ -7,7 +7,7 @@ are computed with tensor ops, one step per tree level, never per node.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -19,7 +19,13 @@ class DraftTree:
     parents: Tensor  # (K,) long; parents[0] == -1, parents[i] < i
     depths: Tensor  # (K,) long; depth of the root is 0
     mask: Tensor  # (K, K) bool; mask[i, j]: j is i or an ancestor of i
-    paths: Tensor  # (P, D + 1) long; node indices of each root-to-leaf path, -1 padded
+    # Root-to-leaf paths (P, D + 1), -1 padded. Derived from the mask when first read
+    # (that needs host syncs, so the greedy fast path never reads it); set explicitly only
+    # by the official FTA splice, whose paths are not the tree's own.
+    spliced_paths: Tensor | None = None
+    # (K,) float: the order a smaller budget would keep nodes in (higher first; the root
+    # +inf). Set by score-ranked selection and static trees; used by `--total-tokens auto`.
+    priority: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -29,32 +35,47 @@ class DraftTree:
     def max_depth(self) -> int:
         return self.paths.shape[1] - 1
 
+    @property
+    def paths(self) -> Tensor:
+        if self.spliced_paths is not None:
+            return self.spliced_paths
+        cached = self.__dict__.get("_paths")
+        if cached is None:
+            cached = leaf_paths(self.parents, self.depths, self.mask)
+            object.__setattr__(self, "_paths", cached)
+        return cached
+
     @staticmethod
-    def from_parents(tokens: Tensor, parents: Tensor) -> DraftTree:
-        """Derive depths, the ancestor mask and the paths from tokens (K,) and parents (K,)."""
+    def from_parents(tokens: Tensor, parents: Tensor, max_depth: int | None = None
+                     ) -> DraftTree:
+        """Derive depths and the ancestor mask from tokens (K,) and parents (K,).
+
+        With `max_depth` (a bound the caller knows, e.g. the drafter's depth) the parents
+        are trusted and the ancestor walk runs exactly that many steps: no host sync, so a
+        drafter can build its tree without stalling the device queue. Without it the
+        parents are checked and the walk stops when every chain reaches the root.
+        """
         k = tokens.shape[0]
         device = tokens.device
         parents = parents.to(device=device, dtype=torch.long)
-        later = parents[1:] >= torch.arange(1, k, device=device)
-        if k == 0 or parents[0] != -1 or bool(later.any()):
-            raise ValueError("parents must be topological: parents[0] == -1 and parents[i] < i")
+        if max_depth is None:
+            later = parents[1:] >= torch.arange(1, k, device=device)
+            if k == 0 or parents[0] != -1 or bool(later.any()):
+                raise ValueError("parents must be topological: parents[0] == -1 and "
+                                 "parents[i] < i")
         nodes = torch.arange(k, device=device)
-        mask = torch.eye(k, dtype=torch.bool, device=device)
+        # Column k is a spare slot that takes the writes of nodes already past the root.
+        mask = torch.eye(k, k + 1, dtype=torch.bool, device=device)
         ancestor = parents.clone()  # the d-th ancestor of every node, -1 once past the root
-        while bool((ancestor >= 0).any()):
+        step = 0
+        while (step < max_depth) if max_depth is not None else bool((ancestor >= 0).any()):
             has = ancestor >= 0
-            mask[nodes[has], ancestor[has]] = True
+            mask[nodes, torch.where(has, ancestor, k)] = True
             ancestor = torch.where(has, parents[ancestor.clamp(min=0)], ancestor)
-        depths = mask.sum(1) - 1
-        is_leaf = torch.ones(k, dtype=torch.bool, device=device)
-        is_leaf[parents[1:]] = False
-        leaves = nodes[is_leaf]
-        paths = torch.full((leaves.shape[0], int(depths.max()) + 1), -1, dtype=torch.long,
-                           device=device)
-        rows, cols = mask[leaves].nonzero(as_tuple=True)
-        paths[rows, depths[cols]] = cols
-        return DraftTree(tokens=tokens.long(), parents=parents, depths=depths, mask=mask,
-                         paths=paths)
+            step += 1
+        mask = mask[:, :k].contiguous()
+        return DraftTree(tokens=tokens.long(), parents=parents, depths=mask.sum(1) - 1,
+                         mask=mask)
 
     @staticmethod
     def chain(tokens: Tensor) -> DraftTree:
@@ -66,6 +87,19 @@ class DraftTree:
     def children(self, node: int) -> Tensor:
         """Indices of node's children, in tree order (used by rejection sampling)."""
         return (self.parents == node).nonzero().flatten()
+
+
+def leaf_paths(parents: Tensor, depths: Tensor, mask: Tensor) -> Tensor:
+    """(P, D + 1) node indices of each root-to-leaf path, -1 padded, leaves in node order."""
+    k = parents.shape[0]
+    is_leaf = torch.ones(k, dtype=torch.bool, device=parents.device)
+    is_leaf[parents[1:]] = False
+    leaves = is_leaf.nonzero().flatten()
+    paths = torch.full((leaves.shape[0], int(depths.max()) + 1), -1, dtype=torch.long,
+                       device=parents.device)
+    rows, cols = mask[leaves].nonzero(as_tuple=True)
+    paths[rows, depths[cols]] = cols
+    return paths
 
 
 # ---- building trees from a drafter's candidate pool -------------------------------------
@@ -103,26 +137,32 @@ def expand_level(scores: Tensor, tokens: Tensor, logprobs: Tensor, keep: int,
     return level, row
 
 
-def select_tree(root: Tensor, pool: Pool, budget: int) -> tuple[DraftTree, Tensor]:
+def select_tree(root: Tensor, pool: Pool, budget: int, max_depth: int | None = None
+                ) -> tuple[DraftTree, Tensor]:
     """The `budget` best pool nodes by cumulative score under the root, as a DraftTree.
 
     A child's score never exceeds its parent's; a tiny per-depth penalty breaks ties in
     the parent's favour, so the selection is ancestor-closed. Returns the tree and the
-    selected pool indices (tree node i + 1 is pool node selected[i]).
+    selected pool indices (tree node i + 1 is pool node selected[i]). max_depth: the
+    pool's depth bound, if known (see DraftTree.from_parents).
     """
     key = pool.scores - 1e-6 * pool.depths
     chosen = key.topk(min(budget, key.shape[0])).indices.sort().values  # pool order is topological
-    return tree_from_pool(root, pool, chosen), chosen
+    tree = tree_from_pool(root, pool, chosen, max_depth)
+    priority = torch.cat([key.new_full((1,), float("inf")), key[chosen]])
+    return replace(tree, priority=priority), chosen
 
 
-def tree_from_pool(root: Tensor, pool: Pool, chosen: Tensor) -> DraftTree:
+def tree_from_pool(root: Tensor, pool: Pool, chosen: Tensor, max_depth: int | None = None
+                   ) -> DraftTree:
     """A DraftTree of the root plus pool nodes `chosen` (sorted, ancestor-closed)."""
     position = torch.full((pool.tokens.shape[0],), -1, dtype=torch.long, device=chosen.device)
     position[chosen] = torch.arange(1, chosen.shape[0] + 1, device=chosen.device)
     pool_parents = pool.parents[chosen]
     parents = torch.where(pool_parents >= 0, position[pool_parents.clamp(min=0)], 0)
     tokens = torch.cat([root.view(1), pool.tokens[chosen]])
-    return DraftTree.from_parents(tokens, torch.cat([parents.new_tensor([-1]), parents]))
+    return DraftTree.from_parents(tokens, torch.cat([parents.new_tensor([-1]), parents]),
+                                  max_depth)
 
 
 def static_tree(size: int, depth: int, head_accuracy: list[float], decay: float = 0.55,

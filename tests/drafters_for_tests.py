@@ -118,13 +118,13 @@ class OracleHead:
         return logits
 
 
-def oracle_drafter(method, target, full, tree):
+def oracle_drafter(method, target, full, tree, engine="eager"):
     """A SerialDrafter (gumiho or eagle2) whose network and lm_head are the oracle."""
     from gumiho.config import DrafterConfig
     from gumiho.drafters import SerialDrafter
 
     config = DrafterConfig.for_target(target.config, method)
-    drafter = SerialDrafter(OracleModel(config, full), tree)
+    drafter = SerialDrafter(OracleModel(config, full), tree, engine=engine)
     begin = drafter.begin
 
     def begin_with_oracle_head(tgt, capacity):

@@ -1,6 +1,8 @@
-"""The timing tool runs end to end and its profile of real generation is consistent."""
+"""The timing tool runs end to end and its per-phase profile is consistent."""
 
 import json
+
+import pytest
 
 from gumiho.evaluation import timing
 
@@ -8,14 +10,31 @@ from gumiho.evaluation import timing
 def test_timing_tool_reports_every_phase(tiny_target_dir, capsys):
     code = timing.main(["--target", tiny_target_dir, "--widths", "1,4", "--methods",
                         "gumiho,eagle2,medusa", "--repeats", "1", "--context", "16", "--json",
-                        "--profile-draft", "random", "--max-new-tokens", "8",
-                        "--total-tokens", "8", "--top-k", "3", "--mlp-topk", "3",
-                        "--pruning", "3"])
+                        "--max-new-tokens", "8", "--tau", "3", "--total-tokens", "8",
+                        "--top-k", "3", "--mlp-topk", "3", "--pruning", "3"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(report["verify_s"]) == {"1", "4"}
-    assert set(report["draft_s"]) == {"gumiho", "eagle2", "medusa"}
-    profile = report["profile"]
-    assert set(profile["per_cycle_s"]) == {"draft", "verify", "accept_commit"}
-    assert profile["identical_to_plain"] and profile["tree"]["total_tokens"] == 8
-    assert all(v > 0 for v in profile["per_cycle_s"].values())
+    assert set(report["verify_s"]) == {"1", "4"} and report["engine"] == "eager"
+    assert set(report["cycles"]) == {"gumiho", "eagle2", "medusa"}
+    gumiho = report["cycles"]["gumiho"]
+    assert set(gumiho["per_cycle_s"]) == {"draft", "draft_serial", "draft_heads", "draft_tree",
+                                          "verify", "accept_commit"}
+    assert gumiho["identical_to_plain"] and gumiho["tree"]["total_tokens"] == 8
+    assert gumiho["per_cycle_s"]["draft_serial"] > 0 and gumiho["per_cycle_s"]["draft_heads"] > 0
+    assert "draft_heads" not in report["cycles"]["eagle2"]["per_cycle_s"] or \
+        report["cycles"]["eagle2"]["per_cycle_s"]["draft_heads"] == 0
+    # the projection is tau x plain step / cycle
+    expected = 3 * gumiho["plain_step_s"] / gumiho["cycle_s"]
+    assert gumiho["projected"]["speedup"] == pytest.approx(expected)
+
+
+def test_shape_builds_a_random_llama_of_that_size():
+    target = timing.shape_target("llama3-8b", "cpu", "float32", layers=1)
+    config = target.model.config
+    assert (config.hidden_size, config.num_key_value_heads, config.vocab_size) == \
+        (4096, 8, 128256)
+    assert config.num_hidden_layers == 1 and target.tokenizer is None
+
+
+def test_projected_speedup_arithmetic():
+    assert timing.projected_speedup(3.0, 0.010, 0.015) == pytest.approx(2.0)

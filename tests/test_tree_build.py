@@ -67,13 +67,13 @@ def gumiho_random(tiny_target):
 
 def test_serial_level_siblings_do_not_see_each_other(gumiho_random):
     drafter = gumiho_random
-    out1 = drafter._catch_up()
+    out1, _ = drafter._catch_up()
     tokens = torch.tensor([4, 9, 23, 51])
-    together = drafter._serial_level(tokens, out1.expand(4, -1),
-                                     torch.zeros(4, 0, dtype=torch.bool))
+    together, _, _ = drafter._serial_level(tokens, out1.expand(4, -1),
+                                           torch.zeros(4, 0, dtype=torch.bool))
     for i in range(4):
-        alone = drafter._serial_level(tokens[i : i + 1], out1[None],
-                                      torch.zeros(1, 0, dtype=torch.bool))
+        alone, _, _ = drafter._serial_level(tokens[i : i + 1], out1[None],
+                                            torch.zeros(1, 0, dtype=torch.bool))
         torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=0)
 
 
@@ -92,7 +92,7 @@ def test_each_mlp_row_pairs_a_level2_node_with_its_own_parent(gumiho_random):
     for j in range(seen["d1"].shape[0]):
         # out2[j] is what serial step 2 gives for d1[j] alone ...
         alone = drafter._serial_level(seen["d1"][j : j + 1], out1[None],
-                                      torch.zeros(1, 0, dtype=torch.bool))[0]
+                                      torch.zeros(1, 0, dtype=torch.bool))[0][0]
         torch.testing.assert_close(seen["out2"][j], alone, atol=1e-5, rtol=0)
         # ... and d2[j] was drawn from that output's top-k
         top = drafter._logprobs(alone).topk(drafter.tree.top_k).indices

@@ -1,10 +1,22 @@
-"""Per-phase cost of a speculative cycle on the current device.
+"""Per-phase cost of a speculative cycle on the current device, and the speedup it implies.
 
-    python -m gumiho.evaluation.timing --target smollm2 [--widths 1,8,16,64] [--json]
+    python -m gumiho.evaluation.timing --target smollm2 [--methods gumiho,eagle2,medusa]
+    python -m gumiho.evaluation.timing --shape llama3-8b --device cuda --engine graphs --json
 
-Times, after warm-up and with device synchronisation around each timed call: one target
-step over K tree tokens on top of a cache of `--context` tokens (K = 1 is a plain decode
-step), and one drafting cycle of each drafter method given with --methods.
+`--shape` builds a random-weight stock Llama of that size (no weights needed), so a user
+without the 8B checkpoint can see what an 8B cycle costs here. Reported, after warm-up and
+with a device synchronisation around each timed call:
+
+* a target step over K tree tokens on top of `--context` committed tokens (K = 1 is a plain
+  decode step), through the chosen engine;
+* per method, a profiled generation (random-weight drafter unless `--draft`): per cycle
+  the serial draft steps, the MLP/Medusa heads, the rest of drafting (tree build), the
+  verify step and accept/commit; the cycle in plain steps, and the projected speedup
+  `tau * plain step / cycle` for `--tau` (default: the run's own tau when `--draft` is a
+  trained drafter).
+
+Captured engines sync only at the accept length (one host sync per greedy cycle); the
+profiled run adds a sync around each phase to attribute time.
 """
 
 from __future__ import annotations
@@ -18,13 +30,25 @@ from collections.abc import Callable
 
 import torch
 
-from gumiho.drafters import load_drafter
-from gumiho.engine import prefill, verify_tree
-from gumiho.errors import cli_errors
+from gumiho.config import TreeConfig
+from gumiho.drafters import PlainDrafter, load_drafter
+from gumiho.engine import GenerateConfig, TargetRunner, prefill, run, verify_tree
+from gumiho.errors import GumihoError, cli_errors
 from gumiho.generate import add_target_args, add_tree_args, tree_options
-from gumiho.kv_cache import KVCache
-from gumiho.target import Target, load_target
+from gumiho.graphs import resolve_engine
+from gumiho.target import Target, choose_device_dtype, load_target, wrap_target
 from gumiho.tree import DraftTree
+
+# Stock Llama shapes for --shape (SmolLM2-135M's own config; Llama-3-8B's published one).
+SHAPES = {
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    rope_theta=100000.0, tie_word_embeddings=True),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      rope_theta=500000.0, tie_word_embeddings=False),
+}
+PROMPT = "Explain in a few sentences why the sky is blue."
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
@@ -45,116 +69,160 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: 
     return statistics.median(times)
 
 
-def verify_step_seconds(target: Target, width: int, context: int, repeats: int) -> float:
-    """One target forward over a `width`-node tree (a balanced binary tree) at `context`."""
+def shape_target(shape: str, device: str | None, dtype: str | None,
+                 layers: int | None = None) -> Target:
+    """A random-weight stock LlamaForCausalLM of a named shape, built on the device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape not in SHAPES:
+        raise GumihoError(f"unknown shape {shape!r}: use one of {', '.join(SHAPES)}")
+    dev, torch_dtype = choose_device_dtype(device, dtype)
+    fields = dict(SHAPES[shape], max_position_embeddings=8192)
+    if layers:
+        fields["num_hidden_layers"] = layers
+    config = LlamaConfig(**fields, attn_implementation="sdpa")
+    default = torch.get_default_dtype()
+    torch.manual_seed(0)
+    try:
+        torch.set_default_dtype(torch_dtype)
+        with dev:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    target = wrap_target(model.eval(), name=f"{shape} shape (random weights)")
+    return target
+
+
+def verify_step_seconds(target: Target, width: int, context: int, repeats: int,
+                        engine: str = "eager") -> float:
+    """One target step over a `width`-node tree (a balanced binary tree) on top of
+    `context` committed tokens, through `engine`'s (captured) step."""
     device = target.device
-    cache = KVCache.for_model(target.model, context + width + 1)
+    runner = TargetRunner(target, engine)
+    cache = runner.cache_for(context + width + 1)
     prompt = torch.randint(100, 1000, (1, context), device=device)
     prefill(target, cache, prompt)
     parents = torch.cat([torch.tensor([-1]), torch.arange(width - 1) // 2]).to(device)
     tree = DraftTree.from_parents(torch.randint(100, 1000, (width,), device=device), parents)
-    return timed(lambda: verify_tree(target, cache, tree), device, repeats)
+    return timed(lambda: verify_tree(target, cache, tree, step=runner.step), device, repeats)
 
 
-def draft_cycle_seconds(target: Target, method: str, context: int, repeats: int,
-                        accepted: int = 4) -> float:
-    """One drafting cycle of a random-weight drafter of `method` after a `context`-token
-    prompt: observe `accepted` new tokens (as after a verify), then `propose()`."""
-    device = target.device
-    drafter = load_drafter(method, target, "random")
-    capacity = context + accepted * (repeats + 2) + drafter.max_nodes + 8
-    cache = KVCache.for_model(target.model, capacity)
-    prompt = torch.randint(100, 1000, (1, context), device=device)
-    features, _ = prefill(target, cache, prompt)
-    next_tokens = torch.cat([prompt[0, 1:], prompt[0, -1:]])
-    drafter.begin(target, capacity)
-    drafter.observe(features, next_tokens)
-    drafter.propose()
-
-    def cycle():
-        drafter.observe(features[-accepted:], next_tokens[-accepted:])
-        return drafter.propose()
-
-    return timed(cycle, device, repeats)
+def prompt_ids(target: Target, context: int) -> list[int]:
+    if target.tokenizer is not None:
+        return target.chat_ids(PROMPT)
+    return torch.randint(100, 1000, (context,), generator=torch.Generator().manual_seed(0)
+                         ).tolist()
 
 
-def profile_generation(target: Target, method: str, draft: str, prompt: str,
-                       max_new_tokens: int, **tree_options) -> dict:
-    """Per-cycle phase costs of a real generation, and plain decoding on the same prompt."""
-    from gumiho.config import TreeConfig
-    from gumiho.drafters import PlainDrafter
-    from gumiho.engine import GenerateConfig, run
-
-    tree = TreeConfig.for_method(method, **tree_options)
-    drafter = load_drafter(method, target, draft, tree=tree)
-    ids = target.chat_ids(prompt)
-    config = GenerateConfig(max_new_tokens=max_new_tokens, profile=True)
-    run(target, drafter, ids, GenerateConfig(max_new_tokens=8))  # warm-up
+def cycle_breakdown(target: Target, method: str, draft: str, engine: str, context: int,
+                    max_new_tokens: int, **tree_opts) -> dict:
+    """Per-cycle phase costs of a profiled generation of `method`, and of plain decoding
+    on the same prompt through the same engine."""
+    tree = TreeConfig.for_method(method, **tree_opts)
+    drafter = load_drafter(method, target, draft, tree=tree, engine=engine)
+    ids = prompt_ids(target, context)
+    config = GenerateConfig(max_new_tokens=max_new_tokens, profile=True, engine=engine)
+    for d in (drafter, PlainDrafter()):  # warm-up: captures every step shape
+        run(target, d, ids, GenerateConfig(max_new_tokens=16, engine=engine))
     fast = run(target, drafter, ids, config)
     plain = run(target, PlainDrafter(), ids, config)
-    verify_cycles = max(fast.cycles - 1, 1)
-    per_cycle = {k: v / verify_cycles for k, v in fast.phase_s.items() if k != "prefill"}
-    plain_step = plain.phase_s["verify"] / max(plain.cycles - 1, 1)
-    cycle = sum(per_cycle.values())
-    return {"method": method, "tree": vars(tree), "tau": fast.tau, "per_cycle_s": per_cycle,
-            "plain_step_s": plain_step, "cycle_over_plain_step": cycle / plain_step,
-            "tokens_per_s": fast.tokens_per_s, "plain_tokens_per_s": plain.tokens_per_s,
-            "speedup": fast.tokens_per_s / plain.tokens_per_s,
+    cycles = max(fast.cycles - 1, 1)  # the prefill is not a cycle
+    phases = {k: v / cycles for k, v in fast.phase_s.items() if k != "prefill"}
+    inner = phases.get("draft_serial", 0.0) + phases.get("draft_heads", 0.0)
+    phases["draft_tree"] = max(phases.get("draft", 0.0) - inner, 0.0)
+    cycle = phases["draft"] + phases["verify"] + phases["accept_commit"]
+    plain_cycles = max(plain.cycles - 1, 1)
+    plain_step = (plain.phase_s["verify"] + plain.phase_s["accept_commit"]
+                  + plain.phase_s.get("draft", 0.0)) / plain_cycles
+    return {"method": method, "draft": draft, "tree": vars(tree), "per_cycle_s": phases,
+            "cycle_s": cycle, "plain_step_s": plain_step,
+            "cycle_over_plain_step": cycle / plain_step, "tau": fast.tau,
             "identical_to_plain": fast.token_ids == plain.token_ids}
+
+
+def projected_speedup(tau: float, plain_step_s: float, cycle_s: float) -> float:
+    """Tokens/s of speculative decoding over plain decoding: tau tokens per cycle."""
+    return tau * plain_step_s / cycle_s
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gumiho.evaluation.timing",
+                                     description=__doc__.split("\n")[0])
+    add_target_args(parser)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="time a random-weight Llama of this shape instead of --target")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="with --shape: fewer layers (to fit a small machine)")
+    parser.add_argument("--widths", default="1,8,16,32,64", help="tree widths to time")
+    parser.add_argument("--methods", default="", help="cycles to profile, e.g. gumiho,eagle2")
+    parser.add_argument("--draft", default="random",
+                        help="drafter dir for a single --methods entry (default: random)")
+    parser.add_argument("--tau", type=float, default=None,
+                        help="tau for the projected speedup (default: the run's own)")
+    parser.add_argument("--context", type=int, default=128, help="committed tokens in cache")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="tokens per profiled generation")
+    parser.add_argument("--json", action="store_true")
+    add_tree_args(parser)
+    return parser
 
 
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gumiho.evaluation.timing",
-                                     description=__doc__.split("\n")[0])
-    add_target_args(parser)
-    parser.add_argument("--widths", default="1,8,16,64", help="tree widths to time")
-    parser.add_argument("--methods", default="", help="drafters to time, e.g. gumiho,eagle2")
-    parser.add_argument("--context", type=int, default=128, help="committed tokens in cache")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--profile-draft", default=None, help="profile real generation with "
-                        "this drafter dir (or 'random') of --profile-method")
-    parser.add_argument("--profile-method", default="gumiho")
-    parser.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    add_tree_args(parser)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     torch.manual_seed(0)
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    if args.shape:
+        target = shape_target(args.shape, args.device, args.dtype, args.layers)
+    else:
+        target = load_target(args.target, device=args.device, dtype=args.dtype)
+    engine = resolve_engine(args.engine, target.device)
+    methods = [m for m in args.methods.split(",") if m]
+    if args.draft != "random" and len(methods) != 1:
+        raise GumihoError("--draft DIR goes with exactly one --methods entry")
     widths = [int(w) for w in args.widths.split(",") if w]
-    report = {"target": args.target, "device": str(target.device),
-              "dtype": str(target.dtype), "context": args.context,
-              "torch": torch.__version__, "verify_s": {}, "draft_s": {}}
+    report = {"target": target.name, "device": str(target.device),
+              "device_name": (torch.cuda.get_device_name(target.device)
+                              if target.device.type == "cuda" else "cpu"),
+              "dtype": str(target.dtype), "engine": engine, "context": args.context,
+              "torch": torch.__version__, "verify_s": {}, "cycles": {}}
     for width in widths:
         report["verify_s"][width] = verify_step_seconds(target, width, args.context,
-                                                        args.repeats)
-    for method in filter(None, args.methods.split(",")):
-        report["draft_s"][method] = draft_cycle_seconds(target, method, args.context,
-                                                        args.repeats)
-    if args.profile_draft:
-        report["profile"] = profile_generation(target, args.profile_method, args.profile_draft,
-                                               args.prompt, args.max_new_tokens,
-                                               **tree_options(args))
+                                                        args.repeats, engine)
+    options = tree_options(args)
+    for method in methods:
+        cycle = cycle_breakdown(target, method, args.draft, engine, args.context,
+                                args.max_new_tokens, **options)
+        tau = args.tau if args.tau is not None else cycle["tau"]
+        cycle["projected"] = {"tau": tau, "speedup": projected_speedup(
+            tau, cycle["plain_step_s"], cycle["cycle_s"])}
+        report["cycles"][method] = cycle
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{args.target} on {report['device']} ({report['dtype']}), context {args.context}")
+    print_report(report)
+    return 0
+
+
+def print_report(report: dict) -> None:
+    print(f"{report['target']} on {report['device_name']} ({report['dtype']}), engine "
+          f"{report['engine']}, context {report['context']}")
     for width, sec in report["verify_s"].items():
         label = "plain decode step" if width == 1 else f"verify step, {width} tree tokens"
-        print(f"  {label:32s} {sec * 1e3:8.1f} ms")
-    for method, sec in report["draft_s"].items():
-        print(f"  {'draft cycle, ' + method:32s} {sec * 1e3:8.1f} ms")
-    if "profile" in report:
-        prof = report["profile"]
-        print(f"generation with {prof['method']} ({prof['tree']}):")
-        for phase, sec in prof["per_cycle_s"].items():
-            print(f"  {phase + ' per cycle':32s} {sec * 1e3:8.1f} ms")
-        print(f"  plain decode step {prof['plain_step_s'] * 1e3:.1f} ms; a cycle costs "
-              f"{prof['cycle_over_plain_step']:.2f} plain steps (break-even tau); tau "
-              f"{prof['tau']:.2f} -> speedup {prof['speedup']:.2f}x "
-              f"(identical output: {prof['identical_to_plain']})")
-    return 0
+        print(f"  {label:34s} {sec * 1e3:8.2f} ms")
+    for method, cycle in report["cycles"].items():
+        print(f"{method} cycle ({cycle['draft']} drafter, {cycle['tree']['total_tokens']} "
+              "tokens), per cycle:")
+        for phase in ("draft_serial", "draft_heads", "draft_tree", "draft", "verify",
+                      "accept_commit"):
+            if phase in cycle["per_cycle_s"]:
+                label = {"draft": "draft (total)"}.get(phase, phase)
+                print(f"  {label:34s} {cycle['per_cycle_s'][phase] * 1e3:8.2f} ms")
+        proj = cycle["projected"]
+        print(f"  cycle {cycle['cycle_s'] * 1e3:.2f} ms = {cycle['cycle_over_plain_step']:.2f}"
+              f" plain steps ({cycle['plain_step_s'] * 1e3:.2f} ms); at tau {proj['tau']:.2f}"
+              f" the speedup is {proj['speedup']:.2f}x (output identical to plain: "
+              f"{cycle['identical_to_plain']})")
 
 
 if __name__ == "__main__":

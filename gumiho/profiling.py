@@ -1,0 +1,34 @@
+"""Per-phase wall time of the loop, on request (`GenerateConfig(profile=True)`, the
+timing tool). Off by default: timing a phase honestly needs a device synchronisation on
+each side, which the fast path avoids."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+
+class PhaseTimer:
+    """Seconds per phase, summed over calls; a no-op unless enabled. Phases may nest
+    (the drafter times its serial steps and MLP heads inside the loop's `draft`)."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device, self.enabled = device, enabled
+        self.totals: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if not self.enabled:
+            yield
+            return
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,127 @@
+"""Captured engines give the same tokens as eager execution (STYLE: the fast path may not
+change outputs). On a CPU: `static` (every step through its replay buffers) on the real
+SmolLM2 with oracle drafters that accept up to 8 tokens a cycle, and `compile` (inductor)
+on a tiny Llama. On a GPU (`device`): CUDA graphs."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gumiho.config import TreeConfig
+from gumiho.drafters import PlainDrafter, load_drafter
+from gumiho.engine import GenerateConfig, run
+from gumiho.errors import GumihoError
+from gumiho.graphs import StaticStep, resolve_engine
+from gumiho.sampling import accept_greedy
+from gumiho.tree import DraftTree
+
+from drafters_for_tests import oracle_drafter, random_tree
+
+PROMPT = "List three uses of a paperclip."
+N = 24
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    ids = smollm2.chat_ids(PROMPT)
+    return ids, run(smollm2, PlainDrafter(), ids, GenerateConfig(max_new_tokens=N))
+
+
+@pytest.mark.parametrize("method", ["gumiho", "eagle2"])
+def test_static_buffers_give_eager_tokens_with_long_accepts(smollm2, reference, method):
+    ids, plain = reference
+    full = ids + plain.token_ids
+    tree = TreeConfig.for_method(method)
+    runs = {}
+    for engine in ("eager", "static"):
+        drafter = oracle_drafter(method, smollm2, full, tree, engine=engine)
+        config = GenerateConfig(max_new_tokens=N, engine=engine)
+        runs[engine] = [run(smollm2, drafter, ids, config) for _ in range(2)]  # reuses steps
+    for out in runs["eager"] + runs["static"]:
+        assert out.token_ids == plain.token_ids
+    assert runs["static"][1].accept_lengths == runs["eager"][1].accept_lengths
+    assert max(runs["static"][0].accept_lengths) >= 7  # padded catch-ups of every length
+
+
+@pytest.mark.parametrize("method", ["ar", "medusa"])
+def test_static_buffers_plain_and_medusa(smollm2, reference, method):
+    ids, plain = reference
+    drafter = PlainDrafter() if method == "ar" else load_drafter(
+        method, smollm2, "random", tree=TreeConfig.for_method(method, total_tokens=16),
+        engine="static")
+    out = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=N, engine="static"))
+    assert out.token_ids == plain.token_ids
+
+
+def test_compile_engine_gives_eager_tokens(tiny_target):
+    prompt = [5, 17, 3, 42, 8, 9, 11]
+    plain = run(tiny_target, PlainDrafter(), prompt, GenerateConfig(max_new_tokens=20))
+    full = prompt + plain.token_ids
+    tree = TreeConfig.for_method("gumiho", total_tokens=16, top_k=4, mlp_topk=4, pruning=4)
+    drafter = oracle_drafter("gumiho", tiny_target, full, tree, engine="compile")
+    config = GenerateConfig(max_new_tokens=20, engine="compile")
+    for _ in range(2):
+        out = run(tiny_target, drafter, prompt, config)
+        assert out.token_ids == plain.token_ids
+    assert max(out.accept_lengths) > 2
+    compiled_plain = run(tiny_target, PlainDrafter(), prompt, config)
+    assert compiled_plain.token_ids == plain.token_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_give_eager_tokens():
+    from conftest import tiny_llama
+
+    target = tiny_llama(logit_scale=4.0)
+    target.model.to("cuda")
+    prompt = [5, 17, 3, 42, 8, 9, 11]
+    outs = {}
+    for engine in ("eager", "graphs"):
+        tree = TreeConfig.for_method("gumiho", total_tokens=16, top_k=4, mlp_topk=4, pruning=4)
+        drafter = load_drafter("gumiho", target, "random", tree=tree, engine=engine)
+        outs[engine] = [run(target, d, prompt, GenerateConfig(max_new_tokens=32,
+                                                              engine=engine)).token_ids
+                        for d in (drafter, PlainDrafter())]
+    assert outs["graphs"] == outs["eager"]
+
+
+def test_graphs_engine_refused_without_a_gpu():
+    with pytest.raises(GumihoError, match="needs a CUDA or ROCm device"):
+        resolve_engine("graphs", torch.device("cpu"))
+    assert resolve_engine(None, torch.device("cpu")) == "eager"
+
+
+def test_static_step_copies_inputs_and_outputs():
+    calls = []
+
+    def double(x):
+        calls.append(x)
+        return (x * 2,)
+
+    step = StaticStep(double, "static")
+    first = step(torch.tensor([[1.0, 2.0]]))[0]
+    second = step(torch.tensor([[3.0, 4.0]]))[0]
+    assert first.tolist() == [[2.0, 4.0]] and second.tolist() == [[6.0, 8.0]]
+    assert calls[0] is calls[1]  # the same static buffer both times, refilled
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sync_free_tree_and_accept_match_the_checked_path(seed):
+    """from_parents with a depth bound (no host syncs) builds the same tree, and the
+    mask-based greedy accept picks a path as long as the path-based one."""
+    rng = torch.Generator().manual_seed(seed)
+    tree = random_tree(torch.tensor([3]), 40, 6, rng)
+    fast = DraftTree.from_parents(tree.tokens, tree.parents, max_depth=int(tree.depths.max()))
+    assert torch.equal(fast.mask, tree.mask) and torch.equal(fast.depths, tree.depths)
+    logits = torch.randn(tree.size, 6, generator=rng) * 4
+    accepted, bonus = accept_greedy(fast, logits)
+    argmax = logits.argmax(-1)
+    nodes = accepted.tolist()
+    edges = list(zip(nodes, nodes[1:], strict=False))
+    assert nodes[0] == 0 and all(tree.parents[b] == a for a, b in edges)
+    assert all(tree.tokens[b] == argmax[a] for a, b in edges)
+    assert int(bonus) == int(argmax[nodes[-1]])
+    # as long as the longest matching root-to-leaf path (the path-based rule)
+    along_paths, _ = accept_greedy(replace(fast, spliced_paths=tree.paths), logits)
+    assert len(nodes) == along_paths.shape[0]
