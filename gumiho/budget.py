@@ -108,7 +108,9 @@ def choose_total_tokens(target: Target, method: str, draft: str, tree: TreeConfi
 
     path = _cache_file(target, method, draft, tree, engine)
     if path is not None and path.exists():
-        return json.loads(path.read_text())
+        report = json.loads(path.read_text())
+        report["widths"] = {int(w): row for w, row in report["widths"].items()}
+        return report
     largest = tree.total_tokens
     widths = sorted({w for w in widths if w <= largest} | {largest})
     log.warning("choosing the tree size for this device (once per drafter and device; "

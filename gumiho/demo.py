@@ -9,17 +9,13 @@ import logging
 import sys
 from pathlib import Path
 
-from gumiho.config import TreeConfig
-from gumiho.drafters import PlainDrafter, load_drafter
+from gumiho.drafters import PlainDrafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.errors import GumihoError, cli_errors
-from gumiho.generate import SpeculativeGenerator
-from gumiho.target import load_target
+from gumiho.generate import SpeculativeGenerator, total_tokens_arg
 
 SHIPPED = Path(__file__).parent / "assets" / "smollm2"
 PROMPT = "Explain in a few sentences why the sky is blue."
-# A small tree wins on a CPU, where verify cost grows with width (README: measured costs).
-CPU_TREE_TOKENS = 24
 
 
 def shipped_drafter(method: str = "gumiho") -> Path:
@@ -35,26 +31,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--method", default="gumiho", choices=("gumiho", "eagle2", "medusa"))
-    p.add_argument("--total-tokens", type=int, default=None,
-                   help=f"verified tokens per cycle (default: {CPU_TREE_TOKENS} on CPU, the "
-                   "method's reference on GPU)")
+    p.add_argument("--total-tokens", type=total_tokens_arg, default="auto",
+                   help="verified tokens per cycle, or auto (default): the size that is "
+                   "fastest on this device for this drafter, measured once and cached")
     p.add_argument("--device", default=None)
+    p.add_argument("--engine", default=None, help="eager | graphs | compile (default: graphs "
+                   "on a GPU, eager on a CPU)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="gumiho: %(message)s")
-    target = load_target("smollm2", device=args.device)
-    width = args.total_tokens or (CPU_TREE_TOKENS if target.device.type == "cpu" else None)
-    tree = TreeConfig.for_method(args.method, total_tokens=width)
-    drafter = load_drafter(args.method, target, str(shipped_drafter(args.method)), tree=tree)
-    gen = SpeculativeGenerator(target, drafter)
+    gen = SpeculativeGenerator.load("smollm2", args.method,
+                                    str(shipped_drafter(args.method)), device=args.device,
+                                    engine=args.engine, total_tokens=args.total_tokens)
+    target, drafter, tree = gen.target, gen.drafter, gen.drafter.tree
+    if gen.auto_report:
+        best = gen.auto_report["widths"][tree.total_tokens]
+        print(f"(tree size {tree.total_tokens} chosen for {target.device}: expected "
+              f"{best['accept']:.2f} tokens per cycle, {best['speedup']:.2f}x plain)")
     ids = gen.prompt_ids(args.prompt)
-    config = GenerateConfig(max_new_tokens=args.max_new_tokens)
-    run(target, drafter, ids, GenerateConfig(max_new_tokens=8))  # warm-up, untimed
+    config = GenerateConfig(max_new_tokens=args.max_new_tokens, engine=gen.engine)
+    run(target, drafter, ids, GenerateConfig(max_new_tokens=8, engine=gen.engine))  # warm-up
     print(f"> {args.prompt}\n")
     for piece in gen.stream(ids, args.max_new_tokens):
         print(piece, end="", flush=True)
     fast = gen.last_result
     print("\n\n(decoding the same prompt plainly for comparison ...)", flush=True)
-    run(target, PlainDrafter(), ids, GenerateConfig(max_new_tokens=8))
+    run(target, PlainDrafter(), ids, GenerateConfig(max_new_tokens=8, engine=gen.engine))
     plain = run(target, PlainDrafter(), ids, config)
     same = "identical" if plain.token_ids == fast.token_ids else "DIFFERENT (a bug!)"
     print(f"\n{args.method} ({tree.total_tokens}-token tree, fta {tree.fta}) on "

@@ -1,0 +1,89 @@
+"""`--total-tokens auto`: acceptance by tree size from one calibration run, and the choice."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gumiho import budget
+from gumiho.config import TreeConfig
+from gumiho.drafters import load_drafter
+from gumiho.engine import GenerateConfig, run
+from gumiho.generate import SpeculativeGenerator
+from gumiho.target import load_target
+from gumiho.tree import DraftTree, Pool, select_tree
+
+from drafters_for_tests import oracle_drafter
+
+
+def hand_tree():
+    # root 0; 1 (best) -> 3 -> 5; 2 -> 4; priorities rank nodes 1, 2, 3, 4, 5
+    tree = DraftTree.from_parents(torch.tensor([0, 10, 20, 11, 21, 12]),
+                                  torch.tensor([-1, 0, 0, 1, 2, 3]))
+    return replace(tree, priority=torch.tensor([float("inf"), -1.0, -2.0, -3.0, -4.0, -5.0]))
+
+
+def test_accept_by_size_keeps_the_path_prefix_inside_each_budget():
+    tree = hand_tree()
+    # accepted drafts 10, 11, 12: nodes 1, 3, 5 with ranks 0, 2, 4
+    accept = budget.accept_by_size([tree], [[10, 11, 12]], [2, 3, 4, 5, 6])
+    assert accept == {2: 2, 3: 2, 4: 3, 5: 3, 6: 4}  # 1 + accepted drafts kept
+    assert budget.accept_by_size([tree], [[]], [6]) == {6: 1}
+
+
+def test_select_tree_priority_ranks_a_smaller_budget_as_its_prefix():
+    gen = torch.Generator().manual_seed(0)
+    scores = -torch.rand(30, generator=gen).cumsum(0)  # descending, so parents outrank
+    parents = torch.tensor([-1] * 5 + [int(torch.randint(i, (), generator=gen))
+                                       for i in range(5, 30)])
+    depths = torch.ones(30, dtype=torch.long)
+    for i in range(5, 30):
+        depths[i] = depths[parents[i]] + 1
+    pool = Pool(tokens=torch.arange(30), parents=parents, scores=scores, depths=depths)
+    root = torch.tensor(99)
+    big, _ = select_tree(root, pool, 20)
+    order = torch.argsort(big.priority[1:], descending=True)
+    for budget_size in (5, 10, 15):
+        small, _ = select_tree(root, pool, budget_size)
+        assert set(big.tokens[1:][order[:budget_size]].tolist()) == \
+            set(small.tokens[1:].tolist())
+
+
+def test_predicted_accept_matches_a_real_smaller_tree_on_the_first_cycle(smollm2):
+    """The counterfactual is exact: the first cycle of a real size-W run accepts what
+    the size-64 calibration tree predicted for W."""
+    ids = smollm2.chat_ids("List three uses of a paperclip.")
+    plain = run(smollm2, load_drafter("ar", smollm2), ids, GenerateConfig(max_new_tokens=16))
+    full = ids + plain.token_ids
+    big = oracle_drafter("gumiho", smollm2, full, TreeConfig.for_method("gumiho"))
+    trees = []
+    propose = big.propose
+    big.propose = lambda: trees.append(propose()) or trees[-1]
+    first = run(smollm2, big, ids, GenerateConfig(max_new_tokens=16))
+    drafts = first.token_ids[1: first.accept_lengths[1]]
+    for width in (2, 3, 5, 8, 64):
+        predicted = budget.accept_by_size(trees[:1], [drafts], [width])[width]
+        tree = TreeConfig.for_method("gumiho", total_tokens=width)
+        real = run(smollm2, oracle_drafter("gumiho", smollm2, full, tree), ids,
+                   GenerateConfig(max_new_tokens=16))
+        assert real.accept_lengths[1] == predicted, width
+
+
+def test_auto_picks_a_measured_width(tiny_target_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    target = load_target(tiny_target_dir)
+    tree = TreeConfig.for_method("gumiho", total_tokens=8, top_k=3, mlp_topk=3, pruning=3)
+    report = budget.choose_total_tokens(target, "gumiho", "random", tree, "eager",
+                                        max_new_tokens=8, widths=(4, 8))
+    assert report["total_tokens"] in (4, 8) and set(report["widths"]) == {4, 8}
+    best = max(report["widths"].values(), key=lambda row: row["tokens_per_s"])
+    assert report["widths"][report["total_tokens"]] == best
+    for row in report["widths"].values():
+        assert row["accept"] >= 1 and row["cycle_s"] > 0
+
+
+def test_auto_through_the_generator_needs_a_drafter(tiny_target_dir):
+    from gumiho.errors import GumihoError
+
+    with pytest.raises(GumihoError, match="auto needs --draft"):
+        SpeculativeGenerator.load(tiny_target_dir, "gumiho", None, total_tokens="auto")
