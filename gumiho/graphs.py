@@ -121,6 +121,9 @@ class StaticStep:
                 self._pool = torch.cuda.graph_pool_handle()
             return _Graph(self.fn, inputs, self._pool)
         if self._compiled is None:
+            # Each step function is compiled once per shape and per cache it closes over;
+            # the default limit of 8 would silently fall back to eager in long sessions.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             mode = "reduce-overhead" if inputs[0].device.type == "cuda" else None
             self._compiled = torch.compile(self.fn, mode=mode, dynamic=False)
         return _Compiled(self.fn, inputs, self._compiled)

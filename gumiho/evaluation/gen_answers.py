@@ -21,6 +21,7 @@ from gumiho.config import METHODS
 from gumiho.errors import cli_errors
 from gumiho.evaluation.benchmarks import LABELS, load_questions
 from gumiho.generate import SpeculativeGenerator, add_target_args, add_tree_args, tree_options
+from gumiho.graphs import resolve_engine
 
 
 def git_commit() -> str:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
                                     device=args.device, dtype=args.dtype,
-                                    chat_template=args.chat_template,
+                                    chat_template=args.chat_template, engine=args.engine,
                                     **tree_options(args))
     questions = load_questions(args.bench)[args.question_begin : args.question_end]
     path = Path(args.answer_file)
@@ -108,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"target": args.target, "method": args.method, "draft": args.draft,
                 "bench": args.bench, "temperature": args.temperature,
                 "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                "tree": vars(tree) if tree is not None else None}
+                "tree": vars(tree) if tree is not None else None,
+                "engine": resolve_engine(args.engine, gen.target.device),
+                "auto_tree": gen.auto_report}
     env = environment(gen)
     with path.open("a") as f:
         for q in tqdm(todo, desc=f"{args.method} {args.bench}", unit="q"):

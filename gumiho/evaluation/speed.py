@@ -28,6 +28,8 @@ def method_label(settings: dict) -> str:
     fta = (settings.get("tree") or {}).get("fta", "off")
     if settings["method"] == "gumiho" and fta != "off":
         notes.append(f"fta {fta}")
+    if settings.get("auto_tree"):
+        notes.append(f"auto tree {settings['auto_tree']['total_tokens']}")
     return settings["method"] + (f" ({', '.join(notes)})" if notes else "")
 
 
@@ -92,10 +94,11 @@ def report(groups: dict[tuple, dict], baseline: str = "ar") -> dict:
     return json.loads(json.dumps(out))
 
 
-def markdown(rep: dict, env: dict) -> str:
+def markdown(rep: dict, env: dict, engine: str = "eager") -> str:
     lines = [f"Device: {env.get('device_name', '?')} ({env.get('device', '?')}), dtype "
-             f"{env.get('dtype', '?')}, torch {env.get('torch', '?')}, transformers "
-             f"{env.get('transformers', '?')}, commit {env.get('git_commit', '?')[:10]}.", ""]
+             f"{env.get('dtype', '?')}, engine {engine}, torch {env.get('torch', '?')}, "
+             f"transformers {env.get('transformers', '?')}, commit "
+             f"{env.get('git_commit', '?')[:10]}.", ""]
     for temp, benches in rep.items():
         lines += [f"### T = {temp}", "",
                   "| benchmark | method | tokens/s | speedup | tau | tau (official formula) | "
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     first = next(iter(next(iter(groups.values())).values()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = markdown(rep, first.get("env", {}))
+    text = markdown(rep, first.get("env", {}), first["settings"].get("engine", "eager"))
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps({"env": first.get("env", {}),
                                                     "results": rep}, indent=2))

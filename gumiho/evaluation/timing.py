@@ -15,8 +15,9 @@ with a device synchronisation around each timed call:
   `tau * plain step / cycle` for `--tau` (default: the run's own tau when `--draft` is a
   trained drafter).
 
-Captured engines sync only at the accept length (one host sync per greedy cycle); the
-profiled run adds a sync around each phase to attribute time.
+Greedy cycles sync the host once (the accept length); on CUDA the tool counts the implicit
+syncs of an unprofiled run with CUDA's sync debug mode. The profiled run adds a sync
+around each phase to attribute time.
 """
 
 from __future__ import annotations
@@ -137,7 +138,29 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
     return {"method": method, "draft": draft, "tree": vars(tree), "per_cycle_s": phases,
             "cycle_s": cycle, "plain_step_s": plain_step,
             "cycle_over_plain_step": cycle / plain_step, "tau": fast.tau,
+            "host_syncs_per_cycle": host_syncs_per_cycle(target, drafter, ids, engine,
+                                                         max_new_tokens),
             "identical_to_plain": fast.token_ids == plain.token_ids}
+
+
+def host_syncs_per_cycle(target: Target, drafter, ids: list[int], engine: str,
+                         max_new_tokens: int) -> float | None:
+    """Implicit device synchronisations per verify cycle of an unprofiled run, counted by
+    CUDA's sync debug mode (None off CUDA, where there is no device queue to stall)."""
+    import warnings
+
+    if target.device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = run(target, drafter, ids, GenerateConfig(max_new_tokens=max_new_tokens,
+                                                              engine=engine))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return syncs / max(result.cycles, 1)
 
 
 def projected_speedup(tau: float, plain_step_s: float, cycle_s: float) -> float:
@@ -218,6 +241,8 @@ def print_report(report: dict) -> None:
             if phase in cycle["per_cycle_s"]:
                 label = {"draft": "draft (total)"}.get(phase, phase)
                 print(f"  {label:34s} {cycle['per_cycle_s'][phase] * 1e3:8.2f} ms")
+        if cycle["host_syncs_per_cycle"] is not None:
+            print(f"  {'host syncs per cycle':34s} {cycle['host_syncs_per_cycle']:8.2f}")
         proj = cycle["projected"]
         print(f"  cycle {cycle['cycle_s'] * 1e3:.2f} ms = {cycle['cycle_over_plain_step']:.2f}"
               f" plain steps ({cycle['plain_step_s'] * 1e3:.2f} ms); at tau {proj['tau']:.2f}"
