@@ -108,9 +108,12 @@ def choose_total_tokens(target: Target, method: str, draft: str, tree: TreeConfi
 
     path = _cache_file(target, method, draft, tree, engine)
     if path is not None and path.exists():
-        report = json.loads(path.read_text())
-        report["widths"] = {int(w): row for w, row in report["widths"].items()}
-        return report
+        try:
+            report = json.loads(path.read_text())
+            report["widths"] = {int(w): row for w, row in report["widths"].items()}
+            return report
+        except (json.JSONDecodeError, KeyError, ValueError):
+            log.warning("ignoring an unreadable cached tree size %s", path)
     largest = tree.total_tokens
     widths = sorted({w for w in widths if w <= largest} | {largest})
     log.warning("choosing the tree size for this device (once per drafter and device; "
@@ -137,8 +140,8 @@ def choose_total_tokens(target: Target, method: str, draft: str, tree: TreeConfi
         result = run(target, drafter, target.chat_ids(prompt), config)
         emitted = result.token_ids[result.accept_lengths[0]:]  # after the prefill's token
         offset = 0
-        for tree, n in zip(trees, result.accept_lengths[1:], strict=False):
-            kept.append(tree)
+        for drafted, n in zip(trees, result.accept_lengths[1:], strict=False):
+            kept.append(drafted)
             drafts.append(emitted[offset : offset + n - 1])
             offset += n
         for name in phase:
@@ -158,5 +161,7 @@ def choose_total_tokens(target: Target, method: str, draft: str, tree: TreeConfi
               "draft_commit_s": overhead, "widths": rows}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(path)
     return report

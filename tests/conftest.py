@@ -32,6 +32,21 @@ def smollm2():
     return load_target("smollm2")
 
 
+REFERENCE_PROMPT = "List three uses of a paperclip."
+REFERENCE_TOKENS = 24
+
+
+@pytest.fixture(scope="session")
+def reference(smollm2):
+    """SmolLM2's plain greedy answer to REFERENCE_PROMPT: (prompt ids, GenerationResult)."""
+    from gumiho.drafters import PlainDrafter
+    from gumiho.engine import GenerateConfig, run
+
+    ids = smollm2.chat_ids(REFERENCE_PROMPT)
+    return ids, run(smollm2, PlainDrafter(), ids,
+                    GenerateConfig(max_new_tokens=REFERENCE_TOKENS))
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory, smollm2):
     """A local HF model dir: a tiny random Llama with SmolLM2's real tokenizer and template."""

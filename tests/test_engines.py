@@ -16,16 +16,8 @@ from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.sampling import accept_greedy
 from gumiho.tree import DraftTree
 
+from conftest import REFERENCE_TOKENS as N
 from drafters_for_tests import oracle_drafter, random_tree
-
-PROMPT = "List three uses of a paperclip."
-N = 24
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2):
-    ids = smollm2.chat_ids(PROMPT)
-    return ids, run(smollm2, PlainDrafter(), ids, GenerateConfig(max_new_tokens=N))
 
 
 @pytest.mark.parametrize("method", ["gumiho", "eagle2"])

@@ -8,19 +8,12 @@ import sys
 import pytest
 
 from gumiho.config import TreeConfig
-from gumiho.drafters import PlainDrafter, load_drafter
+from gumiho.drafters import load_drafter
 from gumiho.engine import GenerateConfig, run
 
+from conftest import REFERENCE_PROMPT as PROMPT
+from conftest import REFERENCE_TOKENS as N
 from drafters_for_tests import oracle_drafter
-
-PROMPT = "List three uses of a paperclip."
-N = 24
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2):
-    ids = smollm2.chat_ids(PROMPT)
-    return ids, run(smollm2, PlainDrafter(), ids, GenerateConfig(max_new_tokens=N))
 
 
 @pytest.mark.parametrize("method, fta", [("gumiho", "off"), ("gumiho", "exact"),
