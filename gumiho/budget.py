@@ -5,7 +5,8 @@ depends on the device (on a CPU the verify cost grows with width, on a GPU it is
 flat) and on how good the drafter is. We measure both and pick:
 
 1. Acceptance by size, from one greedy calibration run at the largest size. For the
-   dynamic trees (Gumiho, EAGLE-2) the candidate pool does not depend on the size: a tree
+   dynamic trees (Gumiho, EAGLE-2: EAGLE-2's expand-then-rerank design) the candidate
+   pool does not depend on the size: a tree
    of size W is the W - 1 best pool nodes by score. So the accepted path of each cycle
    tells exactly what a smaller tree would have accepted: the path's leading nodes whose
    score rank is below W - 1 (ancestors always outrank their children). Medusa's static

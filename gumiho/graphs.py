@@ -56,6 +56,7 @@ class _Graph:
         self.inputs = tuple(x.clone() for x in inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        # Side-stream warm-up before capture, as PyTorch's CUDA graphs notes prescribe.
         with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits, autotuning
             for _ in range(2):
                 fn(*self.inputs)
