@@ -23,7 +23,7 @@ from gumiho.config import METHODS, DrafterConfig, TreeConfig
 from gumiho.errors import GumihoError
 from gumiho.fta import exact_fta_tree, splice_official
 from gumiho.graphs import StaticStep, resolve_engine
-from gumiho.kv_cache import KVCache
+from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.modeling import build_draft_model
 from gumiho.profiling import PhaseTimer
 from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
@@ -83,14 +83,12 @@ class SerialDrafter:
     def begin(self, target, capacity: int) -> None:
         self.lm_head = target.lm_head
         self.pending: list[tuple[Tensor, Tensor]] = []
-        capacity += (self.serial_depth - 1) * self.tree.top_k
-        if self.engine != "eager" and self.cache is not None and self.cache.capacity >= capacity:
-            self.cache.reset()  # keep the memory the captured steps are bound to
-            return
-        if self.engine != "eager":
-            capacity = -(-capacity // 512) * 512
-        config = self.model.config.llama_config()
-        self.cache = KVCache(config, capacity, target.device, target.dtype)
+        self.cache, new = reuse_or_allocate(
+            self.cache, capacity + (self.serial_depth - 1) * self.tree.top_k,
+            self.engine != "eager", lambda n: KVCache(self.model.config.llama_config(), n,
+                                                      target.device, target.dtype))
+        if not new:
+            return  # the captured steps stay bound to this cache
         # Captured: the serial step at the beam width (every level) and at the longest
         # accept length (catch-ups are padded to it); the MLP heads. Prompts run eagerly.
         self._serial_step = StaticStep(self._serial_fn(last_only=False), self.engine)

@@ -22,7 +22,7 @@ from torch import Tensor
 from gumiho.drafters import Drafter
 from gumiho.errors import GumihoError
 from gumiho.graphs import StaticStep, resolve_engine
-from gumiho.kv_cache import KVCache
+from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.profiling import PhaseTimer
 from gumiho.sampling import accept, sample_token
 from gumiho.target import Target
@@ -137,18 +137,16 @@ class TargetRunner:
         self.step: StaticStep | None = None
 
     def cache_for(self, capacity: int) -> KVCache:
-        if self.engine != "eager" and self.cache is not None and self.cache.capacity >= capacity:
-            self.cache.reset()
-            return self.cache
-        if self.engine != "eager":
-            capacity = -(-capacity // 512) * 512
-        self.cache = cache = KVCache.for_model(self.target.model, capacity)
+        cache, new = reuse_or_allocate(self.cache, capacity, self.engine != "eager",
+                                       lambda n: KVCache.for_model(self.target.model, n))
+        if new:
+            self.cache = cache
 
-        def target_step(tokens, positions, mask, write_at):
-            cache.seek(write_at)
-            return self.target.forward(tokens, positions, cache.hf, mask)
+            def target_step(tokens, positions, mask, write_at):
+                cache.seek(write_at)
+                return self.target.forward(tokens, positions, cache.hf, mask)
 
-        self.step = StaticStep(target_step, self.engine)
+            self.step = StaticStep(target_step, self.engine)
         return cache
 
 

@@ -49,6 +49,7 @@ class SpeculativeGenerator:
         fta); unset ones take the method's reference defaults. total_tokens="auto" times
         this device and the drafter and picks the fastest size (budget.py)."""
         loaded = load_target(target, device=device, dtype=dtype, chat_template=chat_template)
+        engine = resolve_engine(engine, loaded.device)
         auto = tree_options.get("total_tokens") == "auto"
         if auto:
             tree_options = {**tree_options, "total_tokens": None}
@@ -57,8 +58,7 @@ class SpeculativeGenerator:
         if auto and method != "ar":
             if draft is None:
                 raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
-            report = choose_total_tokens(loaded, method, draft, tree,
-                                         resolve_engine(engine, loaded.device))
+            report = choose_total_tokens(loaded, method, draft, tree, engine)
             tree = replace(tree, total_tokens=report["total_tokens"])
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
         gen = cls(loaded, drafter, verify_width, engine)

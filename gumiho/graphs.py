@@ -71,7 +71,9 @@ class _Graph:
 
 
 class _Replay:
-    """fn re-run on static input buffers: the data flow of a replay, without capture."""
+    """fn re-run on static input buffers: the data flow of a replay without capture
+    (`static`), or a compiled fn kept on stable input addresses (`compile`, whose CUDA
+    graphs need them)."""
 
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...]):
         self.fn, self.inputs = fn, tuple(x.clone() for x in inputs)
@@ -80,26 +82,13 @@ class _Replay:
         return self.fn(*self.inputs)
 
 
-class _Compiled:
-    """fn compiled once per shape (dynamic=False), called on static buffers so compiled
-    CUDA graphs see stable input addresses."""
-
-    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...],
-                 compiled):
-        self.inputs = tuple(x.clone() for x in inputs)
-        self.compiled = compiled
-
-    def __call__(self) -> tuple[Tensor, ...]:
-        return self.compiled(*self.inputs)
-
-
 class StaticStep:
     """fn(*tensors) -> tuple of tensors, recorded once per input shape and replayed.
     Callers keep the shapes few (verify and catch-up steps are padded to one width)."""
 
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]], engine: str):
         self.fn, self.engine = fn, engine
-        self.entries: dict[tuple, _Graph | _Compiled | _Replay] = {}
+        self.entries: dict[tuple, _Graph | _Replay] = {}
         self._pool = None
         self._compiled = None
 
@@ -114,7 +103,7 @@ class StaticStep:
             buffer.copy_(x)
         return tuple(out.clone() for out in entry())
 
-    def _capture(self, inputs: tuple[Tensor, ...]) -> _Graph | _Compiled | _Replay:
+    def _capture(self, inputs: tuple[Tensor, ...]) -> _Graph | _Replay:
         if self.engine == "static":
             return _Replay(self.fn, inputs)
         if self.engine == "graphs":
@@ -127,4 +116,4 @@ class StaticStep:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             mode = "reduce-overhead" if inputs[0].device.type == "cuda" else None
             self._compiled = torch.compile(self.fn, mode=mode, dynamic=False)
-        return _Compiled(self.fn, inputs, self._compiled)
+        return _Replay(self._compiled, inputs)

@@ -10,6 +10,8 @@ columns >= the committed length except the step's own tree columns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from transformers import StaticCache
@@ -110,3 +112,19 @@ class KVCache:
         """The committed (1, heads, length, head_dim) keys and values of one layer (for tests)."""
         entry = self.hf.layers[layer]
         return entry.keys[:, :, : self.length], entry.values[:, :, : self.length]
+
+
+def reuse_or_allocate(current: KVCache | None, capacity: int, captured: bool,
+                      allocate: Callable[[int], KVCache]) -> tuple[KVCache, bool]:
+    """The cache for a sequence that needs `capacity` slots, and whether it is new.
+
+    Eager runs get a cache of exactly that size. Captured steps are bound to a cache's
+    memory, so captured engines reset and reuse `current` while it is big enough and
+    otherwise allocate one rounded up to 512 slots; the caller rebuilds its steps when
+    the cache is new."""
+    if captured and current is not None and current.capacity >= capacity:
+        current.reset()
+        return current, False
+    if captured:
+        capacity = -(-capacity // 512) * 512
+    return allocate(capacity), True

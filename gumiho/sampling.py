@@ -59,7 +59,12 @@ def _accept_along_paths(tree: DraftTree, argmax: Tensor) -> tuple[Tensor, Tensor
     n = int(lengths[best])
     accepted = safe[best, : n + 1]
     bonus = argmax[accepted[-1]]
-    return accepted, bonus, tree.tokens[accepted[1:]].tolist() + [int(bonus)]
+    return accepted, bonus, emitted_tokens(tree, accepted, bonus)
+
+
+def emitted_tokens(tree: DraftTree, accepted: Tensor, bonus: Tensor) -> list[int]:
+    """The accepted draft tokens, then the bonus, on the host (syncs)."""
+    return tree.tokens[accepted[1:]].tolist() + [int(bonus)]
 
 
 def sample_token(logits: Tensor, temperature: float, generator: torch.Generator) -> Tensor:
@@ -119,4 +124,4 @@ def accept(tree: DraftTree, logits: Tensor, temperature: float,
     if temperature == 0:
         return accept_greedy_tokens(tree, logits)
     accepted, bonus = accept_sampling(tree, logits, temperature, generator)
-    return accepted, bonus, tree.tokens[accepted[1:]].tolist() + [int(bonus)]
+    return accepted, bonus, emitted_tokens(tree, accepted, bonus)

@@ -21,7 +21,6 @@ from gumiho.config import METHODS
 from gumiho.errors import cli_errors
 from gumiho.evaluation.benchmarks import LABELS, load_questions
 from gumiho.generate import SpeculativeGenerator, add_target_args, add_tree_args, tree_options
-from gumiho.graphs import resolve_engine
 
 
 def git_commit() -> str:
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bench": args.bench, "temperature": args.temperature,
                 "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                 "tree": vars(tree) if tree is not None else None,
-                "engine": resolve_engine(args.engine, gen.target.device),
+                "engine": gen.engine,
                 "auto_tree": gen.auto_report}
     env = environment(gen)
     with path.open("a") as f:
