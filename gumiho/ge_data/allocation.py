@@ -47,6 +47,7 @@ def plan(args: argparse.Namespace) -> dict:
                 "start": args.start, "end": args.end, "shard_size": args.shard_size,
                 "max_len": args.max_len, "template": args.template,
                 "regenerate": args.regenerate, "regen_max_tokens": args.regen_max_tokens,
+                "regen_batch_size": args.regen_batch_size,
                 "dtype": args.dtype, "target_dtype": args.target_dtype,
                 "hidden_size": config.hidden_size, "code_version": code_version()}
     conversations = planned_conversations(manifest)
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replace the first assistant turn with the target's own greedy "
                         "reply (self-distillation) and drop later turns")
     parser.add_argument("--regen-max-tokens", type=int, default=512)
+    parser.add_argument("--regen-batch-size", type=int, default=32,
+                        help="conversations generated together (larger: faster on a CPU)")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16",
                                                               "float32"),
                         help="how features are stored")

@@ -66,7 +66,8 @@ def first_user(conversation: dict) -> int:
 def make_samples(target: Target, conversations: list[dict], manifest: dict) -> list[dict]:
     if manifest["regenerate"]:
         conversations = regenerate(target, conversations, manifest["template"],
-                                   manifest["regen_max_tokens"], manifest["max_len"])
+                                   manifest["regen_max_tokens"], manifest["max_len"],
+                                   manifest.get("regen_batch_size", 8))
     dtype = STORE_DTYPE[manifest["dtype"]]
     samples = []
     for conv in conversations:
