@@ -67,9 +67,10 @@ def accept_by_size(trees: list[DraftTree], drafts: list[list[int]], widths: list
     for tree, accepted in zip(trees, drafts, strict=True):
         if tree.priority is None:
             raise ValueError("accept_by_size needs trees with a selection priority")
-        order = torch.argsort(tree.priority[1:], descending=True, stable=True)
+        # host-side bookkeeping: the calibration's trees may live on an accelerator
+        order = torch.argsort(tree.priority[1:].cpu(), descending=True, stable=True)
         rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.shape[0])
+        rank[order] = torch.arange(order.shape[0], device=order.device)
         path = [int(rank[node - 1]) for node in accepted_nodes(tree, accepted)]
         for width in widths:
             kept = next((i for i, r in enumerate(path) if r >= width - 1), len(path))

@@ -24,7 +24,7 @@ from gumiho.errors import GumihoError
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.profiling import PhaseTimer
-from gumiho.sampling import accept, sample_token
+from gumiho.sampling import accept, sample_tokens
 from gumiho.target import Target
 from gumiho.tree import DraftTree
 
@@ -173,7 +173,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
     if not prompt_ids:
         raise GumihoError("empty prompt: give some text to answer")
     timer = timer or PhaseTimer(target.device, enabled=False)
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = torch.Generator(device=target.device).manual_seed(config.seed)
     input_ids = torch.tensor([prompt_ids], device=target.device)
     runner = target_runner(target, resolve_engine(config.engine, target.device))
     # Captured engines pad every verify to the drafter's largest tree: one shape, one graph.
@@ -185,7 +185,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         drafter.timer = timer  # the drafter's own phases (serial steps, MLP heads)
     with timer("prefill"):
         features, logits = prefill(target, cache, input_ids)
-        root = sample_token(logits[-1], config.temperature, generator)
+        root = sample_tokens(logits[-1], config.temperature, generator)
         drafter.begin(target, capacity)
         drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]))
     yield [int(root)]

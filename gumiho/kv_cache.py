@@ -32,14 +32,15 @@ class KVCache:
             )
         self.capacity = capacity
         self.length = 0  # committed tokens; a Python int, known on the host without a sync
-        self.hf = StaticCache(config=config, max_cache_len=capacity)
-        # Allocate now so compaction can run before the first write of a sequence.
         self.device, self.dtype = device, dtype
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
-        self.hf.early_initialization(batch_size=1, num_heads=heads, head_dim=head_dim,
-                                     dtype=self.dtype, device=self.device)
+        with torch.device(device):  # the layers' write counters are born on the device
+            self.hf = StaticCache(config=config, max_cache_len=capacity)
+            # Allocate now so compaction can run before the first write of a sequence.
+            self.hf.early_initialization(batch_size=1, num_heads=heads, head_dim=head_dim,
+                                         dtype=self.dtype, device=self.device)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, capacity: int) -> KVCache:

@@ -3,6 +3,18 @@
 Both return (accepted, bonus): `accepted` (n,) holds the tree indices of the accepted path
 with the root first, `bonus` is the token the target itself emits after the last accepted
 node. So every cycle emits n - 1 draft tokens plus the bonus token.
+
+Greedy and sampling share one rule. The target picks a token at every tree node at once:
+its argmax (T = 0), or a sample from softmax(logits / T). The accepted path is the longest
+chain of nodes whose tokens equal the pick at their parent, and the bonus token is the pick
+at its last node. For sampling this is exactly the multi-candidate rejection rule of
+EAGLE-2 / SpecInfer for deterministic drafts (each candidate's draft probability q(x) is 1):
+trying the children x_1, x_2, ... in order, accepting x_j with probability p(x_j) after
+zeroing and renormalising away the rejected ones, accepts x_j with probability exactly
+p(x_j) and otherwise samples the residual: the same as drawing y ~ p and taking the child
+whose token is y, if any. Siblings with equal tokens are matched only at the first of them
+(the rejection rule gives a repeated token probability 0), so at most one child matches.
+Drawing every node's token up front keeps shapes static and costs one host sync a cycle.
 """
 
 from __future__ import annotations
@@ -23,42 +35,57 @@ def accept_greedy(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def accept_greedy_tokens(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor, list[int]]:
-    """`accept_greedy`, plus the emitted tokens (accepted drafts, then the bonus) on the host.
+    """`accept_greedy`, plus the emitted tokens (accepted drafts, then the bonus) on the host."""
+    picks = logits.argmax(-1)  # (K,)
+    if tree.spliced_paths is not None:  # the official FTA: follow its spliced paths
+        return _accept_along_paths(tree, picks)
+    return accept_matching(tree, picks)
+
+
+def accept_matching(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+    """The accepted path for the target's pick at every node (K,), the bonus token and the
+    emitted tokens on the host.
 
     One host sync: a single transfer brings back the accept length and the tokens.
-    A node is reachable when it and all its ancestors match the target's argmax at their
-    parents; the deepest reachable node (the first in node order on a tie: equal token
-    chains, so equal output) ends the accepted path.
+    A node is reachable when it and all its ancestors match the pick at their parents; the
+    deepest reachable node (the first in node order on a tie, which only greedy decoding
+    can meet: equal token chains, so equal output) ends the accepted path.
     """
-    argmax = logits.argmax(-1)  # (K,)
-    if tree.spliced_paths is not None:  # the official FTA: follow its spliced paths
-        return _accept_along_paths(tree, argmax)
     k = tree.size
-    matched = tree.tokens == argmax[tree.parents.clamp(min=0)]
+    matched = (tree.tokens == picks[tree.parents.clamp(min=0)]) & first_of_siblings(tree)
     matched[0] = True  # the root is already the target's
     reachable = ~(tree.mask & ~matched[None, :]).any(1)
     reach = torch.where(reachable, tree.depths, -1)
-    best = reach.argmax()
+    best = reach.argmax().view(1)  # indexing with a 0-dim tensor would read it on the host
     # best's ancestors ordered by depth (slot k collects the non-ancestors, then is dropped)
-    order = torch.zeros(k + 1, dtype=torch.long, device=argmax.device)
-    order.scatter_(0, torch.where(tree.mask[best], tree.depths, k),
-                   torch.arange(k, device=argmax.device))
-    bonus = argmax[best]
-    packed = torch.cat([reach[best].view(1), tree.tokens[order[1:k]], bonus.view(1)])
+    order = torch.zeros(k + 1, dtype=torch.long, device=picks.device)
+    order.scatter_(0, torch.where(tree.mask[best][0], tree.depths, k),
+                   torch.arange(k, device=picks.device))
+    bonus = picks[best][0]
+    packed = torch.cat([reach[best], tree.tokens[order[1:k]], bonus.view(1)])
     host = packed.tolist()  # the host sync of the cycle: accept length and tokens
     n = host[0]
     return order[: n + 1], bonus, host[1 : n + 1] + host[-1:]
 
 
-def _accept_along_paths(tree: DraftTree, argmax: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+def first_of_siblings(tree: DraftTree) -> Tensor:
+    """(K,) bool: false for a node whose token an earlier sibling already carries."""
+    k = tree.size
+    same = (tree.parents[:, None] == tree.parents[None, :]) & \
+        (tree.tokens[:, None] == tree.tokens[None, :])  # (K, K)
+    earlier = torch.ones(k, k, dtype=torch.bool, device=tree.tokens.device).tril(-1)
+    return ~(same & earlier).any(1)
+
+
+def _accept_along_paths(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor, list[int]]:
     paths = tree.paths  # (P, D + 1)
     safe = paths.clamp(min=0)
-    match = (tree.tokens[safe[:, 1:]] == argmax[safe[:, :-1]]) & (paths[:, 1:] >= 0)
+    match = (tree.tokens[safe[:, 1:]] == picks[safe[:, :-1]]) & (paths[:, 1:] >= 0)
     lengths = match.long().cumprod(1).sum(1)  # (P,) accepted draft tokens per path
     best = int(lengths.argmax())
     n = int(lengths[best])
     accepted = safe[best, : n + 1]
-    bonus = argmax[accepted[-1]]
+    bonus = picks[accepted[-1]]
     return accepted, bonus, emitted_tokens(tree, accepted, bonus)
 
 
@@ -67,55 +94,24 @@ def emitted_tokens(tree: DraftTree, accepted: Tensor, bonus: Tensor) -> list[int
     return tree.tokens[accepted[1:]].tolist() + [int(bonus)]
 
 
-def sample_token(logits: Tensor, temperature: float, generator: torch.Generator) -> Tensor:
-    """A token from softmax(logits / T), or the argmax when T == 0. logits: (V,)."""
+def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator) -> Tensor:
+    """One token per row of logits (..., V): the argmax at T == 0, else a sample from
+    softmax(logits / T). `generator` lives on the logits' device (no transfer, no sync)."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float().cpu() / temperature, -1)
-    return torch.multinomial(probs, 1, generator=generator)[0].to(logits.device)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
 def accept_sampling(tree: DraftTree, logits: Tensor, temperature: float,
                     generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Multi-candidate rejection sampling for a deterministic draft tree (EAGLE-2, SpecInfer).
-
-    At each node, with p = softmax(logits / T) at that node, the children are tried in
-    order: child token x is accepted with probability p(x); on rejection p(x) is zeroed and
-    p renormalised. If every child is rejected (or there is none) the bonus token is drawn
-    from what is left of p. Since each candidate is a fixed token (its draft probability
-    q(x) is 1), this emits exactly p's distribution: P(x_1) = p(x_1),
-    P(x_2) = (1 - p(x_1)) * p(x_2) / (1 - p(x_1)) = p(x_2), and so on.
-    """
-    tokens = tree.tokens.tolist()
-    children = path_children(tree)
-    accepted = [0]
-    node = 0
-    while True:
-        p = torch.softmax(logits[node].float().cpu() / temperature, -1)
-        for child in children[node]:
-            x = tokens[child]
-            if torch.rand((), generator=generator) < p[x]:
-                accepted.append(child)
-                node = child
-                break
-            p[x] = 0.0
-            p /= p.sum()
-        else:
-            bonus = torch.multinomial(p, 1, generator=generator)[0]
-            break
-    device = tree.tokens.device
-    return torch.tensor(accepted, device=device), bonus.to(device)
-
-
-def path_children(tree: DraftTree) -> list[list[int]]:
-    """Each node's successors along the tree's paths, in node order. For a plain tree these
-    are its children; for the official FTA splice they include the spliced nodes."""
-    successors: list[set[int]] = [set() for _ in range(tree.size)]
-    for path in tree.paths.tolist():
-        nodes = [n for n in path if n >= 0]
-        for a, b in zip(nodes, nodes[1:], strict=False):
-            successors[a].add(b)
-    return [sorted(s) for s in successors]
+    """Multi-candidate rejection sampling for a deterministic draft tree (EAGLE-2,
+    SpecInfer), in the equivalent form of the module docstring: emits exactly softmax(
+    logits / T) at every step. The official FTA splice is ignored here, as the released
+    code's splice does nothing at T > 0."""
+    accepted, bonus, _ = accept_matching(tree, sample_tokens(logits, temperature, generator))
+    return accepted, bonus
 
 
 def accept(tree: DraftTree, logits: Tensor, temperature: float,
@@ -123,5 +119,4 @@ def accept(tree: DraftTree, logits: Tensor, temperature: float,
     """(accepted node indices, bonus token, the emitted tokens on the host)."""
     if temperature == 0:
         return accept_greedy_tokens(tree, logits)
-    accepted, bonus = accept_sampling(tree, logits, temperature, generator)
-    return accepted, bonus, emitted_tokens(tree, accepted, bonus)
+    return accept_matching(tree, sample_tokens(logits, temperature, generator))

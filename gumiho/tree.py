@@ -63,14 +63,15 @@ class DraftTree:
             if k == 0 or parents[0] != -1 or bool(later.any()):
                 raise ValueError("parents must be topological: parents[0] == -1 and "
                                  "parents[i] < i")
-        nodes = torch.arange(k, device=device)
         # Column k is a spare slot that takes the writes of nodes already past the root.
         mask = torch.eye(k, k + 1, dtype=torch.bool, device=device)
         ancestor = parents.clone()  # the d-th ancestor of every node, -1 once past the root
         step = 0
         while (step < max_depth) if max_depth is not None else bool((ancestor >= 0).any()):
             has = ancestor >= 0
-            mask[nodes, torch.where(has, ancestor, k)] = True
+            # scatter_ takes True as a kernel argument (`mask[i, j] = True` would copy the
+            # scalar to the device first: a host sync on a GPU)
+            mask.scatter_(1, torch.where(has, ancestor, k)[:, None], True)
             ancestor = torch.where(has, parents[ancestor.clamp(min=0)], ancestor)
             step += 1
         mask = mask[:, :k].contiguous()
@@ -82,7 +83,7 @@ class DraftTree:
         """A single path: root followed by tokens[1:]."""
         k = tokens.shape[0]
         parents = torch.arange(-1, k - 1, device=tokens.device)
-        return DraftTree.from_parents(tokens, parents)
+        return DraftTree.from_parents(tokens, parents, max_depth=k - 1)
 
     def children(self, node: int) -> Tensor:
         """Indices of node's children, in tree order (used by rejection sampling)."""
@@ -161,8 +162,8 @@ def tree_from_pool(root: Tensor, pool: Pool, chosen: Tensor, max_depth: int | No
     pool_parents = pool.parents[chosen]
     parents = torch.where(pool_parents >= 0, position[pool_parents.clamp(min=0)], 0)
     tokens = torch.cat([root.view(1), pool.tokens[chosen]])
-    return DraftTree.from_parents(tokens, torch.cat([parents.new_tensor([-1]), parents]),
-                                  max_depth)
+    root_parent = torch.full((1,), -1, dtype=torch.long, device=parents.device)
+    return DraftTree.from_parents(tokens, torch.cat([root_parent, parents]), max_depth)
 
 
 def static_tree(size: int, depth: int, head_accuracy: list[float], decay: float = 0.55,

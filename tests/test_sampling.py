@@ -85,11 +85,20 @@ def test_speculative_sampling_end_to_end_matches_target(temperature):
     assert not chi_square_rejects(got3, want3)
 
 
-def test_path_children_are_the_tree_children():
-    from gumiho.sampling import path_children
-
-    from drafters_for_tests import random_tree
-
-    for seed in range(5):
-        tree = random_tree(torch.tensor([1]), 25, 50, torch.Generator().manual_seed(seed))
-        assert path_children(tree) == [tree.children(n).tolist() for n in range(tree.size)]
+def test_equal_sibling_tokens_do_not_bias_sampling():
+    # root -> {1: token 2, 2: token 2}; node 1 -> {3: token 1}, node 2 -> {4: token 3}.
+    # Nodes 1 and 2 share their context, so the target's logits there are equal; taking
+    # whichever branch matches deeper would over-emit token 3 after token 2.
+    tree = DraftTree.from_parents(torch.tensor([5, 2, 2, 1, 3]),
+                                  torch.tensor([-1, 0, 0, 1, 2]))
+    logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(4))
+    logits[0, 2] += 3.0  # token 2 comes first most of the time
+    logits[2] = logits[1]
+    gen = torch.Generator().manual_seed(1)
+    second = torch.zeros(6)
+    for _ in range(8000):
+        accepted, bonus = accept_sampling(tree, logits, 1.0, gen)
+        emitted = tree.tokens[accepted[1:]].tolist() + [int(bonus)]
+        if emitted[0] == 2:
+            second[emitted[1]] += 1
+    assert not chi_square_rejects(second, torch.softmax(logits[1], -1))

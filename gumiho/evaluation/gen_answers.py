@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,14 +20,7 @@ from gumiho.config import METHODS
 from gumiho.errors import cli_errors
 from gumiho.evaluation.benchmarks import LABELS, load_questions
 from gumiho.generate import SpeculativeGenerator, add_target_args, add_tree_args, tree_options
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+from gumiho.version import code_version
 
 
 def environment(gen: SpeculativeGenerator) -> dict:
@@ -38,7 +30,7 @@ def environment(gen: SpeculativeGenerator) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device": str(device), "device_name": name, "dtype": str(gen.target.dtype),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "git_commit": git_commit(), "threads": torch.get_num_threads()}
+            "git_commit": code_version(), "threads": torch.get_num_threads()}
 
 
 def answered(path: Path) -> set:

@@ -25,18 +25,9 @@ from gumiho.ge_data.shards import (
 )
 from gumiho.ge_data.worker import planned_conversations
 from gumiho.target import resolve_target_path
+from gumiho.version import code_version
 
 CHARS_PER_TOKEN = 3.5  # rough, for the disk estimate only
-
-
-def code_version() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        from importlib.metadata import version
-        return version("gumiho")
 
 
 def plan(args: argparse.Namespace) -> dict:
@@ -49,7 +40,7 @@ def plan(args: argparse.Namespace) -> dict:
                 "regenerate": args.regenerate, "regen_max_tokens": args.regen_max_tokens,
                 "regen_batch_size": args.regen_batch_size,
                 "dtype": args.dtype, "target_dtype": args.target_dtype,
-                "hidden_size": config.hidden_size, "code_version": code_version()}
+                "hidden_size": config.hidden_size, "code_version": code_version(short=True)}
     conversations = planned_conversations(manifest)
     manifest["end"] = manifest["start"] + len(conversations)
     manifest["num_shards"] = math.ceil(len(conversations) / args.shard_size)

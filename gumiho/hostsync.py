@@ -1,0 +1,107 @@
+"""Count the host synchronisations a piece of code would make on a GPU, on any device.
+
+On CUDA the host blocks whenever it needs a device value (`.item()`, `int(t)`, `bool(t)`,
+`.tolist()`, shapes that depend on data: `nonzero`, boolean-mask indexing,
+`repeat_interleave` without `output_size`) and whenever Python data is copied to the device
+from pageable memory (`torch.tensor([...], device=...)`, `t.new_tensor([...])`, and
+`t[index_tensor] = python_scalar`, whose scalar goes to the device first). CUDA's own sync
+debug mode (`torch.cuda.set_sync_debug_mode`) reports these only on a GPU; `HostSyncCounter`
+finds the same operations from the operator stream, so a CPU test can hold the speculative
+loop to its budget (one sync a greedy cycle) and name the line that breaks it.
+
+Zero-dimensional Python scalars in arithmetic (`t + 1`, `torch.where(m, t, 0)`) and basic
+slice assignment (`t[:n] = True`) are passed as kernel arguments and do not sync.
+"""
+
+from __future__ import annotations
+
+import traceback
+import weakref
+from collections import Counter
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+# Operators whose output shape or value the host must read back.
+_READS = {aten._local_scalar_dense.default: "item()/int()/bool()",
+          aten.nonzero.default: "nonzero", aten.masked_select.default: "masked_select",
+          aten.unique_consecutive.default: "unique", aten._unique2.default: "unique"}
+_HOST_METHODS = {torch.Tensor.tolist: "tolist()", torch.Tensor.numpy: "numpy()"}
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, owner: HostSyncCounter):
+        super().__init__()
+        self.owner = owner
+        self.python_scalars: weakref.WeakSet = weakref.WeakSet()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _READS:
+            self.owner.record(_READS[func])
+        elif func in (aten.lift_fresh.default, aten.lift_fresh_copy.default):
+            if out.dim() > 0:
+                self.owner.record("tensor from Python data")  # an H2D copy on a GPU
+            else:
+                self.python_scalars.add(out)
+        elif func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default):
+            indices = args[1]
+            if any(i is not None and i.dtype == torch.bool for i in indices):
+                self.owner.record("boolean-mask indexing")
+            elif func is not aten.index.Tensor and args[2] in self.python_scalars:
+                self.owner.record("t[index] = Python scalar")
+        elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            self.owner.record("repeat_interleave without output_size")
+        return out
+
+
+class _Function(TorchFunctionMode):
+    def __init__(self, owner: HostSyncCounter):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_METHODS:
+            self.owner.record(_HOST_METHODS[func])
+        return func(*args, **(kwargs or {}))
+
+
+class HostSyncCounter:
+    """with HostSyncCounter() as syncs: ...; then syncs.total, syncs.by_kind, syncs.sites
+    (kind and the line that asked for it)."""
+
+    def __init__(self, keep_sites: bool = True):
+        self.by_kind: Counter[str] = Counter()
+        self.sites: Counter[str] = Counter()
+        self.keep_sites = keep_sites
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    def record(self, kind: str) -> None:
+        self.by_kind[kind] += 1
+        if self.keep_sites:
+            self.sites[f"{kind} at {_caller()}"] += 1
+
+    def __enter__(self) -> HostSyncCounter:
+        self._modes = (_Function(self), _Dispatch(self))
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and this module: the line that asked for it."""
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        name = frame.filename
+        if "/torch/" not in name and not name.endswith("hostsync.py"):
+            return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{frame.lineno}"
+    return "?"

@@ -1,0 +1,89 @@
+"""Device discipline and host synchronisations of the loop, checked on the CPU.
+
+* Every tensor the loop makes lands on the target's device: run under `torch.device("meta")`
+  as the default device, a tensor created without an explicit device goes to `meta` and
+  any use of it beside the target's tensors fails.
+* A greedy cycle syncs the host once (accept length and tokens in one transfer), counted
+  by `HostSyncCounter`, which sees what CUDA's sync debug mode reports on a GPU.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gumiho.config import TreeConfig
+from gumiho.drafters import load_drafter
+from gumiho.engine import GenerateConfig, run
+from gumiho.hostsync import HostSyncCounter
+
+CASES = [("ar", "off"), ("gumiho", "off"), ("gumiho", "exact"), ("gumiho", "official"),
+         ("eagle2", "off"), ("medusa", "off")]
+
+
+def small_tree(method, fta):
+    if method == "ar":
+        return None
+    return TreeConfig.for_method(method, total_tokens=12, top_k=3, mlp_topk=3, pruning=3,
+                                 depth=4, fta=fta)
+
+
+@pytest.mark.parametrize("method,fta", CASES)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_no_tensor_is_made_off_the_target_device(tiny_target, method, fta, temperature):
+    drafter = load_drafter(method, tiny_target, None if method == "ar" else "random",
+                           tree=small_tree(method, fta))
+    config = GenerateConfig(max_new_tokens=10, temperature=temperature)
+    want = run(tiny_target, drafter, [3, 1, 4, 1, 5], config)
+    with torch.device("meta"):  # tensors made without a device land here and fail
+        got = run(tiny_target, drafter, [3, 1, 4, 1, 5], config)
+    assert got.token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("method,fta", [c for c in CASES if c[1] == "off"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_host_sync_per_cycle(smollm2, method, fta, temperature):
+    drafter = load_drafter(method, smollm2, None if method == "ar" else "random",
+                           tree=small_tree(method, fta), engine="static")
+    ids = smollm2.chat_ids("Name three colours.")
+    config = GenerateConfig(max_new_tokens=16, temperature=temperature, engine="static")
+    run(smollm2, drafter, ids, config)  # first use: captures, one-off tree shapes
+    with HostSyncCounter() as syncs:
+        result = run(smollm2, drafter, ids, config)
+    # per generation: the prompt's ids go to the device, the prefill's token comes back
+    per_cycle = (syncs.total - 2) / (result.cycles - 1)
+    assert per_cycle <= 1.0, syncs.sites.most_common(5)
+
+
+def test_sync_counter_sees_what_cuda_would_sync_on():
+    x = torch.zeros(6, dtype=torch.bool)
+    idx = torch.arange(3)
+    with HostSyncCounter() as syncs:
+        x[idx] = True  # the scalar is copied to the device first
+        x.nonzero()
+        idx.tolist()
+        int(idx[0])
+        torch.tensor([1, 2])
+        idx[x[:3]]
+    assert syncs.total == 6, syncs.by_kind
+    with HostSyncCounter() as none:
+        x[:2] = True
+        torch.where(x, 1, 0)
+        idx + 1
+        x.scatter_(0, idx, True)
+        idx[idx]
+    assert none.total == 0, none.sites
+
+
+def test_code_version_outside_a_checkout(tmp_path):
+    import shutil
+
+    import gumiho
+
+    shutil.copytree(gumiho.__path__[0], tmp_path / "gumiho",
+                    ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    out = subprocess.run([sys.executable, "-c", "from gumiho.version import code_version; "
+                          "print(code_version())"], cwd=tmp_path, capture_output=True,
+                         text=True, check=True, env={"PATH": "/usr/bin:/bin"})
+    assert out.stdout.startswith("gumiho ")
