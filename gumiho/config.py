@@ -35,6 +35,8 @@ class DrafterConfig:
     num_mlp_heads: int = 5  # gumiho parallel heads; medusa heads
     num_mlp_layers: int = 5  # residual H->H blocks per head (after gumiho's 2H->H block)
     medusa_own_lm_head: bool = False  # original Medusa: one vocab projection per head
+    # Reduced draft vocabulary (modeling/vocab.py): 0 = the target's whole vocabulary.
+    draft_vocab_size: int = 0
 
     @classmethod
     def for_target(cls, target_config, method: str = "gumiho", **overrides) -> DrafterConfig:
@@ -86,7 +88,7 @@ class DrafterConfig:
             rope_theta=self.rope_parameters.get("rope_theta"),
             rope_scaling=None if self.rope_parameters.get("rope_type", "default") == "default"
             else dict(self.rope_parameters),
-            gumiho_fc_bias=True,
+            gumiho_fc_bias=True, draft_vocab_size=self.draft_vocab_size or self.vocab_size,
         )
         return out
 
@@ -94,6 +96,8 @@ class DrafterConfig:
     def from_json(cls, data: dict) -> DrafterConfig:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
+        if values.get("draft_vocab_size") == values.get("vocab_size"):
+            values["draft_vocab_size"] = 0  # written out in full for vLLM; 0 means full here
         if "rope_parameters" not in values and "rope_theta" in data:
             values["rope_parameters"] = dict(data.get("rope_scaling") or {"rope_type": "default"},
                                              rope_theta=data["rope_theta"])
@@ -125,3 +129,49 @@ class TreeConfig:
                 "eagle2": cls(total_tokens=60, top_k=10, depth=6, fta="off"),
                 "medusa": cls(total_tokens=64, depth=4, fta="off")}.get(method, cls())
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides a training run's result (`gumiho.train` flags map one to one;
+    saved with the run's state, and a resume with other values is refused)."""
+
+    method: str = "gumiho"
+    target: str = "smollm2"
+    data: tuple[str, ...] = ()  # ge_data dirs; empty with `online`
+    online: bool = False  # compute the target's features inside the loop
+    conversations: str = "sharegpt"  # online: the conversation source
+    num_conversations: int = 2000  # online
+    max_len: int = 2048  # online: tokens per sample
+    epochs: int = 20
+    max_steps: int | None = None  # optimizer steps of the schedule (default: from epochs)
+    batch_size: int = 4  # sequences per process per micro-batch
+    grad_accum: int = 8  # global batch = batch_size x grad_accum x processes (reference 32)
+    lr: float = 2e-4
+    warmup_steps: int = 200
+    grad_clip: float = 0.5
+    noise: float = 0.2  # uniform feature noise scale
+    ploss_fraction: float = 1.0  # positions whose ploss is scored (1.0 = the reference)
+    draft_vocab: int = 0  # reduced draft vocabulary size (0 = the target's whole vocabulary)
+    seed: int = 0
+    export_dtype: str = "float16"
+
+    def __post_init__(self):
+        if self.method not in ("gumiho", "eagle2", "medusa"):
+            raise GumihoError(f"--method {self.method}: use gumiho, eagle2 or medusa")
+        positive = {"--batch-size": self.batch_size, "--grad-accum": self.grad_accum,
+                    "--epochs": self.epochs, "--num-conversations": self.num_conversations,
+                    "--max-len": self.max_len}
+        if self.max_steps is not None:
+            positive["--max-steps"] = self.max_steps
+        for flag, value in positive.items():
+            if value < 1:
+                raise GumihoError(f"{flag} must be at least 1 (got {value})")
+        if not 0 < self.ploss_fraction <= 1:
+            raise GumihoError("--ploss-fraction must be in (0, 1]")
+        if not (self.lr > 0 and self.warmup_steps >= 0 and self.grad_clip > 0
+                and self.noise >= 0 and self.draft_vocab >= 0):
+            raise GumihoError("--lr and --grad-clip must be positive; --warmup-steps, "
+                              "--noise and --draft-vocab at least 0")
+        if bool(self.data) == self.online:
+            raise GumihoError("give either --data DIR [DIR ...] or --online")

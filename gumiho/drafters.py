@@ -24,7 +24,7 @@ from gumiho.errors import GumihoError
 from gumiho.fta import exact_fta_tree, splice_official
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
-from gumiho.modeling import build_draft_model
+from gumiho.modeling import DraftHead, build_draft_model, set_draft_vocabulary
 from gumiho.profiling import PhaseTimer
 from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
 
@@ -81,7 +81,8 @@ class SerialDrafter:
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)  # the loop's, to profile
 
     def begin(self, target, capacity: int) -> None:
-        self.lm_head = target.lm_head
+        if getattr(self, "head_target", None) is not target:  # once per target
+            self.head, self.head_target = DraftHead.for_model(target, self.model), target
         self.pending: list[tuple[Tensor, Tensor]] = []
         self.cache, new = reuse_or_allocate(
             self.cache, capacity + (self.serial_depth - 1) * self.tree.top_k,
@@ -105,7 +106,7 @@ class SerialDrafter:
             if last_only:
                 out = out[-1:]
             top = self._logprobs(out).topk(k)
-            return out, top.values, top.indices
+            return out, top.values, self.head.to_target(top.indices)
 
         return serial
 
@@ -113,13 +114,14 @@ class SerialDrafter:
         """All MLP heads for every level-2 node, and their top mlp_topk candidates."""
         hidden = self.model.parallel_heads(d1, out1, d2, out2)  # (k, N, H)
         top = self._logprobs(hidden).topk(self.tree.mlp_topk)  # (k, N, m)
-        return top.values, top.indices
+        return top.values, self.head.to_target(top.indices)
 
     def observe(self, features: Tensor, next_tokens: Tensor) -> None:
         self.pending.append((features, next_tokens))
 
     def _logprobs(self, hidden: Tensor) -> Tensor:
-        return torch.log_softmax(self.lm_head(hidden).float(), -1)
+        """Log-probs over the draft vocabulary (..., D)."""
+        return torch.log_softmax(self.head(hidden).float(), -1)
 
     def _catch_up(self) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Run the pending pairs (committing them); returns out1 (H,) of the newest and
@@ -237,7 +239,8 @@ class MedusaDrafter:
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)
 
     def begin(self, target, capacity: int) -> None:
-        self.lm_head = target.lm_head
+        if getattr(self, "head_target", None) is not target:  # once per target
+            self.head, self.head_target = DraftHead.for_model(target, self.model), target
         device = target.device
         self.shape = DraftTree(*(getattr(self.shape, f).to(device) for f in
                                  ("tokens", "parents", "depths", "mask")),
@@ -249,7 +252,8 @@ class MedusaDrafter:
 
     def _heads_fn(self, feature: Tensor) -> tuple[Tensor]:
         hidden = self.model(feature.to(self.model.w.dtype))  # (N, H)
-        return (self.model.logits(hidden, self.lm_head).topk(self.max_rank).indices,)  # (N, r)
+        ranked = self.model.logits(hidden, self.head).topk(self.max_rank).indices  # (N, r)
+        return (self.head.to_target(ranked),)
 
     @torch.no_grad()  # not inference_mode: compiled steps reject inference tensors
     def propose(self) -> DraftTree:
@@ -261,13 +265,22 @@ class MedusaDrafter:
         return replace(self.shape, tokens=tokens)
 
 
-def random_drafter_model(method: str, target, seed: int = 0):
-    """A seeded random-init drafter of `method` for `target` (for checks and timing)."""
+def random_drafter_model(method: str, target, seed: int = 0,
+                         draft_ids: Tensor | None = None, **config_overrides):
+    """A seeded fresh drafter network of `method` for `target` (training starts here;
+    `--draft random` uses it for checks and timing), on the target's device and dtype.
+    draft_ids: the target ids of a reduced draft vocabulary (modeling/vocab.py)."""
     torch.manual_seed(seed)
-    config = DrafterConfig.for_target(target.config, method)
+    if draft_ids is not None:
+        config_overrides["draft_vocab_size"] = draft_ids.shape[0]
+    config = DrafterConfig.for_target(target.config, method, **config_overrides)
     model = build_draft_model(config)
+    if draft_ids is not None:
+        set_draft_vocabulary(model, draft_ids)
     if hasattr(model, "embed_tokens"):
         model.embed_tokens.weight.data.copy_(target.embed_tokens.weight)
+    if config.method == "medusa":
+        model.init_lm_heads(DraftHead.for_model(target, model))
     return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
 

@@ -79,14 +79,16 @@ class OracleModel(torch.nn.Module):
         inside = index < self.full.shape[0]
         return inside & (self.full[index.clamp(max=self.full.shape[0] - 1)] == tokens)
 
+    MARK = 12345.0  # channel 2 of the oracle's own hidden states (never a target feature)
+
     def _hidden(self, index, on):
         h = torch.zeros(*index.shape, self.config.hidden_size)
-        h[..., 0], h[..., 1] = index.float(), on.float()
+        h[..., 0], h[..., 1], h[..., 2] = index.float(), on.float(), self.MARK
         return h
 
     def serial_step(self, tokens, features, position_ids, attention_mask, cache=None):
-        if position_ids.shape[1] > 1 and bool((position_ids[0, 1:] > position_ids[0, :-1]).all()):
-            # committed pairs (f_t, x_{t+1}) at positions t: predict index t + 2
+        if not bool((features[..., 2] == self.MARK).all()):
+            # committed pairs (f_t, x_{t+1}) at positions t (target features): predict t + 2
             return self._hidden(position_ids + 2, torch.ones_like(tokens, dtype=torch.bool))
         index, on = features[..., 0].long(), features[..., 1] > 0.5  # from the parent's out
         return self._hidden(index + 1, on & self._on(tokens, index))
@@ -107,6 +109,9 @@ class OracleHead:
         self.full, self.vocab = torch.tensor(full), vocab_size
         self.noise = torch.rand(len(full) + 16, vocab_size, generator=torch.Generator()
                                 .manual_seed(5))
+
+    def to_target(self, indices):
+        return indices
 
     def __call__(self, hidden):
         index, on = hidden[..., 0].long(), hidden[..., 1] > 0.5
@@ -129,7 +134,7 @@ def oracle_drafter(method, target, full, tree, engine="eager"):
 
     def begin_with_oracle_head(tgt, capacity):
         begin(tgt, capacity)
-        drafter.lm_head = OracleHead(full, config.vocab_size)
+        drafter.head = OracleHead(full, config.vocab_size)
 
     drafter.begin = begin_with_oracle_head
     return drafter
