@@ -74,9 +74,21 @@ class SerialDrafter:
         self.method = model.config.method
         self.name = self.method
         self.max_nodes = tree.total_tokens
-        self.serial_depth = 2 if self.method == "gumiho" else tree.depth
-        heads = model.config.num_mlp_heads if self.method == "gumiho" else 0
-        self.draft_depth = self.serial_depth + heads  # deepest node a tree can have
+        gumiho = self.method == "gumiho"
+        if gumiho and tree.depth < 2:
+            raise GumihoError("--depth for gumiho counts the 2 serial levels: give 2 to "
+                              f"{2 + model.config.num_mlp_heads}")
+        self.serial_depth = 2 if gumiho else tree.depth
+        self.heads = min(model.config.num_mlp_heads, tree.depth - 2) if gumiho else 0
+        self.draft_depth = self.serial_depth + self.heads  # deepest node a tree can have
+        # A node ranked W - 1 or lower within its level is outranked by W - 1 nodes, so it
+        # can never be among the W - 1 the tree keeps: no level needs more candidates, and
+        # the MLP heads need only the W - 2 best level-2 nodes (each is outranked at least
+        # by its own parent). These caps change nothing in the tree, only its cost.
+        budget = tree.total_tokens - 1
+        self.beam = min(tree.top_k, budget)
+        self.mlp_rows = min(self.beam, budget - 1)
+        self.mlp_topk, self.pruning = min(tree.mlp_topk, budget), min(tree.pruning, budget)
         self.cache: KVCache | None = None
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)  # the loop's, to profile
 
@@ -85,7 +97,7 @@ class SerialDrafter:
             self.head, self.head_target = DraftHead.for_model(target, self.model), target
         self.pending: list[tuple[Tensor, Tensor]] = []
         self.cache, new = reuse_or_allocate(
-            self.cache, capacity + (self.serial_depth - 1) * self.tree.top_k,
+            self.cache, capacity + (self.serial_depth - 1) * self.beam,
             self.engine != "eager", lambda n: KVCache(self.model.config.llama_config(), n,
                                                       target.device, target.dtype))
         if not new:
@@ -98,7 +110,7 @@ class SerialDrafter:
 
     def _serial_fn(self, last_only: bool):
         """The serial layers on one step's tokens, then the top_k of the outputs' logits."""
-        cache, k = self.cache, self.tree.top_k
+        cache, k = self.cache, self.beam
 
         def serial(tokens, features, positions, mask, write_at):
             cache.seek(write_at)
@@ -111,9 +123,9 @@ class SerialDrafter:
         return serial
 
     def _heads_fn(self, d1, out1, d2, out2):
-        """All MLP heads for every level-2 node, and their top mlp_topk candidates."""
-        hidden = self.model.parallel_heads(d1, out1, d2, out2)  # (k, N, H)
-        top = self._logprobs(hidden).topk(self.tree.mlp_topk)  # (k, N, m)
+        """The MLP heads in use for R level-2 nodes, and their top mlp_topk candidates."""
+        hidden = self.model.parallel_heads(d1, out1, d2, out2, self.heads)  # (R, N, H)
+        top = self._logprobs(hidden).topk(self.mlp_topk)  # (R, N, m)
         return top.values, self.head.to_target(top.indices)
 
     def observe(self, features: Tensor, next_tokens: Tensor) -> None:
@@ -163,51 +175,68 @@ class SerialDrafter:
 
     @torch.no_grad()  # not inference_mode: compiled steps reject inference tensors
     def propose(self) -> DraftTree:
+        """Serial levels as a beam of k = `beam` nodes, then (Gumiho) the MLP levels.
+
+        The candidate pool is built level by level; within a level, node j of the level
+        is pool node `first + j`. Per serial level the tensors line up by beam row:
+        `level` (the pool level, k nodes in score order), `outs` (k, H) the serial output
+        each node was drawn from (its parent's), and `seen` (k, R) which of the R draft
+        entries already in the drafter's cache (earlier levels, k per level) each node may
+        attend to: exactly its ancestors. `row` (k,) maps each kept child to its parent's
+        beam row, which is how outputs and visibility follow the beam.
+        """
         if self.pending:  # else: propose again from the same state
             self.root = self.pending[-1][1][-1]
             with self.timer("draft_serial"):
                 self.out1, self.top1 = self._catch_up()
         root, out1 = self.root, self.out1
-        k = self.tree.top_k
+        k = self.beam
         values, indices = self.top1
         level = Pool(tokens=indices, parents=torch.full_like(indices, -1),
                      scores=values, depths=torch.ones_like(indices))
-        levels, outs = [level], out1.expand(k, -1)
+        levels, outs = [level], out1.expand(k, -1)  # level 1 was drawn from out1
         seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)
         first = 0  # pool index of the current level's node 0
         for depth in range(2, self.serial_depth + 1):
             parent_tokens, parent_outs = level.tokens, outs
-            with self.timer("draft_serial"):
+            with self.timer("draft_serial"):  # the level's own outputs (k, H), top-k each
                 new_outs, top_values, top_indices = self._serial_level(level.tokens, outs, seen)
             level, row = expand_level(level.scores, top_indices, top_values, k, first, depth)
             first += levels[-1].tokens.shape[0]
             levels.append(level)
-            outs = new_outs[row]
+            outs = new_outs[row]  # children are drawn from their parent's output
             eye = torch.eye(seen.shape[0], dtype=torch.bool, device=seen.device)
-            seen = torch.cat([seen, eye], 1)[row]
-        if self.method != "gumiho":
+            seen = torch.cat([seen, eye], 1)[row]  # the parent's view plus the parent
+        if self.method != "gumiho" or self.heads == 0:
             return select_tree(root, Pool.concat(levels), self.tree.total_tokens - 1,
                                self.draft_depth)[0]
+        # MLP inputs per level-2 node: its own level-1 parent's token and output (d1, out1,
+        # by `row`; the released code paired rows with the wrong parent), its token and its
+        # own serial output (d2, out2).
         return self._mlp_levels(root, levels, first, parent_tokens[row], parent_outs[row],
                                 level.tokens, outs)
 
     def _mlp_levels(self, root, levels, first, d1, out1, d2, out2) -> DraftTree:
-        """All MLP heads for every level-2 node at once, then one pruned level per head.
-        Each input row pairs a level-2 node with its own level-1 parent."""
-        tree = self.tree
-        with self.timer("draft_heads"):
-            top_values, top_indices = self._heads_step(d1, out1, d2, out2)  # (k, N, m)
-        branch_of_level = torch.arange(d2.shape[0], device=d2.device)
-        branches = [torch.full_like(lv.tokens, -1) for lv in levels[:-1]] + [branch_of_level]
+        """The MLP heads for the R best level-2 nodes at once, then one pruned level per
+        head. `branch` tracks, for every MLP-level node, the level-2 row (0..R-1) whose
+        heads drew it: head h's candidates for a node come from its branch's row."""
+        tree, rows = self.tree, self.mlp_rows
+        with self.timer("draft_heads"):  # (R, heads, m): level-2 nodes are in score order
+            top_values, top_indices = self._heads_step(d1[:rows], out1[:rows], d2[:rows],
+                                                       out2[:rows])
         level = levels[-1]
-        for head in range(top_values.shape[1]):
-            level, row = expand_level(level.scores, top_indices[branch_of_level, head],
-                                      top_values[branch_of_level, head], tree.pruning,
-                                      first, head + 3)
+        branch = torch.arange(rows, device=d2.device)
+        level_two = torch.arange(level.tokens.shape[0], device=d2.device)
+        branches = [torch.full_like(lv.tokens, -1) for lv in levels[:-1]] + [
+            torch.where(level_two < rows, level_two, -1)]  # no heads below the others
+        scores = level.scores[:rows]
+        for head in range(self.heads):
+            level, row = expand_level(scores, top_indices[branch, head],
+                                      top_values[branch, head], self.pruning, first, head + 3)
             first += levels[-1].tokens.shape[0]
-            branch_of_level = branch_of_level[row]
+            branch, scores = branch[row], level.scores
             levels.append(level)
-            branches.append(branch_of_level)
+            branches.append(branch)
         pool = Pool.concat(levels)
         budget = tree.total_tokens - 1
         if tree.fta == "exact":

@@ -126,7 +126,8 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                        "eagle2 10)")
     group.add_argument("--mlp-topk", type=int, help="candidates per node at MLP levels (35)")
     group.add_argument("--pruning", type=int, help="nodes kept per MLP level (35)")
-    group.add_argument("--depth", type=int, help="eagle2 draft levels (6), medusa depth (4)")
+    group.add_argument("--depth", type=int, help="draft depth: gumiho 2 serial levels + MLP "
+                       "levels (7), eagle2 serial levels (6), medusa tree depth (4)")
     group.add_argument("--fta", choices=FTA_MODES, help="Full Tree Attention (gumiho): off "
                        "(plain dynamic tree, default), exact (lossless path completion), or "
                        "official (the released splice: APPROXIMATE, not lossless)")

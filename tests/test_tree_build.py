@@ -82,9 +82,9 @@ def test_each_mlp_row_pairs_a_level2_node_with_its_own_parent(gumiho_random):
     seen = {}
     original = drafter.model.parallel_heads
 
-    def record(d1, out1, d2, out2):
+    def record(d1, out1, d2, out2, heads=None):
         seen.update(d1=d1, out1=out1, d2=d2, out2=out2)
-        return original(d1, out1, d2, out2)
+        return original(d1, out1, d2, out2, heads)
 
     drafter.model.parallel_heads = record
     drafter.propose()
@@ -95,7 +95,7 @@ def test_each_mlp_row_pairs_a_level2_node_with_its_own_parent(gumiho_random):
                                       torch.zeros(1, 0, dtype=torch.bool))[0][0]
         torch.testing.assert_close(seen["out2"][j], alone, atol=1e-5, rtol=0)
         # ... and d2[j] was drawn from that output's top-k
-        top = drafter._logprobs(alone).topk(drafter.tree.top_k).indices
+        top = drafter.head.to_target(drafter._logprobs(alone).topk(drafter.beam).indices)
         assert int(seen["d2"][j]) in top.tolist()
 
 
@@ -149,3 +149,60 @@ def test_exact_fta_completes_mlp_leaves_within_budget():
     leaf_branch = int(branch[chosen[-1]])
     assert tree.tokens[3:].tolist() == chains[leaf_branch].tolist()
     assert tree.paths.tolist() == [list(range(8))]
+
+
+def token_paths(tree):
+    """The set of root-to-node token paths of a tree (independent of node order)."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    paths = []
+    for node in range(1, len(tokens)):
+        path, n = [], node
+        while n > 0:
+            path.append(tokens[n])
+            n = parents[n]
+        paths.append(tuple(reversed(path)))
+    return set(paths)
+
+
+@pytest.mark.parametrize("size", [5, 8, 16])
+def test_capped_levels_build_the_uncapped_tree(smollm2, size):
+    """Per-level candidate caps at the budget (and MLP rows at W - 2) change nothing."""
+    from gumiho.config import TreeConfig
+    from gumiho.drafters import load_drafter
+
+    ids = smollm2.chat_ids("Write a haiku about the sea.")
+    trees = {}
+    for capped in (True, False):
+        drafter = load_drafter("gumiho", smollm2, "random",
+                               tree=TreeConfig.for_method("gumiho", total_tokens=size))
+        if not capped:
+            drafter.beam, drafter.mlp_rows = drafter.tree.top_k, drafter.tree.top_k
+            drafter.mlp_topk, drafter.pruning = drafter.tree.mlp_topk, drafter.tree.pruning
+        trees[capped] = propose_after_prompt(smollm2, drafter, ids)
+    assert trees[True].size == trees[False].size == size
+    assert token_paths(trees[True]) == token_paths(trees[False])
+
+
+def propose_after_prompt(target, drafter, ids):
+    from gumiho.engine import prefill
+    from gumiho.kv_cache import KVCache
+
+    cache = KVCache.for_model(target.model, 128)
+    prompt = torch.tensor([ids])
+    features, logits = prefill(target, cache, prompt)
+    drafter.begin(target, 128)
+    drafter.observe(features, torch.cat([prompt[0, 1:], logits[-1].argmax().view(1)]))
+    return drafter.propose()
+
+
+def test_gumiho_depth_uses_fewer_heads(smollm2):
+    from gumiho.config import TreeConfig
+    from gumiho.drafters import load_drafter
+
+    ids = smollm2.chat_ids("Write a haiku about the sea.")
+    for depth in (2, 4, 7):
+        drafter = load_drafter("gumiho", smollm2, "random",
+                               tree=TreeConfig.for_method("gumiho", depth=depth))
+        tree = propose_after_prompt(smollm2, drafter, ids)
+        assert drafter.heads == depth - 2 and drafter.draft_depth == depth
+        assert int(tree.depths.max()) <= depth

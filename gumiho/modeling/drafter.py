@@ -42,12 +42,14 @@ class ParallelHeads(nn.Module):
         self.b_res = nn.Parameter(torch.zeros(num_heads, num_layers, hidden))
         _linear_init(self.w_in.data, self.b_in.data, 2 * hidden)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x (..., 2H) -> (..., N, H): every head's output for every input row."""
-        h = F.silu(torch.einsum("...i,noi->...no", x, self.w_in) + self.b_in)
+    def forward(self, x: Tensor, heads: int | None = None) -> Tensor:
+        """x (..., 2H) -> (..., N, H): every head's output for every input row (the first
+        `heads` heads only, if given: a shallower draft tree needs no more)."""
+        n = heads or self.w_in.shape[0]
+        h = F.silu(torch.einsum("...i,noi->...no", x, self.w_in[:n]) + self.b_in[:n])
         for r in range(self.w_res.shape[1]):
-            h = h + F.silu(torch.einsum("...ni,noi->...no", h, self.w_res[:, r])
-                           + self.b_res[:, r])
+            h = h + F.silu(torch.einsum("...ni,noi->...no", h, self.w_res[:n, r])
+                           + self.b_res[:n, r])
         return h
 
 
@@ -164,11 +166,12 @@ class DraftModel(nn.Module):
                                             input_ids[:, 3:], out2[:, :-1])
         return result
 
-    def parallel_heads(self, d1: Tensor, out1: Tensor, d2: Tensor, out2: Tensor) -> Tensor:
-        """All MLP heads at once. d1, d2 (...,) the serial levels' tokens; out1, out2
-        (..., H) the serial outputs they were drawn from. Returns (..., N, H): head i
-        approximates f_{t+3+i} (its logits give x_{t+4+i})."""
-        return self.mlp(torch.cat([self.fuse(d1, out1), self.fuse(d2, out2)], -1))
+    def parallel_heads(self, d1: Tensor, out1: Tensor, d2: Tensor, out2: Tensor,
+                       heads: int | None = None) -> Tensor:
+        """All MLP heads at once (or the first `heads`). d1, d2 (...,) the serial levels'
+        tokens; out1, out2 (..., H) the serial outputs they were drawn from. Returns
+        (..., N, H): head i approximates f_{t+3+i} (its logits give x_{t+4+i})."""
+        return self.mlp(torch.cat([self.fuse(d1, out1), self.fuse(d2, out2)], -1), heads)
 
 
 def build_draft_model(config: DrafterConfig) -> nn.Module:
