@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from gumiho.errors import GumihoError
 
-METHODS = ("ar", "gumiho", "eagle2", "medusa")
+METHODS = ("ar", "lookup", "gumiho", "eagle2", "medusa")
 FTA_MODES = ("off", "official", "exact")
 MODEL_TYPE = {"gumiho": "gumiho", "eagle2": "eagle2", "medusa": "medusa"}
 ARCHITECTURE = {"gumiho": "GumihoLlamaForCausalLM", "eagle2": "EagleLlamaForCausalLM",
@@ -117,18 +117,24 @@ class TreeConfig:
     # Full Tree Attention: off | official | exact. Default off: with the shipped drafter
     # exact measured no better (tau 1.63 vs 1.64, 5 held-out prompts; README).
     fta: str = "off"
+    # Prompt-lookup candidates (lookup.py): a chain of this many n-gram continuation tokens
+    # under the root, beside the drafter's tree (0 = none; the `lookup` method: 10).
+    lookup: int = 0
 
     def __post_init__(self):
         if self.fta not in FTA_MODES:
             raise GumihoError(f"--fta must be one of {', '.join(FTA_MODES)}")
         if self.total_tokens < 2 or self.top_k < 1 or self.mlp_topk < 1 or self.pruning < 1:
             raise GumihoError("tree sizes must be positive (--total-tokens at least 2)")
+        if self.lookup < 0 or self.depth < 1:
+            raise GumihoError("--lookup must be at least 0 and --depth at least 1")
 
     @classmethod
     def for_method(cls, method: str, **overrides) -> TreeConfig:
         base = {"gumiho": cls(depth=7),
                 "eagle2": cls(total_tokens=60, top_k=10, depth=6, fta="off"),
-                "medusa": cls(total_tokens=64, depth=4, fta="off")}.get(method, cls())
+                "medusa": cls(total_tokens=64, depth=4, fta="off"),
+                "lookup": cls(total_tokens=2, lookup=10)}.get(method, cls())
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
 

@@ -3,10 +3,11 @@
 The loop (generate.py) talks to a drafter through three calls:
 
 * `begin(target, capacity)`: a new sequence starts.
-* `observe(features, next_tokens)`: the target committed tokens. features (n, H) are the
-  target's post-norm last hidden states `f_t` at the committed positions and next_tokens (n,)
-  the token that follows each (`x_{t+1}`); the last next token is the new root, which the
-  target has not yet seen.
+* `observe(features, next_tokens, tokens)`: the target committed tokens. features (n, H)
+  are the target's post-norm last hidden states `f_t` at the committed positions and
+  next_tokens (n,) the token that follows each (`x_{t+1}`); the last next token is the new
+  root, which the target has not yet seen. `tokens` is next_tokens as a host list (the loop
+  has it without a sync; None from other callers).
 * `propose() -> DraftTree`: a tree rooted at the newest root token.
 """
 
@@ -32,10 +33,12 @@ from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
 class Drafter(Protocol):
     name: str
     max_nodes: int  # the largest tree `propose` returns, root included
+    draft_depth: int  # the deepest node such a tree can have
 
     def begin(self, target, capacity: int) -> None: ...
 
-    def observe(self, features: Tensor, next_tokens: Tensor) -> None: ...
+    def observe(self, features: Tensor, next_tokens: Tensor,
+                tokens: list[int] | None = None) -> None: ...
 
     def propose(self) -> DraftTree: ...
 
@@ -45,12 +48,14 @@ class PlainDrafter:
 
     name = "ar"
     max_nodes = 1
+    draft_depth = 0
 
     def begin(self, target, capacity: int) -> None:
         self.root: Tensor | None = None
         self._single = None
 
-    def observe(self, features: Tensor, next_tokens: Tensor) -> None:
+    def observe(self, features: Tensor, next_tokens: Tensor,
+                tokens: list[int] | None = None) -> None:
         self.root = next_tokens[-1:]
 
     def propose(self) -> DraftTree:
@@ -128,7 +133,8 @@ class SerialDrafter:
         top = self._logprobs(hidden).topk(self.mlp_topk)  # (R, N, m)
         return top.values, self.head.to_target(top.indices)
 
-    def observe(self, features: Tensor, next_tokens: Tensor) -> None:
+    def observe(self, features: Tensor, next_tokens: Tensor,
+                tokens: list[int] | None = None) -> None:
         self.pending.append((features, next_tokens))
 
     def _logprobs(self, hidden: Tensor) -> Tensor:
@@ -256,7 +262,7 @@ class MedusaDrafter:
                  engine: str = "eager"):
         self.model, self.tree = model, tree
         n_heads = model.w.shape[0]
-        depth = min(tree.depth, n_heads)
+        depth = self.draft_depth = min(tree.depth, n_heads)
         acc = head_accuracy or [0.6, 0.4, 0.3, 0.25, 0.2][:depth]
         parents, _, self.ranks = static_tree(tree.total_tokens - 1, depth, acc)
         # static_tree lists nodes best first, so a smaller budget keeps a prefix
@@ -276,7 +282,8 @@ class MedusaDrafter:
                                priority=self.shape.priority.to(device))
         self.ranks = self.ranks.to(device)
 
-    def observe(self, features: Tensor, next_tokens: Tensor) -> None:
+    def observe(self, features: Tensor, next_tokens: Tensor,
+                tokens: list[int] | None = None) -> None:
         self.feature, self.root = features[-1], next_tokens[-1:]
 
     def _heads_fn(self, feature: Tensor) -> tuple[Tensor]:
@@ -317,19 +324,25 @@ def load_drafter(method: str, target, draft: str | None = None,
                  tree: TreeConfig | None = None, seed: int = 0,
                  engine: str | None = None) -> Drafter:
     """The drafter for `method` on `target`: a checkpoint dir, or `random` weights.
-    engine: how its steps run (graphs.py); None picks by the target's device."""
-    if method == "ar":
-        if draft is not None:
-            raise GumihoError("--method ar takes no --draft: plain decoding has no drafter")
-        return PlainDrafter()
+    engine: how its steps run (graphs.py); None picks by the target's device.
+    A tree with `lookup` > 0 adds a prompt-lookup chain (lookup.py); `lookup` is plain
+    decoding with one."""
+    from gumiho.lookup import LookupDrafter
+
     if method not in METHODS:
         raise GumihoError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
-    if draft is None:
-        raise GumihoError(f"--method {method} needs --draft DIR (a trained drafter) or random")
-    model = random_drafter_model(method, target, seed) if draft == "random" else \
-        load_drafter_model(draft, target, method)
     tree = tree or TreeConfig.for_method(method)
-    engine = resolve_engine(engine, target.device)
-    if method == "medusa":
-        return MedusaDrafter(model, tree, engine=engine)
-    return SerialDrafter(model, tree, engine=engine)
+    if method in ("ar", "lookup"):
+        if draft is not None:
+            raise GumihoError(f"--method {method} takes no --draft: it has no drafter network")
+        drafter: Drafter = PlainDrafter()
+    else:
+        if draft is None:
+            raise GumihoError(f"--method {method} needs --draft DIR (a trained drafter) or "
+                              "random")
+        model = random_drafter_model(method, target, seed) if draft == "random" else \
+            load_drafter_model(draft, target, method)
+        engine = resolve_engine(engine, target.device)
+        drafter = MedusaDrafter(model, tree, engine=engine) if method == "medusa" else \
+            SerialDrafter(model, tree, engine=engine)
+    return LookupDrafter(drafter, tree.lookup) if tree.lookup else drafter

@@ -159,10 +159,12 @@ def target_runner(target: Target, engine: str) -> TargetRunner:
 
 
 def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features: Tensor,
-                    accepted: Tensor, bonus: Tensor) -> None:
-    """Keep the accepted path in the cache and tell the drafter (device ops only)."""
+                    accepted: Tensor, bonus: Tensor, emitted: list[int]) -> None:
+    """Keep the accepted path in the cache and tell the drafter (device ops only; the
+    emitted tokens are already on the host)."""
     cache.compact(accepted)
-    drafter.observe(features[accepted], torch.cat([tree.tokens[accepted[1:]], bonus.view(1)]))
+    drafter.observe(features[accepted], torch.cat([tree.tokens[accepted[1:]], bonus.view(1)]),
+                    emitted)
 
 
 def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
@@ -187,8 +189,10 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         features, logits = prefill(target, cache, input_ids)
         root = sample_tokens(logits[-1], config.temperature, generator)
         drafter.begin(target, capacity)
-        drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]))
-    yield [int(root)]
+        first = int(root)  # the prefill's token, on the host
+        drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]),
+                        prompt_ids[1:] + [first])
+    yield [first]
     while True:
         with timer("draft"):
             tree = drafter.propose()
@@ -196,7 +200,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
             features, logits = verify_tree(target, cache, tree, width, runner.step)
         with timer("accept_commit"):
             accepted, bonus, new_tokens = accept(tree, logits, config.temperature, generator)
-            commit_accepted(cache, drafter, tree, features, accepted, bonus)
+            commit_accepted(cache, drafter, tree, features, accepted, bonus, new_tokens)
         yield new_tokens
 
 

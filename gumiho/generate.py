@@ -55,7 +55,7 @@ class SpeculativeGenerator:
             tree_options = {**tree_options, "total_tokens": None}
         tree = TreeConfig.for_method(method, **tree_options)
         report = None
-        if auto and method != "ar":
+        if auto and method not in ("ar", "lookup"):
             if draft is None:
                 raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
             report = choose_total_tokens(loaded, method, draft, tree, engine)
@@ -128,6 +128,8 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pruning", type=int, help="nodes kept per MLP level (35)")
     group.add_argument("--depth", type=int, help="draft depth: gumiho 2 serial levels + MLP "
                        "levels (7), eagle2 serial levels (6), medusa tree depth (4)")
+    group.add_argument("--lookup", type=int, help="add a prompt-lookup chain of this many "
+                       "n-gram continuation tokens under the root (method lookup: 10)")
     group.add_argument("--fta", choices=FTA_MODES, help="Full Tree Attention (gumiho): off "
                        "(plain dynamic tree, default), exact (lossless path completion), or "
                        "official (the released splice: APPROXIMATE, not lossless)")
@@ -144,7 +146,7 @@ def total_tokens_arg(value: str) -> int | str:
 
 def tree_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("total_tokens", "top_k", "mlp_topk", "pruning",
-                                          "depth", "fta")}
+                                          "depth", "fta", "lookup")}
 
 
 def build_parser() -> argparse.ArgumentParser:

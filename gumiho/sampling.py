@@ -53,6 +53,8 @@ def accept_matching(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor, lis
     """
     k = tree.size
     matched = (tree.tokens == picks[tree.parents.clamp(min=0)]) & first_of_siblings(tree)
+    if tree.dead is not None:
+        matched &= ~tree.dead
     matched[0] = True  # the root is already the target's
     reachable = ~(tree.mask & ~matched[None, :]).any(1)
     reach = torch.where(reachable, tree.depths, -1)

@@ -15,13 +15,13 @@ class ReplayDrafter:
 
     def __init__(self, full: list[int], depth: int = 5, vocab_size: int = 97, seed: int = 0):
         self.full, self.depth, self.vocab_size = full, depth, vocab_size
-        self.max_nodes = 1 + 2 * depth
+        self.max_nodes, self.draft_depth = 1 + 2 * depth, depth
         self.rng = torch.Generator().manual_seed(seed)
 
     def begin(self, target, capacity):
         self.known = 1  # tokens of `full` committed or rooted: prompt[0] precedes every feature
 
-    def observe(self, features, next_tokens):
+    def observe(self, features, next_tokens, tokens=None):
         self.known += next_tokens.shape[0]
         self.root = next_tokens[-1:]
 
@@ -43,13 +43,13 @@ class RandomDrafter:
     name = "random-tree"
 
     def __init__(self, vocab_size: int, size: int = 12, seed: int = 0):
-        self.vocab_size, self.max_nodes = vocab_size, size
+        self.vocab_size, self.max_nodes, self.draft_depth = vocab_size, size, size - 1
         self.rng = torch.Generator().manual_seed(seed)
 
     def begin(self, target, capacity):
         pass
 
-    def observe(self, features, next_tokens):
+    def observe(self, features, next_tokens, tokens=None):
         self.root = next_tokens[-1:]
 
     def propose(self) -> DraftTree:

@@ -18,21 +18,21 @@ from gumiho.drafters import load_drafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.hostsync import HostSyncCounter
 
-CASES = [("ar", "off"), ("gumiho", "off"), ("gumiho", "exact"), ("gumiho", "official"),
+CASES = [("ar", "off"), ("lookup", "off"), ("gumiho", "off"), ("gumiho", "exact"), ("gumiho", "official"),
          ("eagle2", "off"), ("medusa", "off")]
 
 
 def small_tree(method, fta):
-    if method == "ar":
+    if method in ("ar", "lookup"):
         return None
     return TreeConfig.for_method(method, total_tokens=12, top_k=3, mlp_topk=3, pruning=3,
-                                 depth=4, fta=fta)
+                                 depth=4, fta=fta, lookup=4 if method == "gumiho" else 0)
 
 
 @pytest.mark.parametrize("method,fta", CASES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_no_tensor_is_made_off_the_target_device(tiny_target, method, fta, temperature):
-    drafter = load_drafter(method, tiny_target, None if method == "ar" else "random",
+    drafter = load_drafter(method, tiny_target, None if method in ("ar", "lookup") else "random",
                            tree=small_tree(method, fta))
     config = GenerateConfig(max_new_tokens=10, temperature=temperature)
     want = run(tiny_target, drafter, [3, 1, 4, 1, 5], config)
@@ -44,7 +44,7 @@ def test_no_tensor_is_made_off_the_target_device(tiny_target, method, fta, tempe
 @pytest.mark.parametrize("method,fta", [c for c in CASES if c[1] == "off"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_one_host_sync_per_cycle(smollm2, method, fta, temperature):
-    drafter = load_drafter(method, smollm2, None if method == "ar" else "random",
+    drafter = load_drafter(method, smollm2, None if method in ("ar", "lookup") else "random",
                            tree=small_tree(method, fta), engine="static")
     ids = smollm2.chat_ids("Name three colours.")
     config = GenerateConfig(max_new_tokens=16, temperature=temperature, engine="static")
