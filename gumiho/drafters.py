@@ -193,7 +193,7 @@ class SerialDrafter:
         """
         if self.pending:  # else: propose again from the same state
             self.root = self.pending[-1][1][-1]
-            with self.timer("draft_serial"):
+            with self.timer("draft_catchup"):
                 self.out1, self.top1 = self._catch_up()
         root, out1 = self.root, self.out1
         k = self.beam

@@ -13,7 +13,7 @@ scripts' figure, new_tokens / (cycles - 1), is `tau_official`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -168,10 +168,12 @@ def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features:
 
 
 def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
-                       config: GenerateConfig, timer: PhaseTimer | None = None
+                       config: GenerateConfig, timer: PhaseTimer | None = None,
+                       on_cycle: Callable[[DraftTree, list[int]], None] | None = None
                        ) -> Iterator[list[int]]:
     """Yield the tokens each cycle emits (host ints), the prefill's single token first.
-    Unbounded: the caller stops it (see `generate`)."""
+    Unbounded: the caller stops it (see `generate`). on_cycle(tree, emitted): called after
+    each verify cycle (calibration and analysis hooks)."""
     if not prompt_ids:
         raise GumihoError("empty prompt: give some text to answer")
     timer = timer or PhaseTimer(target.device, enabled=False)
@@ -201,11 +203,15 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         with timer("accept_commit"):
             accepted, bonus, new_tokens = accept(tree, logits, config.temperature, generator)
             commit_accepted(cache, drafter, tree, features, accepted, bonus, new_tokens)
+        if on_cycle is not None:
+            on_cycle(tree, new_tokens)
         yield new_tokens
 
 
 def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
-             config: GenerateConfig = GenerateConfig()) -> Iterator[list[int]]:
+             config: GenerateConfig = GenerateConfig(),
+             on_cycle: Callable[[DraftTree, list[int]], None] | None = None
+             ) -> Iterator[list[int]]:
     """Run the loop to a stop token or max_new_tokens.
 
     A generator: yields each cycle's new token ids (cut at the stop) and returns the
@@ -214,7 +220,7 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
     result = GenerationResult()
     timer = PhaseTimer(target.device, config.profile)
     start = last = time.perf_counter()
-    cycles = speculative_cycles(target, drafter, prompt_ids, config, timer)
+    cycles = speculative_cycles(target, drafter, prompt_ids, config, timer, on_cycle)
     for new in cycles:
         room = config.max_new_tokens - result.new_tokens
         stops = [i for i, t in enumerate(new[:room]) if t in target.stop_token_ids]
@@ -238,9 +244,10 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
 
 
 def run(target: Target, drafter: Drafter, prompt_ids: list[int],
-        config: GenerateConfig = GenerateConfig()) -> GenerationResult:
+        config: GenerateConfig = GenerateConfig(),
+        on_cycle: Callable[[DraftTree, list[int]], None] | None = None) -> GenerationResult:
     """`generate` without streaming: the finished GenerationResult."""
-    steps = generate(target, drafter, prompt_ids, config)
+    steps = generate(target, drafter, prompt_ids, config, on_cycle)
     while True:
         try:
             next(steps)

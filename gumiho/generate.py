@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import replace
 
-from gumiho.budget import choose_total_tokens
+from gumiho.budget import choose_tree
 from gumiho.config import FTA_MODES, METHODS, TreeConfig
 from gumiho.drafters import Drafter, load_drafter
 from gumiho.engine import GenerateConfig, GenerationResult, generate
@@ -46,8 +46,8 @@ class SpeculativeGenerator:
              chat_template: str | None = None, verify_width: int | None = None,
              engine: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
-        fta); unset ones take the method's reference defaults. total_tokens="auto" times
-        this device and the drafter and picks the fastest size (budget.py)."""
+        fta, lookup); unset ones take the method's reference defaults. total_tokens="auto"
+        times this device and the drafter and picks the fastest tree shape (budget.py)."""
         loaded = load_target(target, device=device, dtype=dtype, chat_template=chat_template)
         engine = resolve_engine(engine, loaded.device)
         auto = tree_options.get("total_tokens") == "auto"
@@ -58,8 +58,8 @@ class SpeculativeGenerator:
         if auto and method not in ("ar", "lookup"):
             if draft is None:
                 raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
-            report = choose_total_tokens(loaded, method, draft, tree, engine)
-            tree = replace(tree, total_tokens=report["total_tokens"])
+            report = choose_tree(loaded, method, draft, tree, engine)
+            tree = replace(tree, **report["tree"])
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
         gen = cls(loaded, drafter, verify_width, engine)
         gen.auto_report = report  # how `auto` chose the tree size, or None
@@ -120,8 +120,8 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("draft tree (defaults: the method's reference settings)")
     group.add_argument("--total-tokens", type=total_tokens_arg,
                        help="verified tokens incl. the root (gumiho 64, eagle2 60, medusa 64), "
-                       "or 'auto': time this device and the drafter and pick the fastest size "
-                       "up to the reference (cached)")
+                       "or 'auto': time this device and the drafter and pick the fastest tree "
+                       "shape (size, depth, or a chain) within the reference (cached)")
     group.add_argument("--top-k", type=int, help="beam width at serial levels (gumiho 14, "
                        "eagle2 10)")
     group.add_argument("--mlp-topk", type=int, help="candidates per node at MLP levels (35)")

@@ -18,8 +18,8 @@ from gumiho.drafters import load_drafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.hostsync import HostSyncCounter
 
-CASES = [("ar", "off"), ("lookup", "off"), ("gumiho", "off"), ("gumiho", "exact"), ("gumiho", "official"),
-         ("eagle2", "off"), ("medusa", "off")]
+CASES = [("ar", "off"), ("lookup", "off"), ("gumiho", "off"), ("gumiho", "exact"),
+         ("gumiho", "official"), ("eagle2", "off"), ("medusa", "off")]
 
 
 def small_tree(method, fta):

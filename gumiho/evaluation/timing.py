@@ -10,8 +10,9 @@ with a device synchronisation around each timed call:
 * a target step over K tree tokens on top of `--context` committed tokens (K = 1 is a plain
   decode step), through the chosen engine;
 * per method, a profiled generation (random-weight drafter unless `--draft`): per cycle
-  the serial draft steps, the MLP/Medusa heads, the rest of drafting (tree build), the
-  verify step and accept/commit; the cycle in plain steps, and the projected speedup
+  the drafter's catch-up on the accepted tokens, its serial draft levels, the MLP/Medusa
+  heads, the rest of drafting (tree build), the verify step and accept/commit; the cycle
+  in plain steps, and the projected speedup
   `tau * plain step / cycle` for `--tau` (default: the run's own tau when `--draft` is a
   trained drafter).
 
@@ -24,21 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 
+from gumiho.budget import verify_step_seconds
 from gumiho.config import TreeConfig
 from gumiho.drafters import PlainDrafter, load_drafter
-from gumiho.engine import GenerateConfig, TargetRunner, prefill, run, verify_tree
+from gumiho.engine import GenerateConfig, run
 from gumiho.errors import GumihoError, cli_errors
 from gumiho.generate import add_target_args, add_tree_args, tree_options
 from gumiho.graphs import resolve_engine
 from gumiho.target import Target, choose_device_dtype, load_target, wrap_target
-from gumiho.tree import DraftTree
 
 # Stock Llama shapes for --shape (SmolLM2-135M's own config; Llama-3-8B's published one).
 SHAPES = {
@@ -50,24 +48,6 @@ SHAPES = {
                       rope_theta=500000.0, tie_word_embeddings=False),
 }
 PROMPT = "Explain in a few sentences why the sky is blue."
-
-
-def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median seconds of fn() over `repeats` calls, after `warmup` untimed calls."""
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def shape_target(shape: str, device: str | None, dtype: str | None,
@@ -94,20 +74,6 @@ def shape_target(shape: str, device: str | None, dtype: str | None,
     return target
 
 
-def verify_step_seconds(target: Target, width: int, context: int, repeats: int,
-                        engine: str = "eager") -> float:
-    """One target step over a `width`-node tree (a balanced binary tree) on top of
-    `context` committed tokens, through `engine`'s (captured) step."""
-    device = target.device
-    runner = TargetRunner(target, engine)
-    cache = runner.cache_for(context + width + 1)
-    prompt = torch.randint(100, 1000, (1, context), device=device)
-    prefill(target, cache, prompt)
-    parents = torch.cat([torch.tensor([-1]), torch.arange(width - 1) // 2]).to(device)
-    tree = DraftTree.from_parents(torch.randint(100, 1000, (width,), device=device), parents)
-    return timed(lambda: verify_tree(target, cache, tree, step=runner.step), device, repeats)
-
-
 def prompt_ids(target: Target, context: int) -> list[int]:
     if target.tokenizer is not None:
         return target.chat_ids(PROMPT)
@@ -129,7 +95,7 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
     plain = run(target, PlainDrafter(), ids, config)
     cycles = max(fast.cycles - 1, 1)  # the prefill is not a cycle
     phases = {k: v / cycles for k, v in fast.phase_s.items() if k != "prefill"}
-    inner = phases.get("draft_serial", 0.0) + phases.get("draft_heads", 0.0)
+    inner = sum(phases.get(p, 0.0) for p in ("draft_catchup", "draft_serial", "draft_heads"))
     phases["draft_tree"] = max(phases.get("draft", 0.0) - inner, 0.0)
     cycle = phases["draft"] + phases["verify"] + phases["accept_commit"]
     plain_cycles = max(plain.cycles - 1, 1)
@@ -236,8 +202,8 @@ def print_report(report: dict) -> None:
     for method, cycle in report["cycles"].items():
         print(f"{method} cycle ({cycle['draft']} drafter, {cycle['tree']['total_tokens']} "
               "tokens), per cycle:")
-        for phase in ("draft_serial", "draft_heads", "draft_tree", "draft", "verify",
-                      "accept_commit"):
+        for phase in ("draft_catchup", "draft_serial", "draft_heads", "draft_tree", "draft",
+                      "verify", "accept_commit"):
             if phase in cycle["per_cycle_s"]:
                 label = {"draft": "draft (total)"}.get(phase, phase)
                 print(f"  {label:34s} {cycle['per_cycle_s'][phase] * 1e3:8.2f} ms")
