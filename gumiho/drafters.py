@@ -267,7 +267,7 @@ def random_drafter_model(method: str, target, seed: int = 0):
     config = DrafterConfig.for_target(target.config, method)
     model = build_draft_model(config)
     if hasattr(model, "embed_tokens"):
-        model.embed_tokens.weight.data.copy_(target.embed_tokens.weight)
+        model.embed_tokens.weight.data.copy_(target.input_embeddings())  # any scale included
     return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
 

@@ -77,7 +77,7 @@ def new_model(target, method: str, seed: int):
     torch.manual_seed(seed)
     model = build_draft_model(DrafterConfig.for_target(target.config, method))
     if hasattr(model, "embed_tokens"):
-        model.embed_tokens.weight.data.copy_(target.embed_tokens.weight.float())
+        model.embed_tokens.weight.data.copy_(target.input_embeddings().float())  # scale included
     if method == "medusa":
         model.init_lm_heads(target.lm_head.weight)
     return model
