@@ -62,13 +62,13 @@ def family_configs(vocab: int) -> dict:
     }
 
 
-FAMILIES = tuple(family_configs(1))
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 
 
 def save_family(path, family: str, tokenizer, seed: int = 0) -> str:
     """Write a tiny random `family` target with `tokenizer` to `path`; returns the path."""
     tok = copy.deepcopy(tokenizer)
-    config, template = family_configs(1)[family]
+    config, template = family_configs(len(tok))[family]
     if template is not None:
         tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>",
                                                               "<end_of_turn>"]})
