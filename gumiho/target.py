@@ -281,10 +281,12 @@ def turn_end_token(tokenizer, template: str | None = None) -> str | None:
         return None
     marker = "Zq7Xw9Kv"
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+    from jinja2 import TemplateError
+
     try:
         text = tokenizer.apply_chat_template(chat, tokenize=False, chat_template=template)
-    except Exception:  # noqa: BLE001 -- templates may reject this probe (e.g. need a system turn)
-        return None
+    except (TemplateError, ValueError, KeyError, TypeError, IndexError):
+        return None  # a template may reject this probe (e.g. one that needs a system turn)
     after = text.split(marker, 1)[-1].lstrip() if marker in text else ""
     specials = set(tokenizer.all_special_tokens) | {
         t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()

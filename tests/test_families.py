@@ -84,6 +84,14 @@ def test_tree_verify_equals_sequential_past_the_window(family_targets, family):
         cache.compact(accepted)
         committed += tree.tokens[accepted].tolist()
     assert len(committed) > 2 * WINDOW
+    if cache.window is not None:  # the window matters here: one mask without it is wrong
+        blind = KVCache.for_model(target.model, 128)
+        blind.window = None
+        prefill(target, blind, torch.tensor([committed]))
+        _, logits = verify_tree(target, blind, tree)
+        nodes = longest[longest >= 0]
+        want = sequential_logits(target, committed + tree.tokens[nodes].tolist())
+        assert (logits[nodes] - want[len(committed):]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -225,3 +233,12 @@ def test_sampling_matches_the_target_on_a_sliding_softcapped_family():
     assert drafted > 200, "too few accepted drafts for the test to mean anything"
     assert not chi_square_rejects(got2, want2)
     assert not chi_square_rejects(got3, want3)
+
+
+def test_layers_other_than_attention_are_refused():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=2)
+    config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(GumihoError, match="linear_attention layers"):
+        KVCache(config, 8, torch.device("cpu"), torch.float32)
