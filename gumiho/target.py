@@ -44,6 +44,10 @@ class SoftcappedHead(torch.nn.Module):
     def weight(self) -> Tensor:
         return self.head.weight
 
+    @property
+    def bias(self) -> Tensor | None:
+        return getattr(self.head, "bias", None)
+
     def forward(self, hidden: Tensor) -> Tensor:
         return torch.tanh(self.head(hidden) / self.cap) * self.cap
 
