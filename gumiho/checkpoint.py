@@ -193,7 +193,7 @@ def load_drafter_model(path: str | Path, target, method: str | None = None) -> n
     model = build_draft_model(config)
     own = from_official(state, config)
     if "embed_tokens.weight" in model.state_dict() and "embed_tokens.weight" not in own:
-        own["embed_tokens.weight"] = target.embed_tokens.weight.detach()
+        own["embed_tokens.weight"] = target.input_embeddings()  # any scale included
     check_keys(model.state_dict(), own, config)
     model.load_state_dict(own, strict=True)
     if config.method == "medusa" and config.medusa_own_lm_head and "lm_heads" not in own:

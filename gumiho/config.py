@@ -50,6 +50,8 @@ class DrafterConfig:
         if method not in defaults:
             raise GumihoError(f"no drafter for method {method!r}: use gumiho, eagle2 or medusa")
         rope = dict(getattr(t, "rope_parameters", None) or {})
+        if isinstance(rope.get("full_attention"), dict):  # per layer type: the drafter's
+            rope = dict(rope["full_attention"])  # layers see the whole context
         if not rope:
             rope = {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)}
         values = dict(
@@ -59,7 +61,8 @@ class DrafterConfig:
             head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
             vocab_size=t.vocab_size, rms_norm_eps=t.rms_norm_eps,
             max_position_embeddings=t.max_position_embeddings, rope_parameters=rope,
-            hidden_act=getattr(t, "hidden_act", "silu"),
+            hidden_act=getattr(t, "hidden_act", None) or getattr(t, "hidden_activation", None)
+            or "silu",
         )
         values.update(defaults[method])
         values.update(overrides)

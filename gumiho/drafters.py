@@ -314,7 +314,7 @@ def random_drafter_model(method: str, target, seed: int = 0,
     if draft_ids is not None:
         set_draft_vocabulary(model, draft_ids)
     if hasattr(model, "embed_tokens"):
-        model.embed_tokens.weight.data.copy_(target.embed_tokens.weight)
+        model.embed_tokens.weight.data.copy_(target.input_embeddings())  # any scale included
     if config.method == "medusa":
         model.init_lm_heads(DraftHead.for_model(target, model))
     return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)

@@ -89,7 +89,8 @@ def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, 
     cache.begin_step(p)
     causal = torch.ones(p, p, dtype=torch.bool, device=input_ids.device).tril()
     positions = torch.arange(p, device=input_ids.device)[None]
-    features, logits = target.forward(input_ids, positions, cache.hf, cache.attention_mask(causal))
+    features, logits = target.forward(input_ids, positions, cache.hf,
+                                      cache.attention_mask(causal, positions[0]))
     cache.commit(p)
     return features, logits
 
@@ -114,12 +115,11 @@ def verify_tree(target: Target, cache: KVCache, tree: DraftTree, width: int | No
         mask[:k, :k] = tree.mask
     cache.begin_step(tokens.shape[0])
     positions = (cache.length + depths)[None]
+    masks = cache.attention_mask(mask, positions[0])  # one per kind of layer (kv_cache.py)
     if step is None:
-        features, logits = target.forward(tokens[None], positions, cache.hf,
-                                          cache.attention_mask(mask))
+        features, logits = target.forward(tokens[None], positions, cache.hf, masks)
     else:
-        features, logits = step(tokens[None], positions, cache.attention_mask(mask),
-                                cache.write_position())
+        features, logits = step(tokens[None], positions, masks, cache.write_position())
     return features[:k], logits[:k]
 
 

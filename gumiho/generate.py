@@ -104,7 +104,8 @@ class SpeculativeGenerator:
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2",
-                        help="local Hugging Face model dir, or 'smollm2' (the embedded default)")
+                        help="local Hugging Face model dir, 'smollm2' (the embedded default) "
+                        "or 'gemma3-270m' (the second embedded target, a base model)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: auto)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 "
                         "(default: float32 on CPU, bfloat16 on GPU)")

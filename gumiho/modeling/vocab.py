@@ -85,7 +85,7 @@ class DraftHead:
                                      device=ids.device)  # target id -> draft id, -1 outside
             self.lookup[ids] = torch.arange(ids.shape[0], device=ids.device)
         self.weight, self.bias = weight, None if bias is None else bias.detach()
-        self.softcap = softcap  # Gemma-2-style final logit soft-capping, if the target has it
+        self.softcap = softcap  # final logit soft-capping, if the target has it
 
     @property
     def size(self) -> int:
