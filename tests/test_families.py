@@ -8,21 +8,22 @@ relative to each tree node's own position, exactly as sequential decoding does.
 
 import pytest
 import torch
-from families import FAMILIES, WINDOW, save_family
-from test_sampling import chi_square_rejects, exact_marginals
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
-from gumiho.config import DrafterConfig, TreeConfig
+from gumiho.config import DrafterConfig, TrainConfig, TreeConfig
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, prefill, run, verify_tree
 from gumiho.errors import GumihoError
 from gumiho.ge_data.worker import make_samples
 from gumiho.kv_cache import KVCache
+from gumiho.modeling import DraftHead
 from gumiho.target import default_attention, load_target, wrap_target
 from gumiho.train.__main__ import batch_loss, new_model
 from gumiho.train.dataset import collate
 
 from drafters_for_tests import RandomDrafter, oracle_drafter, random_tree
+from families import FAMILIES, WINDOW, save_family
+from test_sampling import chi_square_rejects, exact_marginals
 
 PROMPT = "Explain in two sentences why the sky is blue during the day."
 NEW = 40
@@ -137,11 +138,11 @@ def test_data_generation_and_a_training_step(family_targets, family):
         ids, mask = sample["input_ids"], sample["loss_mask"].bool()
         ends = [i for i in range(len(ids)) if mask[i] and (i + 1 == len(ids) or not mask[i + 1])]
         assert all(int(ids[i]) in target.stop_token_ids for i in ends), family
-    model = new_model(target, "gumiho", seed=0)
-    model.train()
+    model = new_model(target, TrainConfig(online=True, draft_vocab=64), samples, seed=0)
     params = [p for p in model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
-    loss, _ = batch_loss(model, target, collate(samples), "gumiho", epoch=3, noise=0.2)
+    head = DraftHead.for_model(target, model)
+    loss, _ = batch_loss(model, target, head, collate(samples), "gumiho", epoch=3, noise=0.2)
     loss.backward()
     torch.optim.AdamW(params, lr=1e-3).step()
     assert torch.isfinite(loss)

@@ -12,11 +12,12 @@ import json
 from pathlib import Path
 
 import pytest
-from families import GEMMA_TEMPLATE
 
 from gumiho.ge_data.conversations import normalise, salvage_json_array
 from gumiho.ge_data.templates import tokenize_conversation
 from gumiho.target import turn_end_token
+
+from families import GEMMA_TEMPLATE
 
 GOLDEN = Path(__file__).parent / "golden"
 CHAT = [{"role": "user", "content": "Hi! What is 2+2?"},
