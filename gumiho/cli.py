@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "speed": "gumiho.evaluation.speed",
     "allocation": "gumiho.ge_data.allocation",
     "train": "gumiho.train",
+    "export": "gumiho.export",
 }
 
 

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from gumiho.drafters import Drafter
 from gumiho.errors import GumihoError
+from gumiho.fta import official_for_sampling
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.profiling import PhaseTimer
@@ -106,13 +107,13 @@ def verify_tree(target: Target, cache: KVCache, tree: DraftTree, width: int | No
     `step`: a TargetRunner's (possibly captured) step; None runs the target eagerly.
     """
     k = tree.size
-    tokens, depths, mask = tree.tokens, tree.depths, tree.mask
+    tokens, depths, mask = tree.tokens, tree.depths, tree.verify_mask
     if width is not None and width > k:
         pad = width - k
         tokens = torch.cat([tokens, tokens[:1].expand(pad)])
         depths = torch.cat([depths, depths.new_zeros(pad)])
         mask = torch.eye(width, dtype=torch.bool, device=mask.device)
-        mask[:k, :k] = tree.mask
+        mask[:k, :k] = tree.verify_mask
     cache.begin_step(tokens.shape[0])
     positions = (cache.length + depths)[None]
     masks = cache.attention_mask(mask, positions[0])  # one per kind of layer (kv_cache.py)
@@ -198,6 +199,8 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
     while True:
         with timer("draft"):
             tree = drafter.propose()
+            if config.temperature > 0 and tree.spliced_paths is not None:
+                tree = official_for_sampling(tree)  # the released order at T > 0 (fta.py)
         with timer("verify"):
             features, logits = verify_tree(target, cache, tree, width, runner.step)
         with timer("accept_commit"):

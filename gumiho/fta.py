@@ -4,11 +4,20 @@ Gumiho's paper supplements shorter candidate paths with tokens from longer paths
 extra verification tokens. Three modes:
 
 * `off`: the plain dynamic tree.
-* `official`: the released code's splice. Into each short path's missing columns it puts
-  the most common node of that column among the full-length paths. Those nodes' target
-  logits were computed in another branch's context, so accepting a spliced token after the
-  first one is NOT lossless (the first is checked against the short leaf's own logits and
-  adds nothing beyond the bonus token). Kept to reproduce the paper's numbers.
+* `official`: the released code's splice, exactly. On its list of root-to-leaf paths
+  (-1 padded) it takes the columns after the first path's last node; each is filled, in
+  every path that lacks it, with the most common node of that column among the paths
+  that reach it (ties: the lowest node index), and the last real node of each of the
+  first rows (as many as rows lack the column, at most as many as there are short rows)
+  is made to attend to the fill in the target's verification pass. Greedy decoding lists
+  paths shallow first, so the first path is a shortest one and exactly the short paths
+  get their gaps filled and their leaves the extra attention. Sampling (T > 0) sorts the
+  paths lexicographically first: the first is then the chain of each level's best child,
+  which usually reaches the tree's depth, so usually nothing is spliced; when it does
+  not, the same quirky rule applies to that order, and the released sampler walks the
+  spliced paths too. Spliced tokens are accepted against logits computed in another
+  branch's context, and the extra attention changes the leaves' own logits (even their
+  bonus tokens): NOT lossless. Kept to reproduce the paper's numbers.
 * `exact`: a lossless design of the same idea. Every leaf that the MLP heads can extend
   (depth >= 2) is completed to the full draft depth with real nodes of correct ancestry:
   the top-1 token of each remaining head of its own branch. To keep the verification
@@ -26,16 +35,44 @@ from torch import Tensor
 from gumiho.tree import DraftTree, Pool, select_tree, tree_from_pool
 
 
-def splice_official(tree: DraftTree) -> DraftTree:
-    """The released FTA: fill short paths' empty columns with each column's most common
-    node among the longest paths. Only `paths` changes; the mask keeps real ancestry."""
-    paths = tree.paths
-    lengths = (paths >= 0).sum(1)
-    longest = lengths == paths.shape[1]
-    if bool(longest.all()):
+def splice_official(tree: DraftTree, sampling: bool = False) -> DraftTree:
+    """The released FTA splice (see the module docstring) on the greedy path order, or
+    with `sampling` on the lexicographic one. Sets `spliced_paths` (in that order) and
+    `spliced_attend`; the tree itself (mask, depths) keeps its real ancestry.
+    Host syncs (the released code's loop runs on the host too): official mode only."""
+    paths = lexicographic(tree.paths) if sampling else tree.paths
+    reach = paths >= 0
+    columns = paths.shape[1]
+    start = int(reach[0].sum())  # the columns after the first path's last node
+    if start == columns:
         return tree
-    fill = paths[longest].mode(0).values  # (D + 1,)
-    return replace(tree, spliced_paths=torch.where(paths >= 0, paths, fill[None]))
+    k = tree.size
+    short = int((~reach[:, -1]).sum())
+    # each of the first `short` rows' last real node (a full row's index -1 wraps around)
+    last = (reach.long().argmin(1) - 1) % columns
+    leaves = paths.gather(1, last[:, None]).squeeze(1)[:short]
+    filled = paths.clone()
+    attend = torch.zeros(k, k, dtype=torch.bool, device=paths.device)
+    for col in range(start, columns):
+        counts = torch.bincount(paths[reach[:, col], col], minlength=k)
+        fill = counts.argmax()  # most paths, then the lowest node index
+        gap = ~reach[:, col]
+        filled[:, col] = torch.where(gap, fill, paths[:, col])
+        attend[leaves[: int(gap.sum())], fill] = True
+    return replace(tree, spliced_paths=filled, spliced_attend=attend)
+
+
+def official_for_sampling(tree: DraftTree) -> DraftTree:
+    """A greedy-spliced tree re-spliced as the released code does at T > 0."""
+    return splice_official(tree.unspliced(), sampling=True)
+
+
+def lexicographic(paths: Tensor) -> Tensor:
+    """The (P, D + 1) paths sorted as rows of node indices, -1 after every index (the
+    released code's order at T > 0)."""
+    rows = paths.tolist()
+    order = sorted(range(len(rows)), key=lambda r: [v if v >= 0 else 1 << 30 for v in rows[r]])
+    return paths[torch.tensor(order, device=paths.device)]
 
 
 def complete_paths(root: Tensor, pool: Pool, chosen: Tensor, branch: Tensor,

@@ -110,10 +110,30 @@ def accept_sampling(tree: DraftTree, logits: Tensor, temperature: float,
                     generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Multi-candidate rejection sampling for a deterministic draft tree (EAGLE-2,
     SpecInfer), in the equivalent form of the module docstring: emits exactly softmax(
-    logits / T) at every step. The official FTA splice is ignored here, as the released
-    code's splice does nothing at T > 0."""
-    accepted, bonus, _ = accept_matching(tree, sample_tokens(logits, temperature, generator))
+    logits / T) at every step (along the official FTA's spliced paths if it spliced)."""
+    accepted, bonus, _ = accept(tree, logits, temperature, generator)
     return accepted, bonus
+
+
+def sample_along_paths(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+    """The released sampler on the official FTA's spliced paths, in the equivalent form of
+    the module docstring (picks (K,): one draw per node). At each depth it reads the
+    logits of the first path whose tokens so far are the emitted ones, and tries the
+    distinct next tokens of all such paths; the accepted nodes are the last matching
+    path's. Host loop: official mode only."""
+    paths, tokens, drawn = tree.spliced_paths.tolist(), tree.tokens.tolist(), picks.tolist()
+    rows, best, n = list(range(len(paths))), 0, 0
+    for col in range(1, len(paths[0])):
+        y = drawn[paths[rows[0]][col - 1]]
+        rows = [r for r in rows if paths[r][col] >= 0 and tokens[paths[r][col]] == y]
+        if not rows:
+            break
+        best, n = rows[0], col
+    else:
+        y = drawn[paths[best][-1]]  # every column accepted: the bonus from the last node
+    accepted = tree.spliced_paths[best, : n + 1]
+    emitted = [tokens[node] for node in paths[best][1 : n + 1]] + [y]
+    return accepted, torch.tensor(y, device=picks.device), emitted
 
 
 def accept(tree: DraftTree, logits: Tensor, temperature: float,
@@ -121,4 +141,7 @@ def accept(tree: DraftTree, logits: Tensor, temperature: float,
     """(accepted node indices, bonus token, the emitted tokens on the host)."""
     if temperature == 0:
         return accept_greedy_tokens(tree, logits)
-    return accept_matching(tree, sample_tokens(logits, temperature, generator))
+    picks = sample_tokens(logits, temperature, generator)
+    if tree.spliced_paths is not None:  # the official FTA spliced (at T > 0: rarely)
+        return sample_along_paths(tree, picks)
+    return accept_matching(tree, picks)

@@ -23,6 +23,9 @@ class DraftTree:
     # (that needs host syncs, so the greedy fast path never reads it); set explicitly only
     # by the official FTA splice, whose paths are not the tree's own.
     spliced_paths: Tensor | None = None
+    # (K, K) bool: extra attention the official FTA splice adds for verification (a short
+    # path's leaf also sees the nodes spliced after it); see `verify_mask` and fta.py.
+    spliced_attend: Tensor | None = None
     # (K,) float: the order a smaller budget would keep nodes in (higher first; the root
     # +inf). Set by score-ranked selection and static trees; used by `--total-tokens auto`.
     priority: Tensor | None = None
@@ -37,6 +40,18 @@ class DraftTree:
     @property
     def max_depth(self) -> int:
         return self.paths.shape[1] - 1
+
+    @property
+    def verify_mask(self) -> Tensor:
+        """(K, K) bool: what each node attends to in the target's verification pass."""
+        return self.mask if self.spliced_attend is None else self.mask | self.spliced_attend
+
+    def unspliced(self) -> DraftTree:
+        """The tree without an official FTA splice (to splice it again in another path
+        order, see fta.py)."""
+        if self.spliced_paths is None and self.spliced_attend is None:
+            return self
+        return replace(self, spliced_paths=None, spliced_attend=None)
 
     @property
     def paths(self) -> Tensor:

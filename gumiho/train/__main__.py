@@ -199,8 +199,12 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
     from accelerate.utils import set_seed
 
     mixed, target_dtype = precision()
+    # cpu=True without a GPU: several launched processes then form one gloo group (without
+    # it accelerate leaves each CPU process on its own, silently training separate models)
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum,
-                              mixed_precision=mixed)
+                              mixed_precision=mixed, cpu=not torch.cuda.is_available())
+    check_process_group(accelerator)
+    configure_deepspeed(accelerator, config)
     set_seed(config.seed)
     target = load_target(config.target, device=str(accelerator.device), dtype=target_dtype)
     if config.online:
@@ -232,7 +236,7 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
     bar = tqdm(total=total, initial=state.step, desc=f"train {config.method}",
                disable=not accelerator.is_main_process)
     out.mkdir(parents=True, exist_ok=True)
-    start, tokens = time.perf_counter(), 0
+    start, tokens, step_logs = time.perf_counter(), 0, []
     while state.step < stop_at:
         batches = epoch_batches(lengths, config.batch_size, config.seed, state.epoch)
         usable = per_epoch * procs * config.grad_accum  # whole global steps only
@@ -243,8 +247,10 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
                                     batch, config, state, index, log_every)
             tokens += int(batch["valid"].sum())
             state.batches_done = index + procs - accelerator.process_index
+            step_logs.append(logs)
             if not accelerator.sync_gradients:
                 continue
+            logs, step_logs = global_mean(accelerator, step_logs), []
             scheduler.step()
             state.step += 1
             bar.update(1)
@@ -279,6 +285,40 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         accelerator.print(json.dumps(summary))
     return 0
+
+
+def check_process_group(accelerator) -> None:
+    """Refuse launched processes that did not join one group (each would train alone)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise GumihoError(f"{launched} processes were launched but each trains alone "
+                          f"(accelerate sees {accelerator.num_processes}): launch with "
+                          "`accelerate launch --multi_gpu --num_processes N` or torchrun")
+
+
+def configure_deepspeed(accelerator, config: TrainConfig) -> None:
+    """Under DeepSpeed this run's flags decide its micro-batch, accumulation and clipping
+    (no dataloader is prepared, so accelerate would have no micro-batch size)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    if accelerator.gradient_accumulation_steps != config.grad_accum:
+        raise GumihoError(f"the accelerate config sets gradient_accumulation_steps="
+                          f"{accelerator.gradient_accumulation_steps}: remove it there, "
+                          "--grad-accum decides")
+    plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=config.batch_size,
+                                   gradient_accumulation_steps=config.grad_accum,
+                                   gradient_clipping=config.grad_clip)
+
+
+def global_mean(accelerator, logs: list[dict[str, float]]) -> dict[str, float]:
+    """Each logged term averaged over the optimizer step's micro-batches on every process:
+    what one process with the whole global batch logs."""
+    keys = sorted(logs[0])
+    local = torch.tensor([sum(log[k] for log in logs) for k in keys] + [len(logs)],
+                         dtype=torch.float64, device=accelerator.device)
+    total = accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
+    return {k: float(v / total[-1]) for k, v in zip(keys, total[:-1], strict=True)}
 
 
 def step_micro_batch(accelerator, model, target, head, optimizer, params, batch,

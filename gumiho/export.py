@@ -1,0 +1,254 @@
+"""Export a drafter for other consumers: `python -m gumiho.export --draft DIR --out OUT
+--format F [--target T] [--dtype D]` (README "Checkpoints" lists what each one reads).
+
+* `gumiho` (default): `model.safetensors` + `config.json` in the official key layout,
+  without the frozen embedding; a reduced vocabulary as EAGLE-3's `d2t`/`t2d` buffers.
+  Read by gumiho itself and by vLLM's Gumiho model (`GumihoLlamaForCausalLM`).
+* `released`: what the released Gumiho code (and its EAGLE-2 ancestor, for one-layer
+  drafters) loads as is: `pytorch_model.bin` only, embedding included, exactly the key set
+  of its strict `load_state_dict`, no vocabulary buffers; the same `config.json`.
+* `vllm-eagle`: the serial part as vLLM's EAGLE drafter (`--speculative-config` method
+  "eagle", `EagleLlamaForCausalLM`). vLLM builds its `fc` without a bias, so the bias is
+  folded exactly into layer 0's attention biases (`attention_bias: true`).
+* `sglang-eagle`: the serial part as SGLang's EAGLE drafter (`LlamaForCausalLMEagle`, whose
+  `fc` has a bias); a reduced vocabulary becomes `hot_token_map.pt` for
+  `--speculative-token-map`.
+* `vllm-eagle3`, `sglang-eagle3`: refused. EAGLE-3's first layer normalises the token
+  embedding and the feature separately and attends over both (2H -> q, k, v) with the
+  feature alone on the residual; ours fuses them with `fc` first. No weight mapping
+  computes our network there.
+
+Both EAGLE exports leave out the embedding and the lm_head (the engines share the
+target's, so a scaled embedding, e.g. Gemma's sqrt(H), is folded into `fc`) and the MLP
+heads (the engines run the serial head as a chain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from gumiho.checkpoint import load_drafter_model, read_state, save_drafter, to_official
+from gumiho.config import DrafterConfig
+from gumiho.errors import GumihoError, cli_errors
+
+FORMATS = ("gumiho", "released", "vllm-eagle", "sglang-eagle", "vllm-eagle3",
+           "sglang-eagle3")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+RELEASED_MLP_BLOCKS = 5  # the released ParallelMLPs: one 2H -> H block, then 5 residual
+EAGLE3_REFUSAL = (
+    "{fmt}: our drafters are not EAGLE-3 networks (EAGLE-3's first layer normalises the "
+    "token embedding and the feature separately and attends over both, ours fuses them "
+    "with fc first), so no EAGLE-3 checkpoint computes them: use --format vllm-eagle "
+    "(vLLM method 'eagle') or --format sglang-eagle")
+
+
+def export(draft: str | Path, target, out: str | Path, fmt: str = "gumiho",
+           method: str | None = None, dtype: torch.dtype | None = None) -> list[str]:
+    """Write drafter checkpoint `draft` (for `target`) to `out` as `fmt`; returns notes on
+    what the consumer will do differently from gumiho (empty when nothing)."""
+    if fmt not in FORMATS:
+        raise GumihoError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
+    if fmt.endswith("eagle3"):
+        raise GumihoError(EAGLE3_REFUSAL.format(fmt=fmt))
+    dtype = dtype or stored_dtype(Path(draft))
+    model = load_drafter_model(draft, target, method).float()
+    out = Path(out)
+    if fmt == "gumiho":
+        save_drafter(model, out, dtype=dtype)
+        return []
+    if model.config.method == "medusa":
+        raise GumihoError(f"--format {fmt} takes gumiho or eagle2 drafters: Medusa heads have "
+                          "no serial part for these loaders")
+    if fmt == "released":
+        return write_released(model, out, dtype)
+    return write_eagle(model, target, out, dtype, engine=fmt.split("-")[0])
+
+
+def stored_dtype(path: Path) -> torch.dtype:
+    """The floating dtype the checkpoint was saved in."""
+    return next(v.dtype for v in read_state(path).values() if v.is_floating_point())
+
+
+def full_vocabulary_notes(config: DrafterConfig, how: str) -> list[str]:
+    if not config.draft_vocab_size or config.draft_vocab_size >= config.vocab_size:
+        return []
+    return [f"this drafter scores a {config.draft_vocab_size}-token draft vocabulary; {how}"]
+
+
+# ---- the released code --------------------------------------------------------------
+
+def released_state(model: nn.Module) -> dict[str, Tensor]:
+    """Exactly the released `Model`'s state-dict keys (its loader renames `mlp.` to
+    `mlp.mlp.` and loads strictly): the official keys with the embedding, nothing else."""
+    config = model.config
+    if config.head_dim * config.num_attention_heads != config.hidden_size:
+        raise GumihoError(f"--format released: the released code takes head_dim = "
+                          f"hidden_size / heads, this target has {config.head_dim} x "
+                          f"{config.num_attention_heads} heads for {config.hidden_size}")
+    if model.mlp is not None and config.num_mlp_layers != RELEASED_MLP_BLOCKS:
+        raise GumihoError(f"--format released: the released code builds "
+                          f"{RELEASED_MLP_BLOCKS} residual blocks per MLP head, this drafter "
+                          f"has {config.num_mlp_layers}")
+    state = to_official(model)
+    for buffer in ("d2t", "t2d"):  # no vocabulary buffers in the released model
+        state.pop(buffer, None)
+    return state
+
+
+def released_config(config: DrafterConfig, dtype: torch.dtype) -> dict:
+    """config.json for the released loaders and vLLM's Gumiho model. The released code
+    builds its Llama layers from these fields (rope_scaling by its old `type` key) and its
+    fc with a bias unless a `bias` key says otherwise; vLLM would read `bias` as attention
+    biases, so there is none."""
+    full = DrafterConfig.from_json({**config.to_json(), "draft_vocab_size": 0})
+    data = full.to_json()
+    if data["rope_scaling"]:
+        data["rope_scaling"] = {"type": data["rope_scaling"].get("rope_type"),
+                                **data["rope_scaling"]}
+    data.update(pretraining_tp=1, tie_word_embeddings=False, use_cache=True,
+                torch_dtype=str(dtype).removeprefix("torch."))
+    return data
+
+
+def write_released(model: nn.Module, out: Path, dtype: torch.dtype) -> list[str]:
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in
+             released_state(model).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out / "pytorch_model.bin")
+    (out / "config.json").write_text(
+        json.dumps(released_config(model.config, dtype), indent=2) + "\n")
+    return full_vocabulary_notes(model.config, "the released code has no draft vocabulary "
+                                 "and scores the target's whole vocabulary")
+
+
+# ---- EAGLE drafters of vLLM and SGLang ----------------------------------------------
+
+def embedding_scale(model: nn.Module, target) -> float:
+    """s with drafter embedding = s x the target's stored embedding rows (1 for Llama; the
+    engines share the stored rows, so s is folded into fc)."""
+    ours = model.embed_tokens.weight.detach().double()
+    raw = target.embed_tokens.weight.detach().double().to(ours.device)
+    if raw.shape != ours.shape:
+        raise GumihoError(f"the drafter's embedding is {list(ours.shape)}, the target's "
+                          f"{list(raw.shape)}: export for the target it was trained on")
+    scale = float((ours * raw).sum() / (raw * raw).sum())
+    error = float((ours - scale * raw).norm() / ours.norm().clamp(min=1e-12))
+    if error > 1e-3:
+        raise GumihoError("the drafter's embedding is not a scaled copy of the target's: "
+                          "an EAGLE engine would feed it the target's own; export for the "
+                          "target it was trained on")
+    return 1.0 if abs(scale - 1) < 1e-6 else scale
+
+
+def eagle_state(model: nn.Module, scale: float, fold_fc_bias: bool) -> dict[str, Tensor]:
+    """The serial layers and fc in the EAGLE Llama layout, float64 for the folding.
+    fold_fc_bias: x = W cat(e, f) + b feeds layer 0's attention and the residual, so
+    q/k/v get W_{q,k,v} b as biases and o_proj gets b (on the residual after attention);
+    the later layers get zero biases. Exact, since layer 0 has no input norm."""
+    hidden = model.config.hidden_size
+    state = {k: v.detach().double() for k, v in to_official(model).items()
+             if k.startswith("layers.")}
+    weight = model.fc.weight.detach().double().clone()
+    weight[:, :hidden] *= scale  # the engines embed with the target's stored rows
+    bias = model.fc.bias.detach().double()
+    state["fc.weight"] = weight
+    if not fold_fc_bias:
+        state["fc.bias"] = bias
+        return state
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            proj = getattr(attn, name).weight.detach().double()
+            state[f"layers.{i}.self_attn.{name}.bias"] = proj @ bias if i == 0 else \
+                proj.new_zeros(proj.shape[0])
+        state[f"layers.{i}.self_attn.o_proj.bias"] = bias if i == 0 else \
+            bias.new_zeros(hidden)
+    return state
+
+
+def eagle_config(config: DrafterConfig, dtype: torch.dtype, attention_bias: bool) -> dict:
+    """A plain Llama config of the serial layers: the engines wrap it as an EAGLE drafter
+    (vLLM: LlamaForCausalLM -> EagleLlamaForCausalLM; SGLang: LlamaForCausalLMEagle)."""
+    data = config.to_json()
+    keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
+            "max_position_embeddings", "hidden_act", "rope_theta", "rope_scaling",
+            "rope_parameters")
+    out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           **{k: data[k] for k in keep}, "attention_bias": attention_bias,
+           "mlp_bias": False, "tie_word_embeddings": False,
+           "torch_dtype": str(dtype).removeprefix("torch.")}
+    out["gumiho_export"] = {"method": config.method, "serial_layers": config.num_hidden_layers,
+                            "mlp_heads_left_out": config.num_mlp_heads
+                            if config.method == "gumiho" else 0}
+    return out
+
+
+def write_eagle(model: nn.Module, target, out: Path, dtype: torch.dtype, engine: str
+                ) -> list[str]:
+    from safetensors.torch import save_file
+
+    from gumiho.modeling.vocab import draft_ids_of
+
+    config = model.config
+    fold = engine == "vllm"
+    state = {k: v.to(dtype).contiguous().cpu()
+             for k, v in eagle_state(model, embedding_scale(model, target), fold).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(eagle_config(config, dtype, fold), indent=2)
+                                     + "\n")
+    notes = []
+    if config.method == "gumiho":
+        notes.append(f"the {config.num_mlp_heads} MLP heads are left out: the engine runs the "
+                     "serial head for every draft position (it was trained for 2)")
+    ids = draft_ids_of(model)
+    if engine == "sglang" and ids is not None:
+        torch.save(ids.cpu().tolist(), out / "hot_token_map.pt")
+        notes.append(f"pass --speculative-token-map {out / 'hot_token_map.pt'}")
+    elif engine == "vllm":
+        notes += full_vocabulary_notes(config, "vLLM's EAGLE drafter scores the target's "
+                                       "whole vocabulary")
+    return notes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gumiho.export",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--draft", required=True, help="a drafter checkpoint dir")
+    p.add_argument("--out", required=True, help="the dir to write")
+    p.add_argument("--format", default="gumiho", choices=FORMATS)
+    p.add_argument("--target", default="smollm2", help="the drafter's target (dir or alias)")
+    p.add_argument("--method", choices=("gumiho", "eagle2", "medusa"), default=None)
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="default: the dtype the checkpoint was saved in")
+    return p
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> int:
+    from gumiho.target import load_target
+
+    args = build_parser().parse_args(argv)
+    if args.format.endswith("eagle3"):  # refused before loading anything
+        raise GumihoError(EAGLE3_REFUSAL.format(fmt=args.format))
+    if Path(args.out).resolve() == Path(args.draft).resolve():
+        raise GumihoError("--out is the --draft dir: give another directory")
+    target = load_target(args.target, device="cpu", dtype="float32")
+    notes = export(args.draft, target, args.out, args.format, args.method,
+                   DTYPES.get(args.dtype))
+    files = ", ".join(sorted(p.name for p in Path(args.out).iterdir()))
+    print(f"wrote {args.out} ({args.format}): {files}")
+    for note in notes:
+        print(f"note: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
