@@ -162,8 +162,11 @@ def choose_total_tokens(target: Target, method: str, draft: str, tree: TreeConfi
               "device": str(target.device), "engine": engine, "plain_step_s": plain_step,
               "draft_commit_s": overhead, "widths": rows}
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(report, indent=1))
+            tmp.replace(path)
+        except OSError as exc:  # e.g. GUMIHO_CACHE names a file: measure again next time
+            log.warning("could not cache the tree size in %s (%s)", path.parent, exc.strerror)
     return report

@@ -12,6 +12,7 @@ from gumiho.errors import GumihoError
 
 METHODS = ("ar", "gumiho", "eagle2", "medusa")
 FTA_MODES = ("off", "official", "exact")
+MAX_TREE_SETTING = 1024  # sanity bound on any tree size or width (memory grows with it)
 MODEL_TYPE = {"gumiho": "gumiho", "eagle2": "eagle2", "medusa": "medusa"}
 ARCHITECTURE = {"gumiho": "GumihoLlamaForCausalLM", "eagle2": "EagleLlamaForCausalLM",
                 "medusa": "MedusaModel"}
@@ -100,6 +101,28 @@ class DrafterConfig:
         return cls(**values)
 
 
+# The tree flags each method reads; setting another one is refused, not silently ignored.
+TREE_FIELDS = {"ar": (), "gumiho": ("total_tokens", "top_k", "mlp_topk", "pruning", "fta"),
+               "eagle2": ("total_tokens", "top_k", "depth"),
+               "medusa": ("total_tokens", "depth")}
+
+
+def check_tree_options(method: str, options: dict) -> None:
+    """Refuse tree flags that `method` does not use (e.g. --fta with eagle2)."""
+    if method not in METHODS:
+        raise GumihoError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    unknown = set(options) - set(TreeConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown tree option(s) {', '.join(sorted(unknown))}: use "
+                        f"{', '.join(TreeConfig.__dataclass_fields__)}")
+    unused = [k for k, v in options.items() if v is not None and k not in TREE_FIELDS[method]]
+    if unused:
+        flags = ", ".join("--" + k.replace("_", "-") for k in unused)
+        used = ", ".join("--" + k.replace("_", "-") for k in TREE_FIELDS[method]) or "none"
+        raise GumihoError(f"{flags} does not apply to --method {method} (its tree flags: "
+                          f"{used})")
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """Draft tree settings; defaults per method follow the papers' reference settings."""
@@ -115,9 +138,25 @@ class TreeConfig:
 
     def __post_init__(self):
         if self.fta not in FTA_MODES:
-            raise GumihoError(f"--fta must be one of {', '.join(FTA_MODES)}")
-        if self.total_tokens < 2 or self.top_k < 1 or self.mlp_topk < 1 or self.pruning < 1:
-            raise GumihoError("tree sizes must be positive (--total-tokens at least 2)")
+            raise GumihoError(f"--fta must be one of {', '.join(FTA_MODES)}, got {self.fta!r}")
+        for name in ("total_tokens", "top_k", "mlp_topk", "pruning", "depth"):
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise GumihoError(f"{flag} must be an integer, got {value!r}")
+            if value < (2 if name == "total_tokens" else 1):
+                raise GumihoError(f"{flag} must be at least "
+                                  f"{2 if name == 'total_tokens' else 1}, got {value}")
+            if value > MAX_TREE_SETTING:
+                raise GumihoError(f"{flag} {value} is too large (at most {MAX_TREE_SETTING}: "
+                                  "the reference trees verify 60-64 tokens)")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Beam and candidate widths cannot exceed the vocabulary they pick from."""
+        for name in ("top_k", "mlp_topk"):
+            if getattr(self, name) > vocab_size:
+                raise GumihoError(f"--{name.replace('_', '-')} {getattr(self, name)} is larger "
+                                  f"than the target's vocabulary ({vocab_size} tokens)")
 
     @classmethod
     def for_method(cls, method: str, **overrides) -> TreeConfig:

@@ -12,6 +12,7 @@ scripts' figure, new_tokens / (cycles - 1), is `tau_official`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from gumiho.drafters import Drafter
-from gumiho.errors import GumihoError
+from gumiho.errors import GumihoError, check_positive_int
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.profiling import PhaseTimer
@@ -39,10 +40,17 @@ class GenerateConfig:
     engine: str | None = None  # eager | graphs | compile (graphs.py); None: by device
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise GumihoError("--max-new-tokens must be at least 1")
-        if self.temperature < 0:
-            raise GumihoError("--temperature must be >= 0 (0 = greedy)")
+        check_positive_int("max_new_tokens", self.max_new_tokens)
+        check_positive_int("seed", self.seed, allow_zero=True)
+        if self.seed >= 2**63:
+            raise GumihoError(f"seed must be below 2**63, got {self.seed}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float):
+            raise TypeError(f"temperature must be a number, got {t!r} ({type(t).__name__})")
+        if not math.isfinite(t) or t < 0:
+            raise GumihoError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+        if self.verify_width is not None:
+            check_positive_int("verify_width", self.verify_width)
 
 
 @dataclass
@@ -52,7 +60,8 @@ class GenerationResult:
     cycle_s: list[float] = field(default_factory=list)  # wall time of each cycle
     wall_s: float = 0.0
     text: str = ""
-    stopped_by: str = ""  # "stop_token" or "max_new_tokens"
+    # "stop_token", "max_new_tokens", or "closed" (the caller stopped a stream early)
+    stopped_by: str = ""
     phase_s: dict[str, float] = field(default_factory=dict)  # with GenerateConfig.profile
 
     @property
@@ -165,13 +174,42 @@ def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features:
     drafter.observe(features[accepted], torch.cat([tree.tokens[accepted[1:]], bonus.view(1)]))
 
 
+def context_length(target: Target) -> int | None:
+    """The most positions the target was trained for (None if its config does not say)."""
+    config = target.config.get_text_config()
+    return getattr(config, "max_position_embeddings", None)
+
+
+def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> None:
+    """Refuse, before any forward, what would fail deep inside torch or silently run past
+    the target's context: empty prompts, token ids outside the vocabulary, and prompt +
+    max_new_tokens beyond the context length."""
+    if not prompt_ids:
+        raise GumihoError("empty prompt: give some text to answer")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+        bad = next(t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool))
+        raise TypeError(f"prompt token ids must be ints, got {bad!r} ({type(bad).__name__})")
+    vocab = target.embed_tokens.weight.shape[0]
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise GumihoError(f"prompt token id {bad} is outside the vocabulary of "
+                          f"{target.name} (0..{vocab - 1})")
+    limit = context_length(target)
+    if limit is not None and len(prompt_ids) + max_new_tokens > limit:
+        if len(prompt_ids) >= limit:
+            raise GumihoError(f"the prompt is {len(prompt_ids)} tokens, but {target.name}'s "
+                              f"context is {limit} tokens: shorten the prompt")
+        raise GumihoError(f"the prompt ({len(prompt_ids)} tokens) + max new tokens "
+                          f"({max_new_tokens}) exceeds {target.name}'s context of {limit} "
+                          f"tokens: ask for at most {limit - len(prompt_ids)} new tokens")
+
+
 def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
                        config: GenerateConfig, timer: PhaseTimer | None = None
                        ) -> Iterator[list[int]]:
     """Yield the tokens each cycle emits (host ints), the prefill's single token first.
     Unbounded: the caller stops it (see `generate`)."""
-    if not prompt_ids:
-        raise GumihoError("empty prompt: give some text to answer")
+    check_prompt(target, prompt_ids, config.max_new_tokens)
     timer = timer or PhaseTimer(target.device, enabled=False)
     generator = torch.Generator(device=target.device).manual_seed(config.seed)
     input_ids = torch.tensor([prompt_ids], device=target.device)
@@ -201,35 +239,41 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
 
 
 def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
-             config: GenerateConfig = GenerateConfig()) -> Iterator[list[int]]:
+             config: GenerateConfig = GenerateConfig(),
+             result: GenerationResult | None = None) -> Iterator[list[int]]:
     """Run the loop to a stop token or max_new_tokens.
 
     A generator: yields each cycle's new token ids (cut at the stop) and returns the
     GenerationResult (get it with `result = yield from generate(...)`, or use `run`).
+    `result`, if given, is filled in place; closed early, it describes the tokens yielded
+    so far (`stopped_by == "closed"`).
     """
-    result = GenerationResult()
+    result = GenerationResult() if result is None else result
     timer = PhaseTimer(target.device, config.profile)
     start = last = time.perf_counter()
     cycles = speculative_cycles(target, drafter, prompt_ids, config, timer)
-    for new in cycles:
-        room = config.max_new_tokens - result.new_tokens
-        stops = [i for i, t in enumerate(new[:room]) if t in target.stop_token_ids]
-        if stops:
-            new, result.stopped_by = new[: stops[0] + 1], "stop_token"
-        elif len(new) >= room:
-            new, result.stopped_by = new[:room], "max_new_tokens"
-        now = time.perf_counter()
-        result.token_ids += new
-        result.accept_lengths.append(len(new))
-        result.cycle_s.append(now - last)
-        last = now
-        yield new
-        if result.stopped_by:
-            break
-    cycles.close()
-    result.wall_s = time.perf_counter() - start
-    result.phase_s = dict(timer.totals)
-    result.text = target.decode(result.token_ids)
+    try:
+        for new in cycles:
+            room = config.max_new_tokens - result.new_tokens
+            stops = [i for i, t in enumerate(new[:room]) if t in target.stop_token_ids]
+            if stops:
+                new, result.stopped_by = new[: stops[0] + 1], "stop_token"
+            elif len(new) >= room:
+                new, result.stopped_by = new[:room], "max_new_tokens"
+            now = time.perf_counter()
+            result.token_ids += new
+            result.accept_lengths.append(len(new))
+            result.cycle_s.append(now - last)
+            last = now
+            yield new
+            if result.stopped_by:
+                break
+    finally:  # also when the caller stops early: the result covers what it was given
+        cycles.close()
+        result.stopped_by = result.stopped_by or "closed"
+        result.wall_s = time.perf_counter() - start
+        result.phase_s = dict(timer.totals)
+        result.text = target.decode(result.token_ids)
     return result
 
 
