@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", default=None, choices=ENGINES, help="default: graphs on a "
                    "GPU, eager on a CPU")
     args = p.parse_args(argv)
+    if not args.prompt.strip():  # before the slow load and tree-size calibration
+        raise GumihoError("empty prompt: give some text to answer")
     logging.basicConfig(level=logging.WARNING, format="gumiho: %(message)s")
     gen = SpeculativeGenerator.load("smollm2", args.method,
                                     str(shipped_drafter(args.method)), device=args.device,
