@@ -89,6 +89,25 @@ def cli_errors(main=None, *, resume: str | None = None):
     return wrapper
 
 
+def install_interrupt_hook() -> None:
+    """For a process started as a gumiho command (`python -m gumiho.…` or the `gumiho`
+    script): Ctrl-C while its modules import (torch takes seconds), before `main` runs,
+    prints `interrupted` and exits 130 instead of a traceback. Notebooks are unaffected."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0 != "-m" and os.path.basename(argv0) != "gumiho":
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if issubclass(kind, KeyboardInterrupt) and not debug():
+            sys.stdout.flush()
+            print("interrupted", file=sys.stderr, flush=True)
+            os._exit(EXIT_INTERRUPTED)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one `error: ...` line (no usage block), exit 2."""
 
