@@ -11,7 +11,7 @@ from pathlib import Path
 from gumiho.drafters import PlainDrafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
-from gumiho.generate import SpeculativeGenerator, total_tokens_arg
+from gumiho.generate import SpeculativeGenerator, check_context_room, total_tokens_arg
 from gumiho.graphs import ENGINES
 
 SHIPPED = Path(__file__).parent / "assets" / "smollm2"
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.prompt.strip():  # before the slow load and tree-size calibration
         raise GumihoError("empty prompt: give some text to answer")
+    check_context_room("smollm2", args.max_new_tokens)
     logging.basicConfig(level=logging.WARNING, format="gumiho: %(message)s")
     gen = SpeculativeGenerator.load("smollm2", args.method,
                                     str(shipped_drafter(args.method)), device=args.device,

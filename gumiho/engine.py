@@ -29,6 +29,8 @@ from gumiho.sampling import accept, sample_tokens
 from gumiho.target import Target
 from gumiho.tree import DraftTree
 
+MIN_TEMPERATURE = 1e-4
+
 
 @dataclass(frozen=True)
 class GenerateConfig:
@@ -49,6 +51,9 @@ class GenerateConfig:
             raise TypeError(f"temperature must be a number, got {t!r} ({type(t).__name__})")
         if not math.isfinite(t) or t < 0:
             raise GumihoError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+        if 0 < t < MIN_TEMPERATURE:  # logits / T would overflow to inf
+            raise GumihoError(f"temperature {t} is too small to sample with: use 0 (greedy) "
+                              f"or at least {MIN_TEMPERATURE}")
         if self.verify_width is not None:
             check_positive_int("verify_width", self.verify_width)
 

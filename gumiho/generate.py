@@ -34,7 +34,7 @@ from gumiho.errors import (
     positive_int,
 )
 from gumiho.graphs import ENGINES, resolve_engine
-from gumiho.target import Target, load_target
+from gumiho.target import Target, load_target, resolve_target_path
 
 Prompt = str | list[dict] | list[int]
 ROLES = ("system", "user", "assistant")
@@ -176,6 +176,23 @@ def check_messages(messages: list[dict]) -> None:
                               f"'content': str}}, got {m!r}"[:300])
 
 
+def check_context_room(target: str, max_new_tokens: int) -> None:
+    """Before a slow load or tree-size calibration: max_new_tokens alone must fit the
+    target's context (prompt + max_new_tokens is checked exactly before generating)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_target_path(target)).get_text_config()
+    except GumihoError:
+        raise
+    except Exception:  # noqa: BLE001 - load_target reports a broken config in one line
+        return
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and max_new_tokens >= limit:
+        raise GumihoError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in "
+                          f"{target}'s context of {limit} tokens: ask for fewer")
+
+
 def add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2",
                         help="local Hugging Face model dir, or 'smollm2' (the embedded default)")
@@ -247,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)
+    if not args.prompt.strip():
+        raise GumihoError("empty prompt: give some text to answer")
+    check_context_room(args.target, args.max_new_tokens)
     gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
                                     device=args.device, dtype=args.dtype,
                                     chat_template=args.chat_template,

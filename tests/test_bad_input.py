@@ -58,6 +58,9 @@ BAD = {
     # generate
     "generate_huge_max_new_tokens": ("generate", ["--target", "{tiny}", "--prompt", "hi",
                                                   "--max-new-tokens", "1000000000000"]),
+    "generate_prompt_plus_max_new_tokens_past_context": (
+        "generate", ["--target", "{tiny}", "--prompt", "hi", "--max-new-tokens", "1010"]),
+    "generate_whitespace_prompt": ("generate", ["--target", "{tiny}", "--prompt", " \n\t"]),
     "generate_nan_temperature": ("generate", ["--target", "{tiny}", "--prompt", "hi",
                                               "--temperature", "nan"]),
     "generate_negative_temperature": ("generate", ["--target", "{tiny}", "--prompt", "hi",
@@ -188,7 +191,8 @@ def test_error_lines_say_what_is_wrong(tmp_path, tiny_target_dir, capsys):
     cases = {"answers_corrupt_middle_line": "line 2 is damaged",
              "answers_other_max_new_tokens": "max_new_tokens=3 in the file, 7 now",
              "answers_into_readme": "is not an answer file",
-             "generate_huge_max_new_tokens": "exceeds",
+             "generate_huge_max_new_tokens": "context of 1024 tokens",
+             "generate_prompt_plus_max_new_tokens_past_context": "exceeds",
              "alloc_start_beyond_data": "--start 100000 is beyond the data",
              "generate_fta_with_eagle2": "--fta does not apply to --method eagle2"}
     for case, words in cases.items():
@@ -296,6 +300,7 @@ def test_api_bad_prompts(plain_gen, prompt, error, words):
     ({"temperature": float("nan")}, GumihoError, "temperature must be a finite"),
     ({"temperature": -1.0}, GumihoError, "temperature must be a finite"),
     ({"temperature": "hot"}, TypeError, "temperature must be a number"),
+    ({"temperature": 1e-40}, GumihoError, "too small to sample with"),
     ({"seed": -1}, GumihoError, "seed must be >= 0"),
 ])
 def test_api_bad_settings(plain_gen, kwargs, error, words):
@@ -364,3 +369,12 @@ def test_api_bad_load_arguments(kwargs, error, words):
 
     with pytest.raises(error, match=words):
         SpeculativeGenerator.load(**kwargs)
+
+
+def test_beam_wider_than_the_vocabulary():
+    from gumiho.config import TreeConfig
+
+    with pytest.raises(GumihoError, match="--mlp-topk 100 is larger than the target's "
+                                          "vocabulary \\(97 tokens\\)"):
+        TreeConfig(mlp_topk=100).check_vocab(97)
+    TreeConfig(top_k=97, mlp_topk=97).check_vocab(97)

@@ -20,7 +20,6 @@ import torch
 from tqdm import tqdm
 
 from gumiho.config import METHODS
-from gumiho.engine import context_length
 from gumiho.errors import (
     ArgumentParser,
     GumihoError,
@@ -38,7 +37,13 @@ from gumiho.evaluation.answers import (
     settings_mismatch,
 )
 from gumiho.evaluation.benchmarks import LABELS, load_questions
-from gumiho.generate import SpeculativeGenerator, add_target_args, add_tree_args, tree_options
+from gumiho.generate import (
+    SpeculativeGenerator,
+    add_target_args,
+    add_tree_args,
+    check_context_room,
+    tree_options,
+)
 from gumiho.version import code_version
 
 ENV_KEYS = ("device", "dtype")  # answers timed elsewhere must not share a file
@@ -183,14 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"all {len(questions)} questions are already answered in {path}",
               file=sys.stderr)
         return 0
+    check_context_room(args.target, args.max_new_tokens)
     gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
                                     device=args.device, dtype=args.dtype,
                                     chat_template=args.chat_template, engine=args.engine,
                                     **tree_options(args))
-    limit = context_length(gen.target)
-    if limit is not None and args.max_new_tokens >= limit:
-        raise GumihoError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a "
-                          f"prompt in {args.target}'s context of {limit} tokens")
     tree = getattr(gen.drafter, "tree", None)  # the settings the drafter was built with
     settings = {"target": args.target, "method": args.method, "draft": args.draft,
                 "bench": args.bench, "temperature": args.temperature,

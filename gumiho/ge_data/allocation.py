@@ -172,6 +172,7 @@ def launch(outdir: Path, todo: list[int], slots: list[dict]) -> None:
         if failed:
             rank, file = failed[0]
             reason = Path(file).read_text().strip() if Path(file).exists() else "it crashed"
+            reason = reason.removeprefix("error: ")
             raise GumihoError(f"{len(failed)} worker(s) failed (worker {rank}: {reason}); "
                               "finished shards are kept: rerun the same command to resume")
 

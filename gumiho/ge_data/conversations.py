@@ -111,6 +111,9 @@ def load_conversations(source: str = "sharegpt", notes: list[str] | None = None
     """Usable conversations as {"id", "messages"} from the package (`sharegpt`) or a file.
     What was skipped (unusable records, invalid JSON) is counted in `notes`."""
     path = sharegpt_path() if source == "sharegpt" else Path(source)
+    if path.is_dir():
+        raise GumihoError(f"--data {path} is a directory: give a JSON or JSONL file of "
+                          "ShareGPT-format conversations, or 'sharegpt'")
     if not path.is_file():
         raise GumihoError(f"conversation file {path} not found (--data takes 'sharegpt' or a "
                           "JSON/JSONL file)")
