@@ -37,6 +37,26 @@ class DrafterConfig:
     num_mlp_layers: int = 5  # residual H->H blocks per head (after gumiho's 2H->H block)
     medusa_own_lm_head: bool = False  # original Medusa: one vocab projection per head
 
+    def __post_init__(self):
+        """Types and ranges, so a hand-edited config.json fails here in one line, not deep
+        inside a model constructor (TypeError/ValueError name the field)."""
+        if self.method not in MODEL_TYPE:
+            raise ValueError(f"method must be one of {', '.join(MODEL_TYPE)}, got "
+                             f"{self.method!r}")
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                     "num_hidden_layers", "num_mlp_heads", "num_mlp_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < (0 if name in ("num_hidden_layers", "num_mlp_heads") else 1):
+                raise ValueError(f"{name} must be positive, got {value}")
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
+            raise ValueError(f"rms_norm_eps must be a positive number, got {eps!r}")
+        if not isinstance(self.rope_parameters, dict) or not isinstance(self.hidden_act, str):
+            raise TypeError("rope_parameters must be an object and hidden_act a string")
+
     @classmethod
     def for_target(cls, target_config, method: str = "gumiho", **overrides) -> DrafterConfig:
         """The drafter shape for a target: its width, heads, norms and RoPE settings."""

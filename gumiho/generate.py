@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import operator
 import os
 import sys
 from collections.abc import Iterator
@@ -104,8 +105,8 @@ class SpeculativeGenerator:
         if all(isinstance(m, dict) for m in prompt):
             check_messages(prompt)
             return self.target.chat_ids(prompt)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
+        if all(hasattr(t, "__index__") and not isinstance(t, bool) for t in prompt):
+            return [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d int tensors
         raise TypeError("prompt must be a string, a list of {'role', 'content'} messages or "
                         "a list of token ids (ints), got a list holding "
                         f"{', '.join(sorted({type(x).__name__ for x in prompt}))}")

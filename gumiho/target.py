@@ -127,6 +127,8 @@ def choose_device_dtype(
     dev = check_device(device)
     if dtype is None:
         torch_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    elif dtype in (torch.float32, torch.bfloat16, torch.float16):
+        torch_dtype = dtype
     else:
         names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
