@@ -251,10 +251,12 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
         raise GumihoError(f"target {name_or_path!r} is not a supported causal LM: "
                           f"{_first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - truncated/garbage weight files fail in many ways
+        if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+            raise
+        fix = (f"delete {path} to convert it again" if name_or_path == SMOLLM2_ALIAS
+               else "are its files complete?")
         raise GumihoError(f"cannot load the weights of target {name_or_path!r} from {path} "
-                          f"({type(exc).__name__}: {_first_line(exc)}): are its files "
-                          "complete? (a damaged smollm2 copy: delete it to convert again)"
-                          ) from None
+                          f"({type(exc).__name__}: {_first_line(exc)}): {fix}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
     except Exception as exc:  # noqa: BLE001 - missing or garbage tokenizer files
