@@ -39,6 +39,8 @@ def record_problem(rec) -> str | None:
     missing = [k for k in ("question_id", "turns", "settings") if k not in rec]
     if missing:
         return f"no {', '.join(missing)} field"
+    if isinstance(rec["question_id"], bool) or not isinstance(rec["question_id"], str | int):
+        return "question_id is not a string or an integer"
     if not isinstance(rec["settings"], dict) or not all(
             k in rec["settings"] for k in ("method", "bench", "temperature")):
         return "its settings lack method, bench or temperature"
