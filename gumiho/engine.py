@@ -24,7 +24,7 @@ from gumiho.errors import GumihoError
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.profiling import PhaseTimer
-from gumiho.sampling import accept, sample_tokens
+from gumiho.sampling import Acceptance, accept, sample_tokens
 from gumiho.target import Target
 from gumiho.tree import DraftTree
 
@@ -159,12 +159,17 @@ def target_runner(target: Target, engine: str) -> TargetRunner:
 
 
 def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features: Tensor,
-                    accepted: Tensor, bonus: Tensor, emitted: list[int]) -> None:
+                    result: Acceptance) -> None:
     """Keep the accepted path in the cache and tell the drafter (device ops only; the
-    emitted tokens are already on the host)."""
-    cache.compact(accepted)
-    drafter.observe(features[accepted], torch.cat([tree.tokens[accepted[1:]], bonus.view(1)]),
-                    emitted)
+    emitted tokens are already on the host). A path of nodes 0..n-1 (plain decoding, a
+    chain) already lies in place: no copy."""
+    nodes = result.nodes
+    if result.contiguous:
+        cache.commit(nodes.shape[0])
+    else:
+        cache.compact(nodes)
+    drafter.observe(features[nodes], torch.cat([tree.tokens[nodes[1:]], result.bonus.view(1)]),
+                    result.tokens)
 
 
 def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
@@ -201,11 +206,11 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         with timer("verify"):
             features, logits = verify_tree(target, cache, tree, width, runner.step)
         with timer("accept_commit"):
-            accepted, bonus, new_tokens = accept(tree, logits, config.temperature, generator)
-            commit_accepted(cache, drafter, tree, features, accepted, bonus, new_tokens)
+            result = accept(tree, logits, config.temperature, generator)
+            commit_accepted(cache, drafter, tree, features, result)
         if on_cycle is not None:
-            on_cycle(tree, new_tokens)
-        yield new_tokens
+            on_cycle(tree, result.tokens)
+        yield result.tokens
 
 
 def generate(target: Target, drafter: Drafter, prompt_ids: list[int],

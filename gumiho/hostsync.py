@@ -10,16 +10,21 @@ finds the same operations from the operator stream, so a CPU test can hold the s
 loop to its budget (one sync a greedy cycle) and name the line that breaks it.
 
 Zero-dimensional Python scalars in arithmetic (`t + 1`, `torch.where(m, t, 0)`) and basic
-slice assignment (`t[:n] = True`) are passed as kernel arguments and do not sync.
+slice assignment (`t[:n] = True`) are passed as kernel arguments and do not sync, nor does
+`upload` (host data through pinned memory, copied non-blocking): the one way the loop
+sends host-made data to the device.
 """
 
 from __future__ import annotations
 
+import threading
 import traceback
 import weakref
 from collections import Counter
 
+import numpy as np
 import torch
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -29,6 +34,22 @@ _READS = {aten._local_scalar_dense.default: "item()/int()/bool()",
           aten.nonzero.default: "nonzero", aten.masked_select.default: "masked_select",
           aten.unique_consecutive.default: "unique", aten._unique2.default: "unique"}
 _HOST_METHODS = {torch.Tensor.tolist: "tolist()", torch.Tensor.numpy: "numpy()"}
+
+
+_UPLOADING = threading.local()
+
+
+def upload(values: np.ndarray, device: torch.device) -> Tensor:
+    """Host data on the device without blocking the host: a pinned copy, sent
+    non-blocking (on a CPU device, the array itself)."""
+    _UPLOADING.active = True
+    try:
+        host = torch.from_numpy(values)
+        if device.type == "cpu":
+            return host
+        return host.pin_memory().to(device, non_blocking=True)
+    finally:
+        _UPLOADING.active = False
 
 
 class _Dispatch(TorchDispatchMode):
@@ -43,7 +64,9 @@ class _Dispatch(TorchDispatchMode):
         if func in _READS:
             self.owner.record(_READS[func])
         elif func in (aten.lift_fresh.default, aten.lift_fresh_copy.default):
-            if out.dim() > 0:
+            if getattr(_UPLOADING, "active", False):
+                pass  # pinned and non-blocking: no sync
+            elif out.dim() > 0:
                 self.owner.record("tensor from Python data")  # an H2D copy on a GPU
             else:
                 self.python_scalars.add(out)

@@ -121,9 +121,9 @@ class KVCache:
                             for kind in self.kinds])[:, None]
 
     def commit(self, num_tokens: int) -> None:
-        """Accept the step's first `num_tokens` entries as they lie (a chain, e.g. prefill)."""
+        """Accept the step's first `num_tokens` entries as they lie (a chain, e.g. prefill).
+        (No rewind here: every step rewinds or seeks before it writes.)"""
         self.length += num_tokens
-        self.rewind(self.length)
 
     def compact(self, accepted: Tensor) -> None:
         """Keep the step's entries at tree positions `accepted` (n,) as the next n tokens.

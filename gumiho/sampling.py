@@ -19,10 +19,19 @@ Drawing every node's token up front keeps shapes static and costs one host sync 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from gumiho.tree import DraftTree
+
+
+class Acceptance(NamedTuple):
+    nodes: Tensor  # (n,) tree indices of the accepted path, root first
+    bonus: Tensor  # () the token the target emits after the last accepted node
+    tokens: list[int]  # the emitted tokens on the host: accepted drafts, then the bonus
+    contiguous: bool  # nodes are 0..n-1: their cache entries already lie in place
 
 
 def accept_greedy(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -30,11 +39,11 @@ def accept_greedy(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor]:
 
     logits: (K, V) target logits at the tree nodes.
     """
-    accepted, bonus, _ = accept_greedy_tokens(tree, logits)
-    return accepted, bonus
+    result = accept_greedy_tokens(tree, logits)
+    return result.nodes, result.bonus
 
 
-def accept_greedy_tokens(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+def accept_greedy_tokens(tree: DraftTree, logits: Tensor) -> Acceptance:
     """`accept_greedy`, plus the emitted tokens (accepted drafts, then the bonus) on the host."""
     picks = logits.argmax(-1)  # (K,)
     if tree.spliced_paths is not None:  # the official FTA: follow its spliced paths
@@ -42,11 +51,12 @@ def accept_greedy_tokens(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tenso
     return accept_matching(tree, picks)
 
 
-def accept_matching(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+def accept_matching(tree: DraftTree, picks: Tensor) -> Acceptance:
     """The accepted path for the target's pick at every node (K,), the bonus token and the
     emitted tokens on the host.
 
-    One host sync: a single transfer brings back the accept length and the tokens.
+    One host sync: a single transfer brings back the accept length, the path's nodes and
+    the tokens.
     A node is reachable when it and all its ancestors match the pick at their parents; the
     deepest reachable node (the first in node order on a tie, which only greedy decoding
     can meet: equal token chains, so equal output) ends the accepted path.
@@ -64,10 +74,12 @@ def accept_matching(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor, lis
     order.scatter_(0, torch.where(tree.mask[best][0], tree.depths, k),
                    torch.arange(k, device=picks.device))
     bonus = picks[best][0]
-    packed = torch.cat([reach[best], tree.tokens[order[1:k]], bonus.view(1)])
-    host = packed.tolist()  # the host sync of the cycle: accept length and tokens
+    packed = torch.cat([reach[best], tree.tokens[order[1:k]], bonus.view(1), order[1:k]])
+    host = packed.tolist()  # the host sync of the cycle: length, tokens, nodes
     n = host[0]
-    return order[: n + 1], bonus, host[1 : n + 1] + host[-1:]
+    nodes = host[k + 1 : k + 1 + n]
+    return Acceptance(order[: n + 1], bonus, host[1 : n + 1] + host[k : k + 1],
+                      nodes == list(range(1, n + 1)))
 
 
 def first_of_siblings(tree: DraftTree) -> Tensor:
@@ -88,7 +100,7 @@ def _accept_along_paths(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor,
     n = int(lengths[best])
     accepted = safe[best, : n + 1]
     bonus = picks[accepted[-1]]
-    return accepted, bonus, emitted_tokens(tree, accepted, bonus)
+    return Acceptance(accepted, bonus, emitted_tokens(tree, accepted, bonus), False)
 
 
 def emitted_tokens(tree: DraftTree, accepted: Tensor, bonus: Tensor) -> list[int]:
@@ -112,13 +124,13 @@ def accept_sampling(tree: DraftTree, logits: Tensor, temperature: float,
     SpecInfer), in the equivalent form of the module docstring: emits exactly softmax(
     logits / T) at every step. The official FTA splice is ignored here, as the released
     code's splice does nothing at T > 0."""
-    accepted, bonus, _ = accept_matching(tree, sample_tokens(logits, temperature, generator))
-    return accepted, bonus
+    result = accept_matching(tree, sample_tokens(logits, temperature, generator))
+    return result.nodes, result.bonus
 
 
 def accept(tree: DraftTree, logits: Tensor, temperature: float,
-           generator: torch.Generator) -> tuple[Tensor, Tensor, list[int]]:
-    """(accepted node indices, bonus token, the emitted tokens on the host)."""
+           generator: torch.Generator) -> Acceptance:
+    """The accepted path, bonus token and emitted tokens of a cycle."""
     if temperature == 0:
         return accept_greedy_tokens(tree, logits)
     return accept_matching(tree, sample_tokens(logits, temperature, generator))

@@ -171,9 +171,11 @@ def cache_dir() -> Path:
 def choose_device_dtype(
     device: str | None = None, dtype: str | None = None
 ) -> tuple[torch.device, torch.dtype]:
-    """Decide device and dtype once: an accelerator in bf16 if there is one, else CPU fp32."""
+    """Decide device and dtype once: $GUMIHO_DEVICE if set, else an accelerator in bf16 if
+    there is one, else CPU fp32."""
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # ROCm reports as cuda too
+        device = os.environ.get("GUMIHO_DEVICE") or (
+            "cuda" if torch.cuda.is_available() else "cpu")  # ROCm reports as cuda too
     dev = torch.device(device)
     if dtype is None:
         torch_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
