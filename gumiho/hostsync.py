@@ -128,3 +128,57 @@ def _caller() -> str:
         if "/torch/" not in name and not name.endswith("hostsync.py"):
             return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{frame.lineno}"
     return "?"
+
+
+REPLAYING = threading.local()  # set by graphs.StaticStep while a recorded step replays
+
+
+class _Launches(TorchDispatchMode):
+    def __init__(self, owner: LaunchCounter):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.owner.active and not getattr(REPLAYING, "active", False) and \
+                not func.is_view and func not in _NO_KERNEL:
+            self.owner.by_module[_gumiho_module()] += 1
+        return out
+
+
+_NO_KERNEL = {aten._local_scalar_dense.default, aten.lift_fresh.default, aten.detach.default,
+              aten.alias.default, aten._to_copy.default}
+
+
+class LaunchCounter:
+    """Device kernels the host launches outside recorded steps, by the gumiho module that
+    asked for them (`with LaunchCounter() as launches: ...; launches.by_module`).
+
+    On a GPU each launch costs the host a few microseconds, so this is what the cycle's
+    eager part (tree building, acceptance, cache compaction) costs beyond its syncs. Steps
+    a captured engine records (`static` replays them in Python) are not counted; views
+    launch nothing and are not counted either."""
+
+    def __init__(self, active: bool = True):
+        self.by_module: Counter[str] = Counter()
+        self.active = active  # switch on later, e.g. after a prefill
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_module.values())
+
+    def __enter__(self) -> LaunchCounter:
+        self._mode = _Launches(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+
+def _gumiho_module() -> str:
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        path = frame.filename.replace("\\", "/")
+        if "/gumiho/" in path and not path.endswith("hostsync.py"):
+            return path.rsplit("/gumiho/", 1)[1]
+    return "?"

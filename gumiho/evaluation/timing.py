@@ -36,6 +36,7 @@ from gumiho.engine import GenerateConfig, run
 from gumiho.errors import GumihoError, cli_errors
 from gumiho.generate import add_target_args, add_tree_args, tree_options
 from gumiho.graphs import resolve_engine
+from gumiho.hostsync import LaunchCounter
 from gumiho.target import Target, choose_device_dtype, load_target, wrap_target
 
 # Stock Llama shapes for --shape (SmolLM2-135M's own config; Llama-3-8B's published one).
@@ -106,6 +107,8 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
             "cycle_over_plain_step": cycle / plain_step, "tau": fast.tau,
             "host_syncs_per_cycle": host_syncs_per_cycle(target, drafter, ids, engine,
                                                          max_new_tokens),
+            "launches_per_cycle": launches_per_cycle(target, drafter, ids, engine,
+                                                     max_new_tokens),
             "identical_to_plain": fast.token_ids == plain.token_ids}
 
 
@@ -127,6 +130,23 @@ def host_syncs_per_cycle(target: Target, drafter, ids: list[int], engine: str,
             torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     return syncs / max(result.cycles, 1)
+
+
+def launches_per_cycle(target: Target, drafter, ids: list[int], engine: str,
+                       max_new_tokens: int) -> dict[str, float]:
+    """Kernels launched outside recorded steps per verify cycle, by module (hostsync.py);
+    with the eager engine every step's kernels count too."""
+    counted = []
+
+    def start_counting(tree, emitted):  # from the end of the first verify cycle on
+        launches.active = True
+        counted.append(1)
+
+    with LaunchCounter(active=False) as launches:
+        run(target, drafter, ids, GenerateConfig(max_new_tokens=max_new_tokens, engine=engine),
+            on_cycle=start_counting)
+    cycles = max(len(counted) - 1, 1)  # the last on_cycle ends the counted region
+    return {module: n / cycles for module, n in launches.by_module.most_common()}
 
 
 def projected_speedup(tau: float, plain_step_s: float, cycle_s: float) -> float:
@@ -207,6 +227,9 @@ def print_report(report: dict) -> None:
             if phase in cycle["per_cycle_s"]:
                 label = {"draft": "draft (total)"}.get(phase, phase)
                 print(f"  {label:34s} {cycle['per_cycle_s'][phase] * 1e3:8.2f} ms")
+        launches = cycle["launches_per_cycle"]
+        detail = ", ".join(f"{m} {n:.0f}" for m, n in list(launches.items())[:5])
+        print(f"  {'kernel launches per cycle':34s} {sum(launches.values()):8.0f}  ({detail})")
         if cycle["host_syncs_per_cycle"] is not None:
             print(f"  {'host syncs per cycle':34s} {cycle['host_syncs_per_cycle']:8.2f}")
         proj = cycle["projected"]
