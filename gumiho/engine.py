@@ -24,7 +24,7 @@ from gumiho.errors import GumihoError
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.profiling import PhaseTimer
-from gumiho.sampling import Acceptance, accept, sample_tokens
+from gumiho.sampling import Acceptance, accept, match_picks, sample_tokens
 from gumiho.target import Target
 from gumiho.tree import DraftTree
 
@@ -135,6 +135,8 @@ class TargetRunner:
         self.target, self.engine = target, engine
         self.cache: KVCache | None = None
         self.step: StaticStep | None = None
+        # acceptance's device part (tensors only), recorded per tree size like any step
+        self.accept_step = StaticStep(match_picks, engine)
 
     def cache_for(self, capacity: int) -> KVCache:
         cache, new = reuse_or_allocate(self.cache, capacity, self.engine != "eager",
@@ -206,7 +208,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         with timer("verify"):
             features, logits = verify_tree(target, cache, tree, width, runner.step)
         with timer("accept_commit"):
-            result = accept(tree, logits, config.temperature, generator)
+            result = accept(tree, logits, config.temperature, generator, runner.accept_step)
             commit_accepted(cache, drafter, tree, features, result)
         if on_cycle is not None:
             on_cycle(tree, result.tokens)
