@@ -1,21 +1,23 @@
-"""`--total-tokens auto`: the tree size that maximises expected tokens/s on this device.
+"""`--total-tokens auto`: the draft tree shape that maximises expected tokens/s here.
 
-A bigger tree accepts more per cycle but costs more to verify; where the balance lies
-depends on the device (on a CPU the verify cost grows with width, on a GPU it is nearly
-flat) and on how good the drafter is. We measure both and pick:
+A bigger, deeper tree accepts more per cycle but costs more to draft and to verify; where
+the balance lies depends on the device (on a CPU the verify cost grows with width, on a
+GPU it is nearly flat) and on how good the drafter is. We measure all three and pick:
 
-1. Acceptance by size, from one greedy calibration run at the largest size. For the
-   dynamic trees (Gumiho, EAGLE-2: EAGLE-2's expand-then-rerank design) the candidate
-   pool does not depend on the size: a tree
-   of size W is the W - 1 best pool nodes by score. So the accepted path of each cycle
-   tells exactly what a smaller tree would have accepted: the path's leading nodes whose
-   score rank is below W - 1 (ancestors always outrank their children). Medusa's static
-   tree is built best-first, so its node order is its rank. (Exact for greedy decoding;
-   at T > 0 it is the greedy proxy.)
-2. Cost by size: the median of a verify step at each candidate width on this device and
-   engine, plus the calibration run's mean drafting and accept/commit time per cycle.
+1. Acceptance by shape, from one greedy calibration run at the reference shape. Every
+   candidate shape's tree is a subtree of the reference tree: the W - 1 best nodes by
+   selection priority among those at depth <= D (exact for the dynamic trees of Gumiho and
+   EAGLE-2, whose candidate pool does not depend on the budget, while the reference tree
+   holds enough nodes of depth <= D; Medusa's static tree is built best-first), or, for a
+   chain, the best child at each level. A subtree accepts exactly the part of each
+   cycle's accepted path that lies inside it. (Exact for greedy decoding; at T > 0 it is
+   the greedy proxy.)
+2. Drafting cost by shape: the drafter at that shape proposes repeatedly from one state
+   (median; the shape caps every level at the budget, see SerialDrafter), plus the
+   catch-up on accepted tokens that every cycle pays, from the calibration run.
+3. Verify cost by width: the median target step over a tree of that many tokens.
 
-expected tokens/s (W) = mean accepted-per-cycle(W) / (draft + verify(W) + commit)
+expected tokens/s (shape) = accepted per cycle / (draft + verify(W) + accept and commit)
 
 The choice is cached per target, drafter, device, dtype and engine in the gumiho cache dir.
 """
@@ -25,23 +27,68 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from gumiho.config import TreeConfig
-from gumiho.engine import GenerateConfig, run
+from gumiho.engine import GenerateConfig, TargetRunner, prefill, run, verify_tree
+from gumiho.profiling import timed
 from gumiho.target import Target, cache_dir
 from gumiho.tree import DraftTree
 
 log = logging.getLogger("gumiho")
 
-CANDIDATE_WIDTHS = (4, 8, 12, 16, 24, 32, 48, 64)
+CANDIDATE_WIDTHS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
 CALIBRATION_PROMPTS = (
     "Explain in a few sentences why the sky is blue.",
     "Write a Python function that returns the n-th Fibonacci number.",
 )
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A candidate tree: `total_tokens` verified (root included) down to `depth`, or the
+    best chain of that depth (`chain`: beam 1, one candidate per level)."""
+
+    total_tokens: int
+    depth: int
+    chain: bool = False
+
+    def tree(self, reference: TreeConfig) -> TreeConfig:
+        if self.chain:
+            return replace(reference, total_tokens=self.depth + 1, depth=self.depth, top_k=1,
+                           mlp_topk=1, pruning=1, fta="off")
+        return replace(reference, total_tokens=self.total_tokens, depth=self.depth)
+
+
+def _ranks(tree: DraftTree) -> list[int]:
+    """Each non-root node's rank by selection priority (0 = kept first), on the host."""
+    order = torch.argsort(tree.priority[1:].cpu(), descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.shape[0], device=order.device)
+    return [0, *[int(r) + 1 for r in rank]]  # the root first
+
+
+def kept_nodes(tree: DraftTree, shape: Shape) -> set[int]:
+    """The reference tree's nodes that a tree of `shape` keeps (the root included)."""
+    if tree.priority is None:
+        raise ValueError("shapes need trees with a selection priority")
+    depths, parents = tree.depths.tolist(), tree.parents.tolist()
+    ranks = _ranks(tree)
+    if shape.chain:
+        kept, node = {0}, 0
+        for _ in range(shape.depth):
+            children = [i for i, p in enumerate(parents) if p == node]
+            if not children:
+                break
+            node = min(children, key=lambda i: ranks[i])
+            kept.add(node)
+        return kept
+    allowed = sorted((i for i in range(1, len(depths)) if depths[i] <= shape.depth),
+                     key=lambda i: ranks[i])
+    return {0, *allowed[: shape.total_tokens - 1]}
 
 
 def accepted_nodes(tree: DraftTree, drafts: list[int]) -> list[int]:
@@ -59,31 +106,78 @@ def accepted_nodes(tree: DraftTree, drafts: list[int]) -> list[int]:
     return nodes
 
 
+def accept_by_shape(trees: list[DraftTree], drafts: list[list[int]], shapes: list[Shape]
+                    ) -> dict[Shape, float]:
+    """Mean tokens per verify cycle each shape would have emitted, from the reference
+    trees a drafter proposed and the draft tokens each cycle accepted."""
+    totals = dict.fromkeys(shapes, 0)
+    for tree, accepted in zip(trees, drafts, strict=True):
+        path = accepted_nodes(tree, accepted)
+        for shape in shapes:
+            kept = kept_nodes(tree, shape)
+            inside = next((i for i, node in enumerate(path) if node not in kept), len(path))
+            totals[shape] += 1 + inside  # accepted drafts plus the bonus token
+    return {s: totals[s] / max(len(trees), 1) for s in shapes}
+
+
 def accept_by_size(trees: list[DraftTree], drafts: list[list[int]], widths: list[int]
                    ) -> dict[int, float]:
-    """Mean tokens per verify cycle that trees of each width would have emitted, from the
-    trees a drafter proposed at its largest width and the draft tokens each cycle accepted."""
-    totals = dict.fromkeys(widths, 0)
-    for tree, accepted in zip(trees, drafts, strict=True):
-        if tree.priority is None:
-            raise ValueError("accept_by_size needs trees with a selection priority")
-        # host-side bookkeeping: the calibration's trees may live on an accelerator
-        order = torch.argsort(tree.priority[1:].cpu(), descending=True, stable=True)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.shape[0], device=order.device)
-        path = [int(rank[node - 1]) for node in accepted_nodes(tree, accepted)]
-        for width in widths:
-            kept = next((i for i, r in enumerate(path) if r >= width - 1), len(path))
-            totals[width] += 1 + kept  # accepted drafts plus the bonus token
-    return {w: totals[w] / max(len(trees), 1) for w in widths}
+    """`accept_by_shape` over sizes alone (every depth allowed)."""
+    shapes = [Shape(w, 10**6) for w in widths]
+    by_shape = accept_by_shape(trees, drafts, shapes)
+    return {s.total_tokens: v for s, v in by_shape.items()}
 
 
-def verify_cost(target: Target, widths: list[int], engine: str, context: int = 128,
-                repeats: int = 5) -> dict[int, float]:
-    """Median seconds of a verify step over a `width`-node tree, per width."""
-    from gumiho.evaluation.timing import verify_step_seconds
+def verify_step_seconds(target: Target, width: int, context: int, repeats: int,
+                        engine: str = "eager") -> float:
+    """One target step over a `width`-node tree (a balanced binary tree) on top of
+    `context` committed tokens, through `engine`'s (captured) step."""
+    device = target.device
+    runner = TargetRunner(target, engine)
+    cache = runner.cache_for(context + width + 1)
+    low, high = token_range(target)
+    prompt = torch.randint(low, high, (1, context), device=device)
+    prefill(target, cache, prompt)
+    parents = torch.cat([torch.tensor([-1]), torch.arange(width - 1) // 2]).to(device)
+    tree = DraftTree.from_parents(torch.randint(low, high, (width,), device=device), parents)
+    return timed(lambda: verify_tree(target, cache, tree, step=runner.step), device, repeats)
 
-    return {w: verify_step_seconds(target, w, context, repeats, engine=engine) for w in widths}
+
+def token_range(target: Target) -> tuple[int, int]:
+    """Ordinary token ids to time with: [100, 1000), inside the vocabulary."""
+    vocab = target.embed_tokens.weight.shape[0]
+    return (100, 1000) if vocab >= 1000 else (0, vocab)
+
+
+def candidate_shapes(method: str, reference: TreeConfig,
+                     widths: tuple[int, ...] = CANDIDATE_WIDTHS) -> list[Shape]:
+    """Sizes up to the reference's; for the dynamic trees also every depth and chains."""
+    sizes = sorted({w for w in widths if w <= reference.total_tokens}
+                   | {reference.total_tokens})
+    if method == "medusa":
+        return [Shape(w, reference.depth) for w in sizes]
+    low = 2 if method == "gumiho" else 1
+    depths = range(low, reference.depth + 1)
+    return [Shape(w, d) for w in sizes for d in depths if w - 1 >= d] + \
+        [Shape(d + 1, d, chain=True) for d in depths]
+
+
+def draft_seconds(target: Target, model, method: str, shape_tree: TreeConfig, engine: str,
+                  ids: list[int], repeats: int = 5) -> float:
+    """Median seconds of one proposal at a shape (no catch-up: re-proposals from the state
+    after the prompt)."""
+    from gumiho.drafters import MedusaDrafter, SerialDrafter
+
+    cls = MedusaDrafter if method == "medusa" else SerialDrafter
+    drafter = cls(model, shape_tree, engine=engine)
+    runner = TargetRunner(target, "eager")
+    cache = runner.cache_for(len(ids) + 8)
+    prompt = torch.tensor([ids], device=target.device)
+    features, logits = prefill(target, cache, prompt)
+    drafter.begin(target, len(ids) + 64)
+    root = logits[-1].argmax().view(1)
+    drafter.observe(features, torch.cat([prompt[0, 1:], root]), ids[1:] + [0])
+    return timed(drafter.propose, target.device, repeats)
 
 
 def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engine: str
@@ -96,71 +190,78 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     stamp = weights.stat().st_mtime_ns if weights else 0
     device = target.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    key = json.dumps([target.name, method, str(draft_path), stamp, vars(tree), device_name,
-                      str(target.dtype), engine, torch.__version__], default=str)
+    key = json.dumps([2, target.name, method, str(draft_path), stamp, asdict(tree),
+                      device_name, str(target.dtype), engine, torch.__version__], default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 
-def choose_total_tokens(target: Target, method: str, draft: str, tree: TreeConfig,
-                        engine: str, max_new_tokens: int = 64,
-                        widths: tuple[int, ...] = CANDIDATE_WIDTHS) -> dict:
-    """Pick total_tokens for `method`'s drafter `draft` on this device; returns the
-    report (`total_tokens`, and per width the expected accept, cycle time, tokens/s)."""
-    from gumiho.drafters import load_drafter
-
-    path = _cache_file(target, method, draft, tree, engine)
-    if path is not None and path.exists():
-        try:
-            report = json.loads(path.read_text())
-            report["widths"] = {int(w): row for w, row in report["widths"].items()}
-            return report
-        except (json.JSONDecodeError, KeyError, ValueError):
-            log.warning("ignoring an unreadable cached tree size %s", path)
-    largest = tree.total_tokens
-    widths = sorted({w for w in widths if w <= largest} | {largest})
-    log.warning("choosing the tree size for this device (once per drafter and device; "
-                "about a minute on a CPU) ...")
-    # Calibrate on the plain dynamic tree: its sub-trees are what smaller sizes give.
-    drafter = load_drafter(method, target, draft, tree=replace(tree, fta="off"),
-                           engine=engine)
+def calibrate(target: Target, drafter, engine: str, max_new_tokens: int
+              ) -> tuple[list[DraftTree], list[list[int]], dict[str, float]]:
+    """Greedy runs on the calibration prompts: every cycle's tree and accepted drafts, and
+    the per-cycle seconds of the phases every shape pays alike."""
     trees: list[DraftTree] = []
-    propose = drafter.propose
-
-    def recording_propose():
-        trees.append(propose())
-        return trees[-1]
-
-    drafter.propose = recording_propose
     config = GenerateConfig(max_new_tokens=max_new_tokens, profile=True, engine=engine)
     run(target, drafter, target.chat_ids(CALIBRATION_PROMPTS[0]),
         replace(config, max_new_tokens=8))  # warm-up (and captures)
-    kept: list[DraftTree] = []
-    drafts: list[list[int]] = []
-    phase = {"draft": 0.0, "accept_commit": 0.0}
+    kept, drafts = [], []
+    totals = {"draft_catchup": 0.0, "accept_commit": 0.0}
     for prompt in CALIBRATION_PROMPTS:
         trees.clear()
-        result = run(target, drafter, target.chat_ids(prompt), config)
+        result = run(target, drafter, target.chat_ids(prompt), config,
+                     on_cycle=lambda tree, emitted: trees.append(tree))
         emitted = result.token_ids[result.accept_lengths[0]:]  # after the prefill's token
         offset = 0
         for drafted, n in zip(trees, result.accept_lengths[1:], strict=False):
             kept.append(drafted)
             drafts.append(emitted[offset : offset + n - 1])
             offset += n
-        for name in phase:
-            phase[name] += result.phase_s.get(name, 0.0)
-    verify = verify_cost(target, [1, *widths], engine)
-    accept = accept_by_size(kept, drafts, widths)
-    overhead = sum(phase.values()) / max(len(kept), 1)
-    plain_step = verify[1]
-    rows = {}
-    for w in widths:
-        cycle = overhead + verify[w]
-        rows[w] = {"accept": accept[w], "cycle_s": cycle, "tokens_per_s": accept[w] / cycle,
-                   "speedup": accept[w] / cycle * plain_step}
-    best = max(widths, key=lambda w: rows[w]["tokens_per_s"])
-    report = {"total_tokens": best, "method": method, "draft": str(draft),
-              "device": str(target.device), "engine": engine, "plain_step_s": plain_step,
-              "draft_commit_s": overhead, "widths": rows}
+        for name in totals:
+            totals[name] += result.phase_s.get(name, 0.0)
+    return kept, drafts, {k: v / max(len(kept), 1) for k, v in totals.items()}
+
+
+def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engine: str,
+                max_new_tokens: int = 64, widths: tuple[int, ...] = CANDIDATE_WIDTHS) -> dict:
+    """Pick the tree shape for `method`'s drafter `draft` on this device; returns the
+    report: `tree` (the TreeConfig fields to use), and per shape the expected accept,
+    cycle time and tokens/s."""
+    from gumiho.drafters import load_drafter
+
+    path = _cache_file(target, method, draft, tree, engine)
+    if path is not None and path.exists():
+        try:
+            return json.loads(path.read_text())
+        except (json.JSONDecodeError, KeyError, ValueError):
+            log.warning("ignoring an unreadable cached tree shape %s", path)
+    log.warning("choosing the tree shape for this device (once per drafter and device; "
+                "about a minute on a CPU) ...")
+    # Calibrate on the plain dynamic tree: its subtrees are what smaller shapes give.
+    reference = replace(tree, fta="off", lookup=0)
+    drafter = load_drafter(method, target, draft, tree=reference, engine=engine)
+    trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens)
+    shapes = candidate_shapes(method, reference, widths)
+    accept = accept_by_shape(trees, drafts, shapes)
+    verify = {w: verify_step_seconds(target, w, 128, 5, engine)
+              for w in {1, *(s.total_tokens for s in shapes)}}
+    ids = target.chat_ids(CALIBRATION_PROMPTS[0]) if target.tokenizer else list(range(8, 40))
+    rows, cost = {}, {}
+    for shape in shapes:
+        key = (shape.tree(reference).total_tokens, shape.depth, shape.chain)
+        if key not in cost:
+            cost[key] = draft_seconds(target, drafter.model, method, shape.tree(reference),
+                                      engine, ids)
+        cycle = fixed["draft_catchup"] + cost[key] + verify[shape.total_tokens] + \
+            fixed["accept_commit"]
+        rows[f"{shape.total_tokens}/{shape.depth}{'/chain' if shape.chain else ''}"] = {
+            **asdict(shape), "accept": accept[shape], "cycle_s": cycle,
+            "tokens_per_s": accept[shape] / cycle, "speedup": accept[shape] / cycle * verify[1]}
+    best = max(rows.values(), key=lambda row: row["tokens_per_s"])
+    chosen = Shape(best["total_tokens"], best["depth"], best["chain"]).tree(tree)
+    report = {"tree": {k: getattr(chosen, k) for k in
+                       ("total_tokens", "depth", "top_k", "mlp_topk", "pruning", "fta")},
+              "method": method, "draft": str(draft), "device": str(target.device),
+              "engine": engine, "plain_step_s": verify[1], "cycles": len(trees),
+              "fixed_s": fixed, "shapes": rows}
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

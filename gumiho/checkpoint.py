@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from gumiho.config import DrafterConfig
 from gumiho.errors import GumihoError
-from gumiho.modeling import build_draft_model
+from gumiho.modeling import DraftHead, build_draft_model
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MLP_KEY = re.compile(r"^mlp\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
@@ -41,6 +41,8 @@ def to_official(model: nn.Module) -> dict[str, Tensor]:
                 out[f"medusa_head.{i}.{j}.linear.bias"] = model.b[i, j]
             if model.lm_heads is not None:
                 out[f"medusa_head.{i}.{model.w.shape[1]}.weight"] = model.lm_heads[i]
+        if model.d2t is not None:
+            out["d2t"], out["t2d"] = model.d2t, model.t2d
         return out
     for name in ("mlp.w_in", "mlp.b_in", "mlp.w_res", "mlp.b_res"):
         state.pop(name, None)
@@ -111,8 +113,8 @@ def save_drafter(model: nn.Module, out_dir: str | Path, include_embed: bool = Fa
     state = to_official(model)
     if not include_embed:
         state.pop("embed_tokens.weight", None)
-    state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu()
-             for k, v in state.items()}
+    state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach()
+             .contiguous().cpu() for k, v in state.items()}
     tmp = out / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / "model.safetensors")
@@ -166,6 +168,8 @@ def infer_config(state: dict[str, Tensor], target_config, method: str | None,
         overrides["num_mlp_layers"] = len(blocks) - (0 if method == "medusa" else 1)
     if method == "medusa":
         overrides["medusa_own_lm_head"] = any(MEDUSA_LM_KEY.match(k) for k in state)
+    if "d2t" in state:  # a reduced draft vocabulary (EAGLE-3 convention)
+        overrides["draft_vocab_size"] = state["d2t"].shape[0]
     return DrafterConfig.for_target(target_config, method, **overrides)
 
 
@@ -202,11 +206,11 @@ def load_drafter_model(path: str | Path, target, method: str | None = None) -> n
     model = build_draft_model(config)
     own = from_official(state, config)
     if "embed_tokens.weight" in model.state_dict() and "embed_tokens.weight" not in own:
-        own["embed_tokens.weight"] = target.embed_tokens.weight.detach()
+        own["embed_tokens.weight"] = target.input_embeddings()  # any scale included
     check_keys(model.state_dict(), own, config)
     model.load_state_dict(own, strict=True)
     if config.method == "medusa" and config.medusa_own_lm_head and "lm_heads" not in own:
-        model.init_lm_heads(target.lm_head.weight)
+        model.init_lm_heads(DraftHead.for_model(target, model))
     return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
 

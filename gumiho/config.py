@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from gumiho.errors import GumihoError
 
-METHODS = ("ar", "gumiho", "eagle2", "medusa")
+METHODS = ("ar", "lookup", "gumiho", "eagle2", "medusa")
 FTA_MODES = ("off", "official", "exact")
 MAX_TREE_SETTING = 1024  # sanity bound on any tree size or width (memory grows with it)
 MODEL_TYPE = {"gumiho": "gumiho", "eagle2": "eagle2", "medusa": "medusa"}
@@ -36,6 +36,8 @@ class DrafterConfig:
     num_mlp_heads: int = 5  # gumiho parallel heads; medusa heads
     num_mlp_layers: int = 5  # residual H->H blocks per head (after gumiho's 2H->H block)
     medusa_own_lm_head: bool = False  # original Medusa: one vocab projection per head
+    # Reduced draft vocabulary (modeling/vocab.py): 0 = the target's whole vocabulary.
+    draft_vocab_size: int = 0
 
     def __post_init__(self):
         """Types and ranges, so a hand-edited config.json fails here in one line, not deep
@@ -69,6 +71,8 @@ class DrafterConfig:
         if method not in defaults:
             raise GumihoError(f"no drafter for method {method!r}: use gumiho, eagle2 or medusa")
         rope = dict(getattr(t, "rope_parameters", None) or {})
+        if isinstance(rope.get("full_attention"), dict):  # per layer type: the drafter's
+            rope = dict(rope["full_attention"])  # layers see the whole context
         if not rope:
             rope = {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)}
         values = dict(
@@ -78,7 +82,8 @@ class DrafterConfig:
             head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
             vocab_size=t.vocab_size, rms_norm_eps=t.rms_norm_eps,
             max_position_embeddings=t.max_position_embeddings, rope_parameters=rope,
-            hidden_act=getattr(t, "hidden_act", "silu"),
+            hidden_act=getattr(t, "hidden_act", None) or getattr(t, "hidden_activation", None)
+            or "silu",
         )
         values.update(defaults[method])
         values.update(overrides)
@@ -107,7 +112,7 @@ class DrafterConfig:
             rope_theta=self.rope_parameters.get("rope_theta"),
             rope_scaling=None if self.rope_parameters.get("rope_type", "default") == "default"
             else dict(self.rope_parameters),
-            gumiho_fc_bias=True,
+            gumiho_fc_bias=True, draft_vocab_size=self.draft_vocab_size or self.vocab_size,
         )
         return out
 
@@ -115,6 +120,8 @@ class DrafterConfig:
     def from_json(cls, data: dict) -> DrafterConfig:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
+        if values.get("draft_vocab_size") == values.get("vocab_size"):
+            values["draft_vocab_size"] = 0  # written out in full for vLLM; 0 means full here
         if "rope_parameters" not in values and "rope_theta" in data:
             values["rope_parameters"] = dict(data.get("rope_scaling") or {"rope_type": "default"},
                                              rope_theta=data["rope_theta"])
@@ -151,10 +158,14 @@ class TreeConfig:
     top_k: int = 14  # beam width at serial levels
     mlp_topk: int = 35  # candidates per node at each MLP level
     pruning: int = 35  # nodes kept per MLP level
-    depth: int = 6  # serial levels (eagle2) / static tree depth (medusa)
+    depth: int = 6  # draft depth: gumiho 2 serial + MLP levels (7), eagle2 serial levels,
+    # medusa static tree depth
     # Full Tree Attention: off | official | exact. Default off: with the shipped drafter
     # exact measured no better (tau 1.63 vs 1.64, 5 held-out prompts; README).
     fta: str = "off"
+    # Prompt-lookup candidates (lookup.py): a chain of this many n-gram continuation tokens
+    # under the root, beside the drafter's tree (0 = none; the `lookup` method: 10).
+    lookup: int = 0
 
     def __post_init__(self):
         if self.fta not in FTA_MODES:
@@ -170,6 +181,10 @@ class TreeConfig:
             if value > MAX_TREE_SETTING:
                 raise GumihoError(f"{flag} {value} is too large (at most {MAX_TREE_SETTING}: "
                                   "the reference trees verify 60-64 tokens)")
+        if isinstance(self.lookup, bool) or not isinstance(self.lookup, int) or not (
+                0 <= self.lookup <= MAX_TREE_SETTING):
+            raise GumihoError(f"--lookup must be an integer from 0 to {MAX_TREE_SETTING}, "
+                              f"got {self.lookup!r}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Beam and candidate widths cannot exceed the vocabulary they pick from."""
@@ -180,7 +195,54 @@ class TreeConfig:
 
     @classmethod
     def for_method(cls, method: str, **overrides) -> TreeConfig:
-        base = {"gumiho": cls(),
+        base = {"gumiho": cls(depth=7),
                 "eagle2": cls(total_tokens=60, top_k=10, depth=6, fta="off"),
-                "medusa": cls(total_tokens=64, depth=4, fta="off")}.get(method, cls())
+                "medusa": cls(total_tokens=64, depth=4, fta="off"),
+                "lookup": cls(total_tokens=2, lookup=10)}.get(method, cls())
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides a training run's result (`gumiho.train` flags map one to one;
+    saved with the run's state, and a resume with other values is refused)."""
+
+    method: str = "gumiho"
+    target: str = "smollm2"
+    data: tuple[str, ...] = ()  # ge_data dirs; empty with `online`
+    online: bool = False  # compute the target's features inside the loop
+    conversations: str = "sharegpt"  # online: the conversation source
+    num_conversations: int = 2000  # online
+    max_len: int = 2048  # online: tokens per sample
+    epochs: int = 20
+    max_steps: int | None = None  # optimizer steps of the schedule (default: from epochs)
+    batch_size: int = 4  # sequences per process per micro-batch
+    grad_accum: int = 8  # global batch = batch_size x grad_accum x processes (reference 32)
+    lr: float = 2e-4
+    warmup_steps: int = 200
+    grad_clip: float = 0.5
+    noise: float = 0.2  # uniform feature noise scale
+    ploss_fraction: float = 1.0  # positions whose ploss is scored (1.0 = the reference)
+    draft_vocab: int = 0  # reduced draft vocabulary size (0 = the target's whole vocabulary)
+    seed: int = 0
+    export_dtype: str = "float16"
+
+    def __post_init__(self):
+        if self.method not in ("gumiho", "eagle2", "medusa"):
+            raise GumihoError(f"--method {self.method}: use gumiho, eagle2 or medusa")
+        positive = {"--batch-size": self.batch_size, "--grad-accum": self.grad_accum,
+                    "--epochs": self.epochs, "--num-conversations": self.num_conversations,
+                    "--max-len": self.max_len}
+        if self.max_steps is not None:
+            positive["--max-steps"] = self.max_steps
+        for flag, value in positive.items():
+            if value < 1:
+                raise GumihoError(f"{flag} must be at least 1 (got {value})")
+        if not 0 < self.ploss_fraction <= 1:
+            raise GumihoError("--ploss-fraction must be in (0, 1]")
+        if not (self.lr > 0 and self.warmup_steps >= 0 and self.grad_clip > 0
+                and self.noise >= 0 and self.draft_vocab >= 0):
+            raise GumihoError("--lr and --grad-clip must be positive; --warmup-steps, "
+                              "--noise and --draft-vocab at least 0")
+        if bool(self.data) == self.online:
+            raise GumihoError("give either --data DIR [DIR ...] or --online")

@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                                     engine=args.engine, total_tokens=args.total_tokens)
     target, drafter, tree = gen.target, gen.drafter, gen.drafter.tree
     if gen.auto_report:
-        best = gen.auto_report["widths"][tree.total_tokens]
-        print(f"(tree size {tree.total_tokens} chosen for {target.device}: expected "
+        best = max(gen.auto_report["shapes"].values(), key=lambda row: row["tokens_per_s"])
+        kind = f"a chain of depth {best['depth']}" if best["chain"] else \
+            f"{best['total_tokens']} tokens down to depth {best['depth']}"
+        print(f"(tree shape chosen for {target.device}: {kind}; expected "
               f"{best['accept']:.2f} tokens per cycle, {best['speedup']:.2f}x plain)")
     ids = gen.prompt_ids(args.prompt)
     config = GenerateConfig(max_new_tokens=args.max_new_tokens, engine=gen.engine)
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     run(target, PlainDrafter(), ids, GenerateConfig(max_new_tokens=8, engine=gen.engine))
     plain = run(target, PlainDrafter(), ids, config)
     same = "identical" if plain.token_ids == fast.token_ids else "DIFFERENT (a bug!)"
-    print(f"\n{args.method} ({tree.total_tokens}-token tree, fta {tree.fta}) on "
+    print(f"\n{args.method} ({tree.total_tokens}-token tree of depth {tree.depth}, fta "
+          f"{tree.fta}) on "
           f"{target.device}: {fast.new_tokens} tokens, tau {fast.tau:.2f}, "
           f"{fast.tokens_per_s:.1f} tokens/s")
     print(f"plain decoding: {plain.tokens_per_s:.1f} tokens/s -> speedup "

@@ -3,10 +3,11 @@
 The loop (generate.py) talks to a drafter through three calls:
 
 * `begin(target, capacity)`: a new sequence starts.
-* `observe(features, next_tokens)`: the target committed tokens. features (n, H) are the
-  target's post-norm last hidden states `f_t` at the committed positions and next_tokens (n,)
-  the token that follows each (`x_{t+1}`); the last next token is the new root, which the
-  target has not yet seen.
+* `observe(features, next_tokens, tokens)`: the target committed tokens. features (n, H)
+  are the target's post-norm last hidden states `f_t` at the committed positions and
+  next_tokens (n,) the token that follows each (`x_{t+1}`); the last next token is the new
+  root, which the target has not yet seen. `tokens` is next_tokens as a host list (the loop
+  has it without a sync; None from other callers).
 * `propose() -> DraftTree`: a tree rooted at the newest root token.
 """
 
@@ -24,7 +25,7 @@ from gumiho.errors import GumihoError
 from gumiho.fta import exact_fta_tree, splice_official
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
-from gumiho.modeling import build_draft_model
+from gumiho.modeling import DraftHead, build_draft_model, set_draft_vocabulary
 from gumiho.profiling import PhaseTimer
 from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
 
@@ -32,10 +33,12 @@ from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
 class Drafter(Protocol):
     name: str
     max_nodes: int  # the largest tree `propose` returns, root included
+    draft_depth: int  # the deepest node such a tree can have
 
     def begin(self, target, capacity: int) -> None: ...
 
-    def observe(self, features: Tensor, next_tokens: Tensor) -> None: ...
+    def observe(self, features: Tensor, next_tokens: Tensor,
+                tokens: list[int] | None = None) -> None: ...
 
     def propose(self) -> DraftTree: ...
 
@@ -45,12 +48,14 @@ class PlainDrafter:
 
     name = "ar"
     max_nodes = 1
+    draft_depth = 0
 
     def begin(self, target, capacity: int) -> None:
         self.root: Tensor | None = None
         self._single = None
 
-    def observe(self, features: Tensor, next_tokens: Tensor) -> None:
+    def observe(self, features: Tensor, next_tokens: Tensor,
+                tokens: list[int] | None = None) -> None:
         self.root = next_tokens[-1:]
 
     def propose(self) -> DraftTree:
@@ -74,17 +79,30 @@ class SerialDrafter:
         self.method = model.config.method
         self.name = self.method
         self.max_nodes = tree.total_tokens
-        self.serial_depth = 2 if self.method == "gumiho" else tree.depth
-        heads = model.config.num_mlp_heads if self.method == "gumiho" else 0
-        self.draft_depth = self.serial_depth + heads  # deepest node a tree can have
+        gumiho = self.method == "gumiho"
+        if gumiho and tree.depth < 2:
+            raise GumihoError("--depth for gumiho counts the 2 serial levels: give 2 to "
+                              f"{2 + model.config.num_mlp_heads}")
+        self.serial_depth = 2 if gumiho else tree.depth
+        self.heads = min(model.config.num_mlp_heads, tree.depth - 2) if gumiho else 0
+        self.draft_depth = self.serial_depth + self.heads  # deepest node a tree can have
+        # A node ranked W - 1 or lower within its level is outranked by W - 1 nodes, so it
+        # can never be among the W - 1 the tree keeps: no level needs more candidates, and
+        # the MLP heads need only the W - 2 best level-2 nodes (each is outranked at least
+        # by its own parent). These caps change nothing in the tree, only its cost.
+        budget = tree.total_tokens - 1
+        self.beam = min(tree.top_k, budget)
+        self.mlp_rows = min(self.beam, budget - 1)
+        self.mlp_topk, self.pruning = min(tree.mlp_topk, budget), min(tree.pruning, budget)
         self.cache: KVCache | None = None
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)  # the loop's, to profile
 
     def begin(self, target, capacity: int) -> None:
-        self.lm_head = target.lm_head
+        if getattr(self, "head_target", None) is not target:  # once per target
+            self.head, self.head_target = DraftHead.for_model(target, self.model), target
         self.pending: list[tuple[Tensor, Tensor]] = []
         self.cache, new = reuse_or_allocate(
-            self.cache, capacity + (self.serial_depth - 1) * self.tree.top_k,
+            self.cache, capacity + (self.serial_depth - 1) * self.beam,
             self.engine != "eager", lambda n: KVCache(self.model.config.llama_config(), n,
                                                       target.device, target.dtype))
         if not new:
@@ -94,32 +112,37 @@ class SerialDrafter:
         self._serial_step = StaticStep(self._serial_fn(last_only=False), self.engine)
         self._prompt_step = self._serial_fn(last_only=True)
         self._heads_step = StaticStep(self._heads_fn, self.engine)
+        # Building the tree from the pool: static shapes too, so one recorded step.
+        self._tree_step = StaticStep(self._tree_fn, self.engine)
 
     def _serial_fn(self, last_only: bool):
         """The serial layers on one step's tokens, then the top_k of the outputs' logits."""
-        cache, k = self.cache, self.tree.top_k
+        cache, k = self.cache, self.beam
 
+        @torch.no_grad()  # an inference cache: never differentiated through
         def serial(tokens, features, positions, mask, write_at):
             cache.seek(write_at)
             out = self.model.serial_step(tokens, features, positions, mask, cache.hf)[0]
             if last_only:
                 out = out[-1:]
             top = self._logprobs(out).topk(k)
-            return out, top.values, top.indices
+            return out, top.values, self.head.to_target(top.indices)
 
         return serial
 
     def _heads_fn(self, d1, out1, d2, out2):
-        """All MLP heads for every level-2 node, and their top mlp_topk candidates."""
-        hidden = self.model.parallel_heads(d1, out1, d2, out2)  # (k, N, H)
-        top = self._logprobs(hidden).topk(self.tree.mlp_topk)  # (k, N, m)
-        return top.values, top.indices
+        """The MLP heads in use for R level-2 nodes, and their top mlp_topk candidates."""
+        hidden = self.model.parallel_heads(d1, out1, d2, out2, self.heads)  # (R, N, H)
+        top = self._logprobs(hidden).topk(self.mlp_topk)  # (R, N, m)
+        return top.values, self.head.to_target(top.indices)
 
-    def observe(self, features: Tensor, next_tokens: Tensor) -> None:
+    def observe(self, features: Tensor, next_tokens: Tensor,
+                tokens: list[int] | None = None) -> None:
         self.pending.append((features, next_tokens))
 
     def _logprobs(self, hidden: Tensor) -> Tensor:
-        return torch.log_softmax(self.lm_head(hidden).float(), -1)
+        """Log-probs over the draft vocabulary (..., D)."""
+        return torch.log_softmax(self.head(hidden).float(), -1)
 
     def _catch_up(self) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Run the pending pairs (committing them); returns out1 (H,) of the newest and
@@ -161,58 +184,90 @@ class SerialDrafter:
 
     @torch.no_grad()  # not inference_mode: compiled steps reject inference tensors
     def propose(self) -> DraftTree:
+        """Serial levels as a beam of k = `beam` nodes, then (Gumiho) the MLP levels.
+
+        The candidate pool is built level by level; within a level, node j of the level
+        is pool node `first + j`. Per serial level the tensors line up by beam row:
+        `level` (the pool level, k nodes in score order), `outs` (k, H) the serial output
+        each node was drawn from (its parent's), and `seen` (k, R) which of the R draft
+        entries already in the drafter's cache (earlier levels, k per level) each node may
+        attend to: exactly its ancestors. `row` (k,) maps each kept child to its parent's
+        beam row, which is how outputs and visibility follow the beam.
+        """
         if self.pending:  # else: propose again from the same state
             self.root = self.pending[-1][1][-1]
-            with self.timer("draft_serial"):
+            with self.timer("draft_catchup"):
                 self.out1, self.top1 = self._catch_up()
         root, out1 = self.root, self.out1
-        k = self.tree.top_k
+        k = self.beam
         values, indices = self.top1
         level = Pool(tokens=indices, parents=torch.full_like(indices, -1),
                      scores=values, depths=torch.ones_like(indices))
-        levels, outs = [level], out1.expand(k, -1)
+        levels, outs = [level], out1.expand(k, -1)  # level 1 was drawn from out1
         seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)
         first = 0  # pool index of the current level's node 0
         for depth in range(2, self.serial_depth + 1):
             parent_tokens, parent_outs = level.tokens, outs
-            with self.timer("draft_serial"):
+            with self.timer("draft_serial"):  # the level's own outputs (k, H), top-k each
                 new_outs, top_values, top_indices = self._serial_level(level.tokens, outs, seen)
             level, row = expand_level(level.scores, top_indices, top_values, k, first, depth)
             first += levels[-1].tokens.shape[0]
             levels.append(level)
-            outs = new_outs[row]
+            outs = new_outs[row]  # children are drawn from their parent's output
             eye = torch.eye(seen.shape[0], dtype=torch.bool, device=seen.device)
-            seen = torch.cat([seen, eye], 1)[row]
-        if self.method != "gumiho":
-            return select_tree(root, Pool.concat(levels), self.tree.total_tokens - 1,
-                               self.draft_depth)[0]
-        return self._mlp_levels(root, levels, first, parent_tokens[row], parent_outs[row],
-                                level.tokens, outs)
+            seen = torch.cat([seen, eye], 1)[row]  # the parent's view plus the parent
+        serial = Pool.concat(levels)
+        heads = (torch.zeros(0, device=root.device),) * 2
+        if self.method == "gumiho" and self.heads:
+            # MLP inputs per level-2 node: its own level-1 parent's token and output (d1,
+            # out1, by `row`; the released code paired rows with the wrong parent), its token
+            # and its own serial output (d2, out2). Level-2 nodes are in score order.
+            rows = self.mlp_rows
+            with self.timer("draft_heads"):  # (R, heads, m)
+                heads = self._heads_step(parent_tokens[row][:rows], parent_outs[row][:rows],
+                                         level.tokens[:rows], outs[:rows])
+        if self.tree.fta == "off":
+            fields = self._tree_step(root.view(1), serial.tokens, serial.parents, serial.scores,
+                                     serial.depths, *heads)
+            return DraftTree(*fields[:4], priority=fields[4])
+        pool, branches = self._mlp_pool(serial, *heads)
+        budget = self.tree.total_tokens - 1
+        if self.tree.fta == "exact":
+            return exact_fta_tree(root, pool, budget, branches, heads[1][:, :, 0],
+                                  first_mlp_depth=3)
+        return splice_official(select_tree(root, pool, budget, self.draft_depth)[0])
 
-    def _mlp_levels(self, root, levels, first, d1, out1, d2, out2) -> DraftTree:
-        """All MLP heads for every level-2 node at once, then one pruned level per head.
-        Each input row pairs a level-2 node with its own level-1 parent."""
-        tree = self.tree
-        with self.timer("draft_heads"):
-            top_values, top_indices = self._heads_step(d1, out1, d2, out2)  # (k, N, m)
-        branch_of_level = torch.arange(d2.shape[0], device=d2.device)
-        branches = [torch.full_like(lv.tokens, -1) for lv in levels[:-1]] + [branch_of_level]
-        level = levels[-1]
-        for head in range(top_values.shape[1]):
-            level, row = expand_level(level.scores, top_indices[branch_of_level, head],
-                                      top_values[branch_of_level, head], tree.pruning,
-                                      first, head + 3)
-            first += levels[-1].tokens.shape[0]
-            branch_of_level = branch_of_level[row]
+    def _mlp_pool(self, serial: Pool, top_values: Tensor, top_indices: Tensor
+                  ) -> tuple[Pool, Tensor]:
+        """The serial pool extended by one pruned level per MLP head, and each pool node's
+        branch: the level-2 row (0..R-1) whose heads drew it (-1 above the MLP levels and
+        for level-2 nodes without heads); head h's candidates for a node come from its
+        branch's row. top_values, top_indices (R, heads, m) from the heads step."""
+        if top_values.numel() == 0:
+            return serial, torch.full_like(serial.tokens, -1)
+        k, rows = self.beam, self.mlp_rows
+        first = serial.tokens.shape[0] - k  # pool index of level 2's node 0
+        branch = torch.arange(rows, device=serial.tokens.device)
+        row_of = torch.arange(serial.tokens.shape[0], device=branch.device) - first
+        levels = [serial]
+        branches = [torch.where((row_of >= 0) & (row_of < rows), row_of, -1)]
+        scores = serial.scores[first : first + rows]
+        for head in range(self.heads):
+            level, row = expand_level(scores, top_indices[branch, head],
+                                      top_values[branch, head], self.pruning, first, head + 3)
+            first += levels[-1].tokens.shape[0] if head else k
+            branch, scores = branch[row], level.scores
             levels.append(level)
-            branches.append(branch_of_level)
-        pool = Pool.concat(levels)
-        budget = tree.total_tokens - 1
-        if tree.fta == "exact":
-            return exact_fta_tree(root, pool, budget, torch.cat(branches),
-                                  top_indices[:, :, 0], first_mlp_depth=3)
-        drafted = select_tree(root, pool, budget, self.draft_depth)[0]
-        return splice_official(drafted) if tree.fta == "official" else drafted
+            branches.append(branch)
+        return Pool.concat(levels), torch.cat(branches)
+
+    def _tree_fn(self, root, tokens, parents, scores, depths, top_values, top_indices):
+        """The tree from the serial pool and the heads' candidates: the MLP levels, then the
+        best W - 1 nodes. Tensors only (a recorded step): DraftTree fields and priority."""
+        pool, _ = self._mlp_pool(Pool(tokens, parents, scores, depths), top_values,
+                                 top_indices)
+        tree, _ = select_tree(root[0], pool, self.tree.total_tokens - 1, self.draft_depth)
+        return tree.tokens, tree.parents, tree.depths, tree.mask, tree.priority
 
 
 class MedusaDrafter:
@@ -225,7 +280,7 @@ class MedusaDrafter:
                  engine: str = "eager"):
         self.model, self.tree = model, tree
         n_heads = model.w.shape[0]
-        depth = min(tree.depth, n_heads)
+        depth = self.draft_depth = min(tree.depth, n_heads)
         acc = head_accuracy or [0.6, 0.4, 0.3, 0.25, 0.2][:depth]
         parents, _, self.ranks = static_tree(tree.total_tokens - 1, depth, acc)
         # static_tree lists nodes best first, so a smaller budget keeps a prefix
@@ -237,19 +292,22 @@ class MedusaDrafter:
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)
 
     def begin(self, target, capacity: int) -> None:
-        self.lm_head = target.lm_head
+        if getattr(self, "head_target", None) is not target:  # once per target
+            self.head, self.head_target = DraftHead.for_model(target, self.model), target
         device = target.device
         self.shape = DraftTree(*(getattr(self.shape, f).to(device) for f in
                                  ("tokens", "parents", "depths", "mask")),
                                priority=self.shape.priority.to(device))
         self.ranks = self.ranks.to(device)
 
-    def observe(self, features: Tensor, next_tokens: Tensor) -> None:
+    def observe(self, features: Tensor, next_tokens: Tensor,
+                tokens: list[int] | None = None) -> None:
         self.feature, self.root = features[-1], next_tokens[-1:]
 
     def _heads_fn(self, feature: Tensor) -> tuple[Tensor]:
         hidden = self.model(feature.to(self.model.w.dtype))  # (N, H)
-        return (self.model.logits(hidden, self.lm_head).topk(self.max_rank).indices,)  # (N, r)
+        ranked = self.model.logits(hidden, self.head).topk(self.max_rank).indices  # (N, r)
+        return (self.head.to_target(ranked),)
 
     @torch.no_grad()  # not inference_mode: compiled steps reject inference tensors
     def propose(self) -> DraftTree:
@@ -261,13 +319,22 @@ class MedusaDrafter:
         return replace(self.shape, tokens=tokens)
 
 
-def random_drafter_model(method: str, target, seed: int = 0):
-    """A seeded random-init drafter of `method` for `target` (for checks and timing)."""
+def random_drafter_model(method: str, target, seed: int = 0,
+                         draft_ids: Tensor | None = None, **config_overrides):
+    """A seeded fresh drafter network of `method` for `target` (training starts here;
+    `--draft random` uses it for checks and timing), on the target's device and dtype.
+    draft_ids: the target ids of a reduced draft vocabulary (modeling/vocab.py)."""
     torch.manual_seed(seed)
-    config = DrafterConfig.for_target(target.config, method)
+    if draft_ids is not None:
+        config_overrides["draft_vocab_size"] = draft_ids.shape[0]
+    config = DrafterConfig.for_target(target.config, method, **config_overrides)
     model = build_draft_model(config)
+    if draft_ids is not None:
+        set_draft_vocabulary(model, draft_ids)
     if hasattr(model, "embed_tokens"):
-        model.embed_tokens.weight.data.copy_(target.embed_tokens.weight)
+        model.embed_tokens.weight.data.copy_(target.input_embeddings())  # any scale included
+    if config.method == "medusa":
+        model.init_lm_heads(DraftHead.for_model(target, model))
     return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
 
@@ -275,19 +342,25 @@ def load_drafter(method: str, target, draft: str | None = None,
                  tree: TreeConfig | None = None, seed: int = 0,
                  engine: str | None = None) -> Drafter:
     """The drafter for `method` on `target`: a checkpoint dir, or `random` weights.
-    engine: how its steps run (graphs.py); None picks by the target's device."""
-    if method == "ar":
-        if draft is not None:
-            raise GumihoError("--method ar takes no --draft: plain decoding has no drafter")
-        return PlainDrafter()
+    engine: how its steps run (graphs.py); None picks by the target's device.
+    A tree with `lookup` > 0 adds a prompt-lookup chain (lookup.py); `lookup` is plain
+    decoding with one."""
+    from gumiho.lookup import LookupDrafter
+
     if method not in METHODS:
         raise GumihoError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
-    if draft is None:
-        raise GumihoError(f"--method {method} needs --draft DIR (a trained drafter) or random")
-    model = random_drafter_model(method, target, seed) if draft == "random" else \
-        load_drafter_model(draft, target, method)
     tree = tree or TreeConfig.for_method(method)
-    engine = resolve_engine(engine, target.device)
-    if method == "medusa":
-        return MedusaDrafter(model, tree, engine=engine)
-    return SerialDrafter(model, tree, engine=engine)
+    if method in ("ar", "lookup"):
+        if draft is not None:
+            raise GumihoError(f"--method {method} takes no --draft: it has no drafter network")
+        drafter: Drafter = PlainDrafter()
+    else:
+        if draft is None:
+            raise GumihoError(f"--method {method} needs --draft DIR (a trained drafter) or "
+                              "random")
+        model = random_drafter_model(method, target, seed) if draft == "random" else \
+            load_drafter_model(draft, target, method)
+        engine = resolve_engine(engine, target.device)
+        drafter = MedusaDrafter(model, tree, engine=engine) if method == "medusa" else \
+            SerialDrafter(model, tree, engine=engine)
+    return LookupDrafter(drafter, tree.lookup) if tree.lookup else drafter

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +25,7 @@ from gumiho.errors import GumihoError, check_positive_int
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.profiling import PhaseTimer
-from gumiho.sampling import accept, sample_tokens
+from gumiho.sampling import Acceptance, accept, match_picks, sample_tokens
 from gumiho.target import Target
 from gumiho.tree import DraftTree
 
@@ -103,7 +103,8 @@ def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, 
     cache.begin_step(p)
     causal = torch.ones(p, p, dtype=torch.bool, device=input_ids.device).tril()
     positions = torch.arange(p, device=input_ids.device)[None]
-    features, logits = target.forward(input_ids, positions, cache.hf, cache.attention_mask(causal))
+    features, logits = target.forward(input_ids, positions, cache.hf,
+                                      cache.attention_mask(causal, positions[0]))
     cache.commit(p)
     return features, logits
 
@@ -128,12 +129,11 @@ def verify_tree(target: Target, cache: KVCache, tree: DraftTree, width: int | No
         mask[:k, :k] = tree.mask
     cache.begin_step(tokens.shape[0])
     positions = (cache.length + depths)[None]
+    masks = cache.attention_mask(mask, positions[0])  # one per kind of layer (kv_cache.py)
     if step is None:
-        features, logits = target.forward(tokens[None], positions, cache.hf,
-                                          cache.attention_mask(mask))
+        features, logits = target.forward(tokens[None], positions, cache.hf, masks)
     else:
-        features, logits = step(tokens[None], positions, cache.attention_mask(mask),
-                                cache.write_position())
+        features, logits = step(tokens[None], positions, masks, cache.write_position())
     return features[:k], logits[:k]
 
 
@@ -149,6 +149,8 @@ class TargetRunner:
         self.target, self.engine = target, engine
         self.cache: KVCache | None = None
         self.step: StaticStep | None = None
+        # acceptance's device part (tensors only), recorded per tree size like any step
+        self.accept_step = StaticStep(match_picks, engine)
 
     def cache_for(self, capacity: int) -> KVCache:
         cache, new = reuse_or_allocate(self.cache, capacity, self.engine != "eager",
@@ -173,10 +175,17 @@ def target_runner(target: Target, engine: str) -> TargetRunner:
 
 
 def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features: Tensor,
-                    accepted: Tensor, bonus: Tensor) -> None:
-    """Keep the accepted path in the cache and tell the drafter (device ops only)."""
-    cache.compact(accepted)
-    drafter.observe(features[accepted], torch.cat([tree.tokens[accepted[1:]], bonus.view(1)]))
+                    result: Acceptance) -> None:
+    """Keep the accepted path in the cache and tell the drafter (device ops only; the
+    emitted tokens are already on the host). A path of nodes 0..n-1 (plain decoding, a
+    chain) already lies in place: no copy."""
+    nodes = result.nodes
+    if result.contiguous:
+        cache.commit(nodes.shape[0])
+    else:
+        cache.compact(nodes)
+    drafter.observe(features[nodes], torch.cat([tree.tokens[nodes[1:]], result.bonus.view(1)]),
+                    result.tokens)
 
 
 def context_length(target: Target) -> int | None:
@@ -210,10 +219,12 @@ def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> 
 
 
 def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
-                       config: GenerateConfig, timer: PhaseTimer | None = None
+                       config: GenerateConfig, timer: PhaseTimer | None = None,
+                       on_cycle: Callable[[DraftTree, list[int]], None] | None = None
                        ) -> Iterator[list[int]]:
     """Yield the tokens each cycle emits (host ints), the prefill's single token first.
-    Unbounded: the caller stops it (see `generate`)."""
+    Unbounded: the caller stops it (see `generate`). on_cycle(tree, emitted): called after
+    each verify cycle (calibration and analysis hooks)."""
     check_prompt(target, prompt_ids, config.max_new_tokens)
     timer = timer or PhaseTimer(target.device, enabled=False)
     generator = torch.Generator(device=target.device).manual_seed(config.seed)
@@ -230,22 +241,28 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         features, logits = prefill(target, cache, input_ids)
         root = sample_tokens(logits[-1], config.temperature, generator)
         drafter.begin(target, capacity)
-        drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]))
-    yield [int(root)]
+        first = int(root)  # the prefill's token, on the host
+        drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]),
+                        prompt_ids[1:] + [first])
+    yield [first]
     while True:
         with timer("draft"):
             tree = drafter.propose()
         with timer("verify"):
             features, logits = verify_tree(target, cache, tree, width, runner.step)
         with timer("accept_commit"):
-            accepted, bonus, new_tokens = accept(tree, logits, config.temperature, generator)
-            commit_accepted(cache, drafter, tree, features, accepted, bonus)
-        yield new_tokens
+            result = accept(tree, logits, config.temperature, generator, runner.accept_step)
+            commit_accepted(cache, drafter, tree, features, result)
+        if on_cycle is not None:
+            on_cycle(tree, result.tokens)
+        yield result.tokens
 
 
 def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
              config: GenerateConfig = GenerateConfig(),
-             result: GenerationResult | None = None) -> Iterator[list[int]]:
+             result: GenerationResult | None = None,
+             on_cycle: Callable[[DraftTree, list[int]], None] | None = None
+             ) -> Iterator[list[int]]:
     """Run the loop to a stop token or max_new_tokens.
 
     A generator: yields each cycle's new token ids (cut at the stop) and returns the
@@ -256,7 +273,7 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
     result = GenerationResult() if result is None else result
     timer = PhaseTimer(target.device, config.profile)
     start = last = time.perf_counter()
-    cycles = speculative_cycles(target, drafter, prompt_ids, config, timer)
+    cycles = speculative_cycles(target, drafter, prompt_ids, config, timer, on_cycle)
     try:
         for new in cycles:
             room = config.max_new_tokens - result.new_tokens
@@ -283,9 +300,10 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
 
 
 def run(target: Target, drafter: Drafter, prompt_ids: list[int],
-        config: GenerateConfig = GenerateConfig()) -> GenerationResult:
+        config: GenerateConfig = GenerateConfig(),
+        on_cycle: Callable[[DraftTree, list[int]], None] | None = None) -> GenerationResult:
     """`generate` without streaming: the finished GenerationResult."""
-    steps = generate(target, drafter, prompt_ids, config)
+    steps = generate(target, drafter, prompt_ids, config, on_cycle=on_cycle)
     while True:
         try:
             next(steps)

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from gumiho.budget import choose_total_tokens
+from gumiho.budget import choose_tree
 from gumiho.config import FTA_MODES, METHODS, TreeConfig, check_tree_options
 from gumiho.drafters import Drafter, load_drafter
 from gumiho.engine import GenerateConfig, GenerationResult, generate
@@ -60,8 +60,8 @@ class SpeculativeGenerator:
              chat_template: str | None = None, verify_width: int | None = None,
              engine: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
-        fta); unset ones take the method's reference defaults. total_tokens="auto" times
-        this device and the drafter and picks the fastest size (budget.py)."""
+        fta, lookup); unset ones take the method's reference defaults. total_tokens="auto"
+        times this device and the drafter and picks the fastest tree shape (budget.py)."""
         check_load_args(target, method, draft, tree_options)
         if verify_width is not None:
             check_positive_int("verify_width", verify_width)
@@ -70,16 +70,16 @@ class SpeculativeGenerator:
             tree_options = {**tree_options, "total_tokens": None}
         tree = TreeConfig.for_method(method, **tree_options)  # bad sizes fail before loading
         draft = None if draft is None else str(draft)
-        if auto and draft is None and method != "ar":
+        if auto and draft is None and method not in ("ar", "lookup"):
             raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
         loaded = load_target(str(target), device=device, dtype=dtype,
                              chat_template=chat_template)
         engine = resolve_engine(engine, loaded.device)
         tree.check_vocab(loaded.lm_head.weight.shape[0])
         report = None
-        if auto and method != "ar":
-            report = choose_total_tokens(loaded, method, draft, tree, engine)
-            tree = replace(tree, total_tokens=report["total_tokens"])
+        if auto and method not in ("ar", "lookup"):
+            report = choose_tree(loaded, method, draft, tree, engine)
+            tree = replace(tree, **report["tree"])
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
         gen = cls(loaded, drafter, verify_width, engine)
         gen.auto_report = report  # how `auto` chose the tree size, or None
@@ -196,7 +196,8 @@ def check_context_room(target: str, max_new_tokens: int) -> None:
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2",
-                        help="local Hugging Face model dir, or 'smollm2' (the embedded default)")
+                        help="local Hugging Face model dir, 'smollm2' (the embedded default) "
+                        "or 'gemma3-270m' (the second embedded target, a base model)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: auto)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 "
                         "(default: float32 on CPU, bfloat16 on GPU)")
@@ -212,15 +213,17 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("draft tree (defaults: the method's reference settings)")
     group.add_argument("--total-tokens", type=total_tokens_arg,
                        help="verified tokens incl. the root (gumiho 64, eagle2 60, medusa 64), "
-                       "or 'auto': time this device and the drafter and pick the fastest size "
-                       "up to the reference (cached)")
+                       "or 'auto': time this device and the drafter and pick the fastest tree "
+                       "shape (size, depth, or a chain) within the reference (cached)")
     group.add_argument("--top-k", type=positive_int, help="beam width at serial levels (gumiho 14, "
                        "eagle2 10)")
     group.add_argument("--mlp-topk", type=positive_int,
                        help="candidates per node at MLP levels (35)")
     group.add_argument("--pruning", type=positive_int, help="nodes kept per MLP level (35)")
-    group.add_argument("--depth", type=positive_int,
-                       help="eagle2 draft levels (6), medusa depth (4)")
+    group.add_argument("--depth", type=positive_int, help="draft depth: gumiho 2 serial levels + "
+                       "MLP levels (7), eagle2 serial levels (6), medusa tree depth (4)")
+    group.add_argument("--lookup", type=nonnegative_int, help="add a prompt-lookup chain of this "
+                       "many n-gram continuation tokens under the root (method lookup: 10)")
     group.add_argument("--fta", choices=FTA_MODES, help="Full Tree Attention (gumiho): off "
                        "(plain dynamic tree, default), exact (lossless path completion), or "
                        "official (the released splice: APPROXIMATE, not lossless)")
@@ -241,7 +244,7 @@ def total_tokens_arg(value: str) -> int | str:
 
 def tree_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("total_tokens", "top_k", "mlp_topk", "pruning",
-                                          "depth", "fta")}
+                                          "depth", "fta", "lookup")}
 
 
 def build_parser() -> argparse.ArgumentParser:

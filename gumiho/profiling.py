@@ -4,7 +4,9 @@ each side, which the fast path avoids."""
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -32,3 +34,22 @@ class PhaseTimer:
     def _sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of fn() over `repeats` calls, after `warmup` untimed calls, with a
+    device synchronisation around each timed call."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

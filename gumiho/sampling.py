@@ -19,10 +19,19 @@ Drawing every node's token up front keeps shapes static and costs one host sync 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from gumiho.tree import DraftTree
+
+
+class Acceptance(NamedTuple):
+    nodes: Tensor  # (n,) tree indices of the accepted path, root first
+    bonus: Tensor  # () the token the target emits after the last accepted node
+    tokens: list[int]  # the emitted tokens on the host: accepted drafts, then the bonus
+    contiguous: bool  # nodes are 0..n-1: their cache entries already lie in place
 
 
 def accept_greedy(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -30,11 +39,11 @@ def accept_greedy(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor]:
 
     logits: (K, V) target logits at the tree nodes.
     """
-    accepted, bonus, _ = accept_greedy_tokens(tree, logits)
-    return accepted, bonus
+    result = accept_greedy_tokens(tree, logits)
+    return result.nodes, result.bonus
 
 
-def accept_greedy_tokens(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+def accept_greedy_tokens(tree: DraftTree, logits: Tensor) -> Acceptance:
     """`accept_greedy`, plus the emitted tokens (accepted drafts, then the bonus) on the host."""
     picks = logits.argmax(-1)  # (K,)
     if tree.spliced_paths is not None:  # the official FTA: follow its spliced paths
@@ -42,42 +51,58 @@ def accept_greedy_tokens(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tenso
     return accept_matching(tree, picks)
 
 
-def accept_matching(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+def accept_matching(tree: DraftTree, picks: Tensor, step=None) -> Acceptance:
     """The accepted path for the target's pick at every node (K,), the bonus token and the
     emitted tokens on the host.
 
-    One host sync: a single transfer brings back the accept length and the tokens.
-    A node is reachable when it and all its ancestors match the pick at their parents; the
-    deepest reachable node (the first in node order on a tie, which only greedy decoding
-    can meet: equal token chains, so equal output) ends the accepted path.
+    One host sync: a single transfer brings back the accept length, the path's nodes and
+    the tokens. `step`: `match_picks` as a (recorded) engine step, if the loop has one.
     """
     k = tree.size
-    matched = (tree.tokens == picks[tree.parents.clamp(min=0)]) & first_of_siblings(tree)
+    dead = tree.dead if tree.dead is not None else torch.zeros_like(tree.tokens, dtype=torch.bool)
+    packed, order, bonus = (step or match_picks)(tree.tokens, tree.parents, tree.depths,
+                                                 tree.mask, dead, picks)
+    host = packed.tolist()  # the host sync of the cycle: length, tokens, nodes
+    n = host[0]
+    nodes = host[k + 1 : k + 1 + n]
+    return Acceptance(order[: n + 1], bonus[0], host[1 : n + 1] + host[k : k + 1],
+                      nodes == list(range(1, n + 1)))
+
+
+def match_picks(tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor, dead: Tensor,
+                picks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The device part of `accept_matching` (tensors only: it can be recorded).
+
+    A node is reachable when it and all its ancestors match the pick at their parents; the
+    deepest reachable node (the first in node order on a tie, which only greedy decoding
+    can meet: equal token chains, so equal output) ends the accepted path. Returns packed
+    (2K,) = [accept length, the path's K - 1 tokens (padded), bonus, its K - 1 nodes], the
+    path's nodes ordered by depth (K + 1,) (valid up to the accept length) and the bonus (1,).
+    """
+    k = tokens.shape[0]
+    matched = (tokens == picks[parents.clamp(min=0)]) & first_of_siblings(tokens, parents) & \
+        ~dead
     matched[0] = True  # the root is already the target's
-    reachable = ~(tree.mask & ~matched[None, :]).any(1)
-    reach = torch.where(reachable, tree.depths, -1)
+    reachable = ~(mask & ~matched[None, :]).any(1)
+    reach = torch.where(reachable, depths, -1)
     best = reach.argmax().view(1)  # indexing with a 0-dim tensor would read it on the host
     # best's ancestors ordered by depth (slot k collects the non-ancestors, then is dropped)
     order = torch.zeros(k + 1, dtype=torch.long, device=picks.device)
-    order.scatter_(0, torch.where(tree.mask[best][0], tree.depths, k),
-                   torch.arange(k, device=picks.device))
-    bonus = picks[best][0]
-    packed = torch.cat([reach[best], tree.tokens[order[1:k]], bonus.view(1)])
-    host = packed.tolist()  # the host sync of the cycle: accept length and tokens
-    n = host[0]
-    return order[: n + 1], bonus, host[1 : n + 1] + host[-1:]
+    order.scatter_(0, torch.where(mask[best][0], depths, k), torch.arange(k, device=picks.device))
+    bonus = picks[best]
+    packed = torch.cat([reach[best], tokens[order[1:k]], bonus, order[1:k]])
+    return packed, order, bonus
 
 
-def first_of_siblings(tree: DraftTree) -> Tensor:
+def first_of_siblings(tokens: Tensor, parents: Tensor) -> Tensor:
     """(K,) bool: false for a node whose token an earlier sibling already carries."""
-    k = tree.size
-    same = (tree.parents[:, None] == tree.parents[None, :]) & \
-        (tree.tokens[:, None] == tree.tokens[None, :])  # (K, K)
-    earlier = torch.ones(k, k, dtype=torch.bool, device=tree.tokens.device).tril(-1)
+    k = tokens.shape[0]
+    same = (parents[:, None] == parents[None, :]) & (tokens[:, None] == tokens[None, :])
+    earlier = torch.ones(k, k, dtype=torch.bool, device=tokens.device).tril(-1)
     return ~(same & earlier).any(1)
 
 
-def _accept_along_paths(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+def _accept_along_paths(tree: DraftTree, picks: Tensor) -> Acceptance:
     paths = tree.paths  # (P, D + 1)
     safe = paths.clamp(min=0)
     match = (tree.tokens[safe[:, 1:]] == picks[safe[:, :-1]]) & (paths[:, 1:] >= 0)
@@ -86,7 +111,7 @@ def _accept_along_paths(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor,
     n = int(lengths[best])
     accepted = safe[best, : n + 1]
     bonus = picks[accepted[-1]]
-    return accepted, bonus, emitted_tokens(tree, accepted, bonus)
+    return Acceptance(accepted, bonus, emitted_tokens(tree, accepted, bonus), False)
 
 
 def emitted_tokens(tree: DraftTree, accepted: Tensor, bonus: Tensor) -> list[int]:
@@ -110,13 +135,14 @@ def accept_sampling(tree: DraftTree, logits: Tensor, temperature: float,
     SpecInfer), in the equivalent form of the module docstring: emits exactly softmax(
     logits / T) at every step. The official FTA splice is ignored here, as the released
     code's splice does nothing at T > 0."""
-    accepted, bonus, _ = accept_matching(tree, sample_tokens(logits, temperature, generator))
-    return accepted, bonus
+    result = accept_matching(tree, sample_tokens(logits, temperature, generator))
+    return result.nodes, result.bonus
 
 
 def accept(tree: DraftTree, logits: Tensor, temperature: float,
-           generator: torch.Generator) -> tuple[Tensor, Tensor, list[int]]:
-    """(accepted node indices, bonus token, the emitted tokens on the host)."""
-    if temperature == 0:
-        return accept_greedy_tokens(tree, logits)
-    return accept_matching(tree, sample_tokens(logits, temperature, generator))
+           generator: torch.Generator, step=None) -> Acceptance:
+    """The accepted path, bonus token and emitted tokens of a cycle. step: a recorded
+    `match_picks` (engine.TargetRunner), or None."""
+    if temperature == 0 and tree.spliced_paths is not None:  # the official FTA splice
+        return _accept_along_paths(tree, logits.argmax(-1))
+    return accept_matching(tree, sample_tokens(logits, temperature, generator), step)

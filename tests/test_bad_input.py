@@ -234,13 +234,14 @@ def test_interrupt_and_bugs_are_one_line(capsys):
 
 
 def test_gumiho_cache_that_is_a_file_fails_before_converting(tmp_path, monkeypatch):
-    from gumiho import target
+    from gumiho import embedded
 
     (tmp_path / "cache").write_text("not a folder")
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(target, "_convert_gguf", lambda *a: pytest.fail("converted first"))
-    with pytest.raises(GumihoError, match="is a file, not a directory"):
-        target.smollm2_dir()
+    monkeypatch.setattr(embedded, "convert_gguf", lambda *a, **k: pytest.fail("converted"))
+    for make in (embedded.smollm2_dir, embedded.gemma3_dir):
+        with pytest.raises(GumihoError, match="is a file, not a directory"):
+            make()
 
 
 def test_cuda_device_without_cuda():

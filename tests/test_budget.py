@@ -23,6 +23,7 @@ def hand_tree():
     return replace(tree, priority=torch.tensor([float("inf"), -1.0, -2.0, -3.0, -4.0, -5.0]))
 
 
+@pytest.mark.host
 def test_accept_by_size_keeps_the_path_prefix_inside_each_budget():
     tree = hand_tree()
     # accepted drafts 10, 11, 12: nodes 1, 3, 5 with ranks 0, 2, 4
@@ -31,10 +32,12 @@ def test_accept_by_size_keeps_the_path_prefix_inside_each_budget():
     assert budget.accept_by_size([tree], [[]], [6]) == {6: 1}
 
 
+@pytest.mark.host
 def test_select_tree_priority_ranks_a_smaller_budget_as_its_prefix():
     gen = torch.Generator().manual_seed(0)
-    scores = -torch.rand(30, generator=gen).cumsum(0)  # descending, so parents outrank
-    parents = torch.tensor([-1] * 5 + [int(torch.randint(i, (), generator=gen))
+    # descending, so parents outrank
+    scores = -torch.rand(30, generator=gen, device="cpu").cumsum(0)
+    parents = torch.tensor([-1] * 5 + [int(torch.randint(i, (), generator=gen, device="cpu"))
                                        for i in range(5, 30)])
     depths = torch.ones(30, dtype=torch.long)
     for i in range(5, 30):
@@ -69,17 +72,33 @@ def test_predicted_accept_matches_a_real_smaller_tree_on_the_first_cycle(smollm2
         assert real.accept_lengths[1] == predicted, width
 
 
-def test_auto_picks_a_measured_width(tiny_target_dir, tmp_path, monkeypatch):
+def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
     target = load_target(tiny_target_dir)
     tree = TreeConfig.for_method("gumiho", total_tokens=8, top_k=3, mlp_topk=3, pruning=3)
-    report = budget.choose_total_tokens(target, "gumiho", "random", tree, "eager",
-                                        max_new_tokens=8, widths=(4, 8))
-    assert report["total_tokens"] in (4, 8) and set(report["widths"]) == {4, 8}
-    best = max(report["widths"].values(), key=lambda row: row["tokens_per_s"])
-    assert report["widths"][report["total_tokens"]] == best
-    for row in report["widths"].values():
+    report = budget.choose_tree(target, "gumiho", "random", tree, "eager",
+                                max_new_tokens=8, widths=(4, 8))
+    shapes = report["shapes"]
+    assert {(r["total_tokens"], r["depth"], r["chain"]) for r in shapes.values()} == \
+        {(w, d, False) for w in (4, 8) for d in range(2, 8) if w - 1 >= d} | \
+        {(d + 1, d, True) for d in range(2, 8)}
+    best = max(shapes.values(), key=lambda row: row["tokens_per_s"])
+    chosen = budget.Shape(best["total_tokens"], best["depth"], best["chain"]).tree(tree)
+    assert report["tree"]["total_tokens"] == chosen.total_tokens
+    assert report["tree"]["depth"] == chosen.depth
+    for row in shapes.values():
         assert row["accept"] >= 1 and row["cycle_s"] > 0
+
+
+@pytest.mark.host
+def test_shape_subtrees_of_a_reference_tree():
+    tree = hand_tree()  # depths: 1 -> 1, 2 -> 1, 3 -> 2, 4 -> 2, 5 -> 3
+    assert budget.kept_nodes(tree, budget.Shape(3, 1)) == {0, 1, 2}
+    assert budget.kept_nodes(tree, budget.Shape(4, 2)) == {0, 1, 2, 3}
+    assert budget.kept_nodes(tree, budget.Shape(4, 3, chain=True)) == {0, 1, 3, 5}
+    shapes = [budget.Shape(6, 2), budget.Shape(4, 3, chain=True), budget.Shape(2, 1)]
+    accept = budget.accept_by_shape([tree], [[10, 11, 12]], shapes)
+    assert accept == {shapes[0]: 3, shapes[1]: 4, shapes[2]: 2}
 
 
 def test_auto_through_the_generator_needs_a_drafter(tiny_target_dir):

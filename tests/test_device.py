@@ -10,29 +10,30 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from gumiho.config import TreeConfig
 from gumiho.drafters import load_drafter
 from gumiho.engine import GenerateConfig, run
-from gumiho.hostsync import HostSyncCounter
+from gumiho.hostsync import HostSyncCounter, upload
 
-CASES = [("ar", "off"), ("gumiho", "off"), ("gumiho", "exact"), ("gumiho", "official"),
-         ("eagle2", "off"), ("medusa", "off")]
+CASES = [("ar", "off"), ("lookup", "off"), ("gumiho", "off"), ("gumiho", "exact"),
+         ("gumiho", "official"), ("eagle2", "off"), ("medusa", "off")]
 
 
 def small_tree(method, fta):
-    if method == "ar":
+    if method in ("ar", "lookup"):
         return None
     return TreeConfig.for_method(method, total_tokens=12, top_k=3, mlp_topk=3, pruning=3,
-                                 depth=4, fta=fta)
+                                 depth=4, fta=fta, lookup=4 if method == "gumiho" else 0)
 
 
 @pytest.mark.parametrize("method,fta", CASES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_no_tensor_is_made_off_the_target_device(tiny_target, method, fta, temperature):
-    drafter = load_drafter(method, tiny_target, None if method == "ar" else "random",
+    drafter = load_drafter(method, tiny_target, None if method in ("ar", "lookup") else "random",
                            tree=small_tree(method, fta))
     config = GenerateConfig(max_new_tokens=10, temperature=temperature)
     want = run(tiny_target, drafter, [3, 1, 4, 1, 5], config)
@@ -44,7 +45,7 @@ def test_no_tensor_is_made_off_the_target_device(tiny_target, method, fta, tempe
 @pytest.mark.parametrize("method,fta", [c for c in CASES if c[1] == "off"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_one_host_sync_per_cycle(smollm2, method, fta, temperature):
-    drafter = load_drafter(method, smollm2, None if method == "ar" else "random",
+    drafter = load_drafter(method, smollm2, None if method in ("ar", "lookup") else "random",
                            tree=small_tree(method, fta), engine="static")
     ids = smollm2.chat_ids("Name three colours.")
     config = GenerateConfig(max_new_tokens=16, temperature=temperature, engine="static")
@@ -56,6 +57,7 @@ def test_one_host_sync_per_cycle(smollm2, method, fta, temperature):
     assert per_cycle <= 1.0, syncs.sites.most_common(5)
 
 
+@pytest.mark.host
 def test_sync_counter_sees_what_cuda_would_sync_on():
     x = torch.zeros(6, dtype=torch.bool)
     idx = torch.arange(3)
@@ -73,9 +75,11 @@ def test_sync_counter_sees_what_cuda_would_sync_on():
         idx + 1
         x.scatter_(0, idx, True)
         idx[idx]
+        upload(np.arange(4), torch.device("cpu"))  # pinned, non-blocking on a GPU
     assert none.total == 0, none.sites
 
 
+@pytest.mark.host
 def test_code_version_outside_a_checkout(tmp_path):
     import shutil
 

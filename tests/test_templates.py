@@ -1,10 +1,10 @@
 """Loss masks cover exactly the assistant tokens, per template family (golden files).
 
-SmolLM2's tokenizer is the only real one offline: the Llama-3, Llama-2-chat and Vicuna
-cases give it those families' special tokens and templates (written from their published
-formats), so the masking logic meets each layout. (The Llama-3 stand-in's masks start with one
-"\n": SmolLM2's BPE merges the header's "\n\n" with the reply; Llama-3's own tokenizer
-has "\n\n" as a single token.)
+SmolLM2's tokenizer is the only real one offline: the Llama-3, Llama-2-chat, Vicuna and
+Gemma cases give it those families' special tokens and templates (written from their
+published formats), so the masking logic meets each layout. (The Llama-3 stand-in's masks
+start with one "\n": SmolLM2's BPE merges the header's "\n\n" with the reply; Llama-3's own
+tokenizer has "\n\n" as a single token.)
 """
 
 import copy
@@ -15,6 +15,9 @@ import pytest
 
 from gumiho.ge_data.conversations import normalise, salvage_json_array
 from gumiho.ge_data.templates import tokenize_conversation
+from gumiho.target import turn_end_token
+
+from families import GEMMA_TEMPLATE
 
 GOLDEN = Path(__file__).parent / "golden"
 CHAT = [{"role": "user", "content": "Hi! What is 2+2?"},
@@ -31,8 +34,10 @@ LLAMA2 = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ '<s>[INST] ' + 
           " }}{% endif %}{% endfor %}")
 FAMILIES = {"chatml": (None, []), "llama3": (LLAMA3, ["<|begin_of_text|>",
             "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
-            "llama2": (LLAMA2, ["<s>", "</s>"]), "vicuna": ("vicuna", ["<s>", "</s>"])}
-STOPS = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "llama2": "</s>", "vicuna": "</s>"}
+            "llama2": (LLAMA2, ["<s>", "</s>"]), "vicuna": ("vicuna", ["<s>", "</s>"]),
+            "gemma": (GEMMA_TEMPLATE, ["<bos>", "<start_of_turn>", "<end_of_turn>"])}
+STOPS = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "llama2": "</s>", "vicuna": "</s>",
+         "gemma": "<end_of_turn>"}
 
 
 def family_tokenizer(smollm2, family):
@@ -42,6 +47,8 @@ def family_tokenizer(smollm2, family):
         tok.add_special_tokens({"additional_special_tokens": specials})
     if family in ("llama2", "vicuna"):
         tok.bos_token, tok.eos_token = "<s>", "</s>"
+    if family == "gemma":
+        tok.bos_token = "<bos>"
     return tok, template
 
 
@@ -67,6 +74,15 @@ def test_loss_mask_matches_golden(smollm2, family):
     golden = GOLDEN / f"mask_{family}.json"
     want = json.loads(golden.read_text())
     assert got == want
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_turn_end_token_is_read_from_the_template(smollm2, family):
+    """The stop token that ends an assistant turn comes from rendering the template."""
+    from gumiho.ge_data.templates import TEMPLATES
+
+    tok, template = family_tokenizer(smollm2, family)
+    assert turn_end_token(tok, TEMPLATES.get(template, template)) == STOPS[family]
 
 
 def test_mask_is_cut_by_max_len(smollm2):

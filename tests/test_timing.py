@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from gumiho.evaluation import timing
 
@@ -14,11 +15,15 @@ def test_timing_tool_reports_every_phase(tiny_target_dir, capsys):
                         "--top-k", "3", "--mlp-topk", "3", "--pruning", "3"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(report["verify_s"]) == {"1", "4"} and report["engine"] == "eager"
+    from gumiho.graphs import default_engine
+
+    assert set(report["verify_s"]) == {"1", "4"}
+    assert report["engine"] == default_engine(torch.device(report["device"]))
     assert set(report["cycles"]) == {"gumiho", "eagle2", "medusa"}
     gumiho = report["cycles"]["gumiho"]
-    assert set(gumiho["per_cycle_s"]) == {"draft", "draft_serial", "draft_heads", "draft_tree",
-                                          "verify", "accept_commit"}
+    assert set(gumiho["per_cycle_s"]) == {"draft", "draft_catchup", "draft_serial",
+                                          "draft_heads", "draft_tree", "verify",
+                                          "accept_commit"}
     assert gumiho["identical_to_plain"] and gumiho["tree"]["total_tokens"] == 8
     assert gumiho["per_cycle_s"]["draft_serial"] > 0 and gumiho["per_cycle_s"]["draft_heads"] > 0
     assert "draft_heads" not in report["cycles"]["eagle2"]["per_cycle_s"] or \

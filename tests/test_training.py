@@ -1,15 +1,18 @@
 """Training: the loss goes down, resume reproduces an uninterrupted run, the teacher-forced
 pass matches inference, and a trained checkpoint decodes losslessly."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from gumiho.config import TreeConfig
+from gumiho.config import TrainConfig, TreeConfig
 from gumiho.drafters import PlainDrafter, SerialDrafter, load_drafter
 from gumiho.engine import GenerateConfig, prefill, run
 from gumiho.ge_data.shards import load_samples
 from gumiho.kv_cache import KVCache
+from gumiho.modeling import DraftHead
 from gumiho.target import load_target
 from gumiho.train.__main__ import batch_loss, main, new_model
 from gumiho.train.dataset import collate
@@ -24,14 +27,13 @@ def tiny(tiny_target_dir):
 def test_training_steps_lower_the_loss(tiny, tiny_data_dir, method):
     _, samples = load_samples(tiny_data_dir)
     batch = collate(samples[:4])
-    model = new_model(tiny, method, seed=0)
-    model.train()
+    model = new_model(tiny, TrainConfig(method=method, online=True), seed=0)
+    head = DraftHead.for_model(tiny, model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=3e-3)
     losses = []
-    for _ in range(8):
-        torch.manual_seed(0)  # same noise each step: a fixed batch
-        loss, _ = batch_loss(model, tiny, batch, method, epoch=3, noise=0.2)
+    for _ in range(8):  # a fixed batch (the noise seed is fixed too)
+        loss, _ = batch_loss(model, tiny, head, batch, method, epoch=3, noise=0.2)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -73,7 +75,7 @@ def test_trained_checkpoint_decodes_like_plain(tiny, tiny_target_dir, tiny_data_
 
 
 def test_teacher_forced_pass_matches_inference(tiny):
-    model = new_model(tiny, "gumiho", seed=1).eval()
+    model = new_model(tiny, TrainConfig(online=True), seed=1).eval()
     with torch.no_grad():  # non-trivial residual blocks
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
@@ -92,3 +94,98 @@ def test_teacher_forced_pass_matches_inference(tiny):
     out2 = drafter._serial_level(ids[0, p + 1 : p + 2], out1[None],
                                  torch.zeros(1, 0, dtype=torch.bool))[0][0]
     torch.testing.assert_close(out2, train_out["out2"][0, p - 1], atol=1e-5, rtol=1e-4)
+
+
+def test_reduced_vocabulary_training_decodes_like_plain(tiny, tiny_target_dir, tiny_data_dir,
+                                                         tmp_path):
+    args = train_args((tiny_target_dir, tiny_data_dir), tmp_path, "--draft-vocab", "300")
+    assert main(args) == 0
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert state["d2t"].shape == (300,) and int(state["t2d"].sum()) == 300
+    logged = [json.loads(line) for line in (tmp_path / "train_log.jsonl").open()]
+    assert all(0 <= row["acc_serial1"] <= 1 for row in logged)
+    prompt = tiny.chat_ids("Tell me about the sea.")
+    config = GenerateConfig(max_new_tokens=24)
+    drafter = load_drafter("gumiho", tiny, str(tmp_path), tree=TreeConfig(total_tokens=32))
+    assert run(tiny, drafter, prompt, config).token_ids == \
+        run(tiny, PlainDrafter(), prompt, config).token_ids
+
+
+def test_a_kill_inside_the_save_resumes_exactly(tiny_target_dir, tiny_data_dir, tmp_path,
+                                                 monkeypatch):
+    from pathlib import Path
+
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path / "whole")) == 0
+    assert main(train_args(data, tmp_path / "cut", "--stop-after-steps", "2")) == 0
+    # the next save dies between its two renames: state is gone, state.old remains
+    real_rename = Path.rename
+    calls = []
+
+    def dying_rename(self, target):
+        calls.append(self.name)
+        if self.name == "state.tmp":
+            raise KeyboardInterrupt
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", dying_rename)
+    with pytest.raises(KeyboardInterrupt):
+        main(train_args(data, tmp_path / "cut", "--stop-after-steps", "3"))
+    monkeypatch.undo()
+    assert not (tmp_path / "cut" / "state").exists() and calls == ["state", "state.tmp"]
+    assert main(train_args(data, tmp_path / "cut")) == 0  # resumes from state.old (step 2)
+    whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    cut = load_file(str(tmp_path / "cut" / "model.safetensors"))
+    for key in whole:
+        torch.testing.assert_close(cut[key], whole[key], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("change, named", [(["--lr", "0.5"], "lr"),
+                                           (["--method", "eagle2"], "method"),
+                                           (["--batch-size", "1"], "batch_size")])
+def test_resume_with_other_settings_is_refused(tiny_target_dir, tiny_data_dir, tmp_path,
+                                               capsys, change, named):
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path, "--stop-after-steps", "1")) == 0
+    before = (tmp_path / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    args = train_args(data, tmp_path)
+    flag = args.index(change[0]) if change[0] in args else None
+    if flag is not None:
+        args[flag : flag + 2] = change
+    else:
+        args += change
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and f"{named}=" in err[0]
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize("bad", [["--max-steps", "0"], ["--max-steps", "-1"],
+                                 ["--batch-size", "0"], ["--grad-accum", "0"],
+                                 ["--ploss-fraction", "0"], ["--stop-after-steps", "0"]])
+def test_bad_training_settings_are_one_line(tiny_target_dir, tiny_data_dir, tmp_path, capsys,
+                                            bad):
+    args = train_args((tiny_target_dir, tiny_data_dir), tmp_path)
+    if bad[0] in args:
+        i = args.index(bad[0])
+        args[i : i + 2] = bad
+    else:
+        args += bad
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and bad[0] in err[0]
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_eval_every_logs_curves_that_plot(tiny_target_dir, tiny_data_dir, tmp_path):
+    from gumiho.train import plot
+
+    args = train_args((tiny_target_dir, tiny_data_dir), tmp_path / "run", "--eval-data",
+                      tiny_data_dir, "--eval-every", "2")
+    assert main(args) == 0
+    rows = plot.eval_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [2, 4]
+    assert {"acc_serial1", "acc_serial2", "acc_mlp1"} <= set(rows[0]["eval"])
+    assert plot.main([str(tmp_path / "run"), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 1000

@@ -17,7 +17,7 @@ def random_pool(seed, levels=4, width=6, vocab=50):
     scores = torch.zeros(1)
     parts, first = [], -1
     for depth in range(1, levels + 1):
-        lp = torch.log_softmax(torch.randn(scores.shape[0], vocab, generator=g), -1)
+        lp = torch.log_softmax(torch.randn(scores.shape[0], vocab, generator=g, device="cpu"), -1)
         top = lp.topk(width)
         level, _ = expand_level(scores, top.indices, top.values, width, first, depth)
         if depth == 1:  # root's children: no parent in the pool
@@ -29,6 +29,7 @@ def random_pool(seed, levels=4, width=6, vocab=50):
     return Pool.concat(parts)
 
 
+@pytest.mark.host
 @pytest.mark.parametrize("budget", [1, 5, 13, 24])
 def test_select_tree_takes_best_scores_ancestor_closed(budget):
     pool = random_pool(0)
@@ -42,6 +43,7 @@ def test_select_tree_takes_best_scores_ancestor_closed(budget):
     assert (tree.tokens[1:] == pool.tokens[chosen]).all()
 
 
+@pytest.mark.host
 def test_static_tree_shape():
     parents, depths, ranks = static_tree(63, 4, [0.6, 0.4, 0.3, 0.25])
     tree = DraftTree.from_parents(torch.zeros(64, dtype=torch.long), parents)
@@ -82,9 +84,9 @@ def test_each_mlp_row_pairs_a_level2_node_with_its_own_parent(gumiho_random):
     seen = {}
     original = drafter.model.parallel_heads
 
-    def record(d1, out1, d2, out2):
+    def record(d1, out1, d2, out2, heads=None):
         seen.update(d1=d1, out1=out1, d2=d2, out2=out2)
-        return original(d1, out1, d2, out2)
+        return original(d1, out1, d2, out2, heads)
 
     drafter.model.parallel_heads = record
     drafter.propose()
@@ -95,7 +97,7 @@ def test_each_mlp_row_pairs_a_level2_node_with_its_own_parent(gumiho_random):
                                       torch.zeros(1, 0, dtype=torch.bool))[0][0]
         torch.testing.assert_close(seen["out2"][j], alone, atol=1e-5, rtol=0)
         # ... and d2[j] was drawn from that output's top-k
-        top = drafter._logprobs(alone).topk(drafter.tree.top_k).indices
+        top = drafter.head.to_target(drafter._logprobs(alone).topk(drafter.beam).indices)
         assert int(seen["d2"][j]) in top.tolist()
 
 
@@ -117,6 +119,7 @@ def hand_tree():
                                   torch.tensor([-1, 0, 1, 2, 0]))
 
 
+@pytest.mark.host
 def test_official_fta_accepts_tokens_verified_in_another_branch():
     tree = hand_tree()
     spliced = splice_official(tree)
@@ -132,10 +135,11 @@ def test_official_fta_accepts_tokens_verified_in_another_branch():
     assert plain.tolist() == [0, 4] and int(bonus) == 2  # lossless: 1 draft + bonus 2
 
 
+@pytest.mark.host
 def test_exact_fta_completes_mlp_leaves_within_budget():
     pool = random_pool(1, levels=7, width=5)
     branch = torch.where(pool.depths >= 2, torch.arange(pool.tokens.shape[0]) % 5, -1)
-    chains = torch.randint(50, (5, 5), generator=torch.Generator().manual_seed(0))
+    chains = torch.randint(50, (5, 5), generator=torch.Generator().manual_seed(0), device="cpu")
     root = torch.tensor([1])
     for budget in (6, 12, 20, 30):
         tree = exact_fta_tree(root, pool, budget, branch, chains, first_mlp_depth=3)
@@ -149,3 +153,60 @@ def test_exact_fta_completes_mlp_leaves_within_budget():
     leaf_branch = int(branch[chosen[-1]])
     assert tree.tokens[3:].tolist() == chains[leaf_branch].tolist()
     assert tree.paths.tolist() == [list(range(8))]
+
+
+def token_paths(tree):
+    """The set of root-to-node token paths of a tree (independent of node order)."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    paths = []
+    for node in range(1, len(tokens)):
+        path, n = [], node
+        while n > 0:
+            path.append(tokens[n])
+            n = parents[n]
+        paths.append(tuple(reversed(path)))
+    return set(paths)
+
+
+@pytest.mark.parametrize("size", [5, 8, 16])
+def test_capped_levels_build_the_uncapped_tree(smollm2, size):
+    """Per-level candidate caps at the budget (and MLP rows at W - 2) change nothing."""
+    from gumiho.config import TreeConfig
+    from gumiho.drafters import load_drafter
+
+    ids = smollm2.chat_ids("Write a haiku about the sea.")
+    trees = {}
+    for capped in (True, False):
+        drafter = load_drafter("gumiho", smollm2, "random",
+                               tree=TreeConfig.for_method("gumiho", total_tokens=size))
+        if not capped:
+            drafter.beam, drafter.mlp_rows = drafter.tree.top_k, drafter.tree.top_k
+            drafter.mlp_topk, drafter.pruning = drafter.tree.mlp_topk, drafter.tree.pruning
+        trees[capped] = propose_after_prompt(smollm2, drafter, ids)
+    assert trees[True].size == trees[False].size == size
+    assert token_paths(trees[True]) == token_paths(trees[False])
+
+
+def propose_after_prompt(target, drafter, ids):
+    from gumiho.engine import prefill
+    from gumiho.kv_cache import KVCache
+
+    cache = KVCache.for_model(target.model, 128)
+    prompt = torch.tensor([ids])
+    features, logits = prefill(target, cache, prompt)
+    drafter.begin(target, 128)
+    drafter.observe(features, torch.cat([prompt[0, 1:], logits[-1].argmax().view(1)]))
+    return drafter.propose()
+
+
+def test_gumiho_depth_uses_fewer_heads(smollm2):
+    from gumiho.config import TreeConfig
+    from gumiho.drafters import load_drafter
+
+    ids = smollm2.chat_ids("Write a haiku about the sea.")
+    for depth in (2, 4, 7):
+        drafter = load_drafter("gumiho", smollm2, "random",
+                               tree=TreeConfig.for_method("gumiho", depth=depth))
+        tree = propose_after_prompt(smollm2, drafter, ids)
+        assert drafter.heads == depth - 2 and drafter.draft_depth == depth
+        assert int(tree.depths.max()) <= depth

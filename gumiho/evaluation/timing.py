@@ -10,8 +10,9 @@ with a device synchronisation around each timed call:
 * a target step over K tree tokens on top of `--context` committed tokens (K = 1 is a plain
   decode step), through the chosen engine;
 * per method, a profiled generation (random-weight drafter unless `--draft`): per cycle
-  the serial draft steps, the MLP/Medusa heads, the rest of drafting (tree build), the
-  verify step and accept/commit; the cycle in plain steps, and the projected speedup
+  the drafter's catch-up on the accepted tokens, its serial draft levels, the MLP/Medusa
+  heads, the rest of drafting (tree build), the verify step and accept/commit; the cycle
+  in plain steps, and the projected speedup
   `tau * plain step / cycle` for `--tau` (default: the run's own tau when `--draft` is a
   trained drafter).
 
@@ -24,22 +25,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 
+from gumiho.budget import token_range, verify_step_seconds
 from gumiho.config import MAX_TREE_SETTING, TREE_FIELDS, TreeConfig
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import (
     GenerateConfig,
-    TargetRunner,
     context_length,
-    prefill,
     run,
-    verify_tree,
 )
 from gumiho.errors import (
     ArgumentParser,
@@ -50,8 +46,8 @@ from gumiho.errors import (
 )
 from gumiho.generate import add_target_args, add_tree_args, tree_options
 from gumiho.graphs import resolve_engine
+from gumiho.hostsync import LaunchCounter
 from gumiho.target import Target, choose_device_dtype, load_target, wrap_target
-from gumiho.tree import DraftTree
 
 # Stock Llama shapes for --shape (SmolLM2-135M's own config; Llama-3-8B's published one).
 SHAPES = {
@@ -64,24 +60,6 @@ SHAPES = {
 }
 PROMPT = "Explain in a few sentences why the sky is blue."
 DRAFT_METHODS = ("gumiho", "eagle2", "medusa")
-
-
-def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median seconds of fn() over `repeats` calls, after `warmup` untimed calls."""
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def shape_target(shape: str, device: str | None, dtype: str | None,
@@ -108,27 +86,6 @@ def shape_target(shape: str, device: str | None, dtype: str | None,
     return target
 
 
-def verify_step_seconds(target: Target, width: int, context: int, repeats: int,
-                        engine: str = "eager") -> float:
-    """One target step over a `width`-node tree (a balanced binary tree) on top of
-    `context` committed tokens, through `engine`'s (captured) step."""
-    device = target.device
-    runner = TargetRunner(target, engine)
-    cache = runner.cache_for(context + width + 1)
-    low, high = token_range(target)
-    prompt = torch.randint(low, high, (1, context), device=device)
-    prefill(target, cache, prompt)
-    parents = torch.cat([torch.tensor([-1]), torch.arange(width - 1) // 2]).to(device)
-    tree = DraftTree.from_parents(torch.randint(low, high, (width,), device=device), parents)
-    return timed(lambda: verify_tree(target, cache, tree, step=runner.step), device, repeats)
-
-
-def token_range(target: Target) -> tuple[int, int]:
-    """Ordinary token ids to time with: [100, 1000), inside the vocabulary."""
-    vocab = target.embed_tokens.weight.shape[0]
-    return (100, 1000) if vocab >= 1000 else (0, vocab)
-
-
 def prompt_ids(target: Target, context: int) -> list[int]:
     if target.tokenizer is not None:
         return target.chat_ids(PROMPT)
@@ -150,7 +107,7 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
     plain = run(target, PlainDrafter(), ids, config)
     cycles = max(fast.cycles - 1, 1)  # the prefill is not a cycle
     phases = {k: v / cycles for k, v in fast.phase_s.items() if k != "prefill"}
-    inner = phases.get("draft_serial", 0.0) + phases.get("draft_heads", 0.0)
+    inner = sum(phases.get(p, 0.0) for p in ("draft_catchup", "draft_serial", "draft_heads"))
     phases["draft_tree"] = max(phases.get("draft", 0.0) - inner, 0.0)
     cycle = phases["draft"] + phases["verify"] + phases["accept_commit"]
     plain_cycles = max(plain.cycles - 1, 1)
@@ -161,6 +118,8 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
             "cycle_over_plain_step": cycle / plain_step, "tau": fast.tau,
             "host_syncs_per_cycle": host_syncs_per_cycle(target, drafter, ids, engine,
                                                          max_new_tokens),
+            "launches_per_cycle": launches_per_cycle(target, drafter, ids, engine,
+                                                     max_new_tokens),
             "identical_to_plain": fast.token_ids == plain.token_ids}
 
 
@@ -182,6 +141,23 @@ def host_syncs_per_cycle(target: Target, drafter, ids: list[int], engine: str,
             torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     return syncs / max(result.cycles, 1)
+
+
+def launches_per_cycle(target: Target, drafter, ids: list[int], engine: str,
+                       max_new_tokens: int) -> dict[str, float]:
+    """Kernels launched outside recorded steps per verify cycle, by module (hostsync.py);
+    with the eager engine every step's kernels count too."""
+    counted = []
+
+    def start_counting(tree, emitted):  # from the end of the first verify cycle on
+        launches.active = True
+        counted.append(1)
+
+    with LaunchCounter(active=False) as launches:
+        run(target, drafter, ids, GenerateConfig(max_new_tokens=max_new_tokens, engine=engine),
+            on_cycle=start_counting)
+    cycles = max(len(counted) - 1, 1)  # the last on_cycle ends the counted region
+    return {module: n / cycles for module, n in launches.by_module.most_common()}
 
 
 def projected_speedup(tau: float, plain_step_s: float, cycle_s: float) -> float:
@@ -317,11 +293,14 @@ def print_report(report: dict) -> None:
     for method, cycle in report["cycles"].items():
         print(f"{method} cycle ({cycle['draft']} drafter, {cycle['tree']['total_tokens']} "
               "tokens), per cycle:")
-        for phase in ("draft_serial", "draft_heads", "draft_tree", "draft", "verify",
-                      "accept_commit"):
+        for phase in ("draft_catchup", "draft_serial", "draft_heads", "draft_tree", "draft",
+                      "verify", "accept_commit"):
             if phase in cycle["per_cycle_s"]:
                 label = {"draft": "draft (total)"}.get(phase, phase)
                 print(f"  {label:34s} {cycle['per_cycle_s'][phase] * 1e3:8.2f} ms")
+        launches = cycle["launches_per_cycle"]
+        detail = ", ".join(f"{m} {n:.0f}" for m, n in list(launches.items())[:5])
+        print(f"  {'kernel launches per cycle':34s} {sum(launches.values()):8.0f}  ({detail})")
         if cycle["host_syncs_per_cycle"] is not None:
             print(f"  {'host syncs per cycle':34s} {cycle['host_syncs_per_cycle']:8.2f}")
         proj = cycle["projected"]

@@ -34,9 +34,11 @@ def write_shard(outdir: Path, index: int, samples: list[dict]) -> None:
     os.replace(tmp, final)
 
 
-def read_shard(path: Path) -> list[dict]:
+def read_shard(path: Path, mmap: bool = False) -> list[dict]:
+    """A shard's samples; with mmap the tensors are read from disk as they are used (the
+    page cache, not the process, holds the features of a large data set)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - any decode failure means a broken shard
         raise GumihoError(f"cannot read shard {path} ({type(exc).__name__}): delete it and "
                           "rerun the same allocation command to regenerate it") from None
@@ -99,7 +101,7 @@ def missing_shards(outdir: Path, count: int) -> list[int]:
     return [i for i in range(count) if not shard_path(outdir, i).exists()]
 
 
-def load_samples(data_dir: str | Path) -> tuple[dict, list[dict]]:
+def load_samples(data_dir: str | Path, mmap: bool = False) -> tuple[dict, list[dict]]:
     """The manifest and every sample of a finished data dir."""
     outdir = Path(data_dir)
     manifest = read_manifest(outdir)
@@ -112,5 +114,5 @@ def load_samples(data_dir: str | Path) -> tuple[dict, list[dict]]:
                           "rerun the allocation command to finish them")
     samples = []
     for i in range(manifest["num_shards"]):
-        samples += read_shard(shard_path(outdir, i))
+        samples += read_shard(shard_path(outdir, i), mmap)
     return manifest, samples

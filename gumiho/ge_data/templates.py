@@ -45,10 +45,17 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int,
 
     Each assistant span is the difference between the conversation rendered up to that
     turn and the same with the generation prompt, cut after the first stop token in it.
+    The template's own end-of-turn token counts as a stop token too, so any layout's mask
+    ends where its turns end.
     """
+    from gumiho.target import turn_end_token
+
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise GumihoError("this tokenizer has no chat template: pass --template vicuna "
                           "(or a Jinja template string)")
+    end = turn_end_token(tokenizer, TEMPLATES.get(template, template))
+    if end is not None:
+        stop_token_ids = stop_token_ids | {tokenizer.convert_tokens_to_ids(end)}
     ids = render(tokenizer, messages, False, template)
     mask = torch.zeros(len(ids), dtype=torch.long)
     for i, message in enumerate(messages):

@@ -1,7 +1,9 @@
 """Drafter networks: the serial transformer head, Gumiho's parallel MLP heads, Medusa heads.
 
 Plain `nn.Module`s built from a `DrafterConfig`: no file I/O, no tokenizer, no dtype
-forcing. Logits always come from the target's frozen lm_head, passed in by the caller.
+forcing. Logits always come from the target's frozen lm_head, passed in by the caller as a
+`DraftHead` (modeling/vocab.py): the lm_head rows of the drafter's draft vocabulary, whose
+`d2t`/`t2d` buffers a drafter with a reduced vocabulary carries.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from gumiho.config import DrafterConfig
+from gumiho.modeling.vocab import add_vocab_buffers
 
 
 def _linear_init(weight: Tensor, bias: Tensor, fan_in: int) -> None:
@@ -39,12 +42,14 @@ class ParallelHeads(nn.Module):
         self.b_res = nn.Parameter(torch.zeros(num_heads, num_layers, hidden))
         _linear_init(self.w_in.data, self.b_in.data, 2 * hidden)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x (..., 2H) -> (..., N, H): every head's output for every input row."""
-        h = F.silu(torch.einsum("...i,noi->...no", x, self.w_in) + self.b_in)
+    def forward(self, x: Tensor, heads: int | None = None) -> Tensor:
+        """x (..., 2H) -> (..., N, H): every head's output for every input row (the first
+        `heads` heads only, if given: a shallower draft tree needs no more)."""
+        n = heads or self.w_in.shape[0]
+        h = F.silu(torch.einsum("...i,noi->...no", x, self.w_in[:n]) + self.b_in[:n])
         for r in range(self.w_res.shape[1]):
-            h = h + F.silu(torch.einsum("...ni,noi->...no", h, self.w_res[:, r])
-                           + self.b_res[:, r])
+            h = h + F.silu(torch.einsum("...ni,noi->...no", h, self.w_res[:n, r])
+                           + self.b_res[:n, r])
         return h
 
 
@@ -59,15 +64,17 @@ class MedusaHeads(nn.Module):
         self.config = config
         hidden, num_heads, num_layers = (config.hidden_size, config.num_mlp_heads,
                                          config.num_mlp_layers)
-        vocab, own_lm_head = config.vocab_size, config.medusa_own_lm_head
+        vocab = config.draft_vocab_size or config.vocab_size
         self.w = nn.Parameter(torch.zeros(num_heads, num_layers, hidden, hidden))
         self.b = nn.Parameter(torch.zeros(num_heads, num_layers, hidden))
-        self.lm_heads = nn.Parameter(torch.zeros(num_heads, vocab, hidden)) if own_lm_head \
-            else None
+        self.lm_heads = nn.Parameter(torch.zeros(num_heads, vocab, hidden)) \
+            if config.medusa_own_lm_head else None
+        add_vocab_buffers(self, config.vocab_size, config.draft_vocab_size)
 
-    def init_lm_heads(self, lm_head_weight: Tensor) -> None:
+    def init_lm_heads(self, head) -> None:
+        """Start each own projection from the target's (draft-vocabulary) lm_head rows."""
         if self.lm_heads is not None:
-            self.lm_heads.data.copy_(lm_head_weight.expand_as(self.lm_heads))
+            self.lm_heads.data.copy_(head.weight.expand_as(self.lm_heads))
 
     def forward(self, features: Tensor) -> Tensor:
         """features (..., H) -> (..., N, H)."""
@@ -76,9 +83,10 @@ class MedusaHeads(nn.Module):
             h = h + F.silu(torch.einsum("...ni,noi->...no", h, self.w[:, r]) + self.b[:, r])
         return h
 
-    def logits(self, hidden: Tensor, lm_head: nn.Module) -> Tensor:
+    def logits(self, hidden: Tensor, head) -> Tensor:
+        """hidden (..., N, H) -> (..., N, D) over the draft vocabulary (`head`: DraftHead)."""
         if self.lm_heads is None:
-            return lm_head(hidden)
+            return head(hidden)
         return torch.einsum("...nh,nvh->...nv", hidden, self.lm_heads)
 
 
@@ -104,6 +112,7 @@ class DraftModel(nn.Module):
         self.rotary = LlamaRotaryEmbedding(llama)
         self.mlp = ParallelHeads(h, config.num_mlp_heads, config.num_mlp_layers) \
             if config.method == "gumiho" and config.num_mlp_heads else None
+        add_vocab_buffers(self, config.vocab_size, config.draft_vocab_size)
 
     def fuse(self, tokens: Tensor, features: Tensor) -> Tensor:
         """fc(cat(embed(tokens), features)): tokens (...,), features (..., H) -> (..., H)."""
@@ -157,11 +166,12 @@ class DraftModel(nn.Module):
                                             input_ids[:, 3:], out2[:, :-1])
         return result
 
-    def parallel_heads(self, d1: Tensor, out1: Tensor, d2: Tensor, out2: Tensor) -> Tensor:
-        """All MLP heads at once. d1, d2 (...,) the serial levels' tokens; out1, out2
-        (..., H) the serial outputs they were drawn from. Returns (..., N, H): head i
-        approximates f_{t+3+i} (its logits give x_{t+4+i})."""
-        return self.mlp(torch.cat([self.fuse(d1, out1), self.fuse(d2, out2)], -1))
+    def parallel_heads(self, d1: Tensor, out1: Tensor, d2: Tensor, out2: Tensor,
+                       heads: int | None = None) -> Tensor:
+        """All MLP heads at once (or the first `heads`). d1, d2 (...,) the serial levels'
+        tokens; out1, out2 (..., H) the serial outputs they were drawn from. Returns
+        (..., N, H): head i approximates f_{t+3+i} (its logits give x_{t+4+i})."""
+        return self.mlp(torch.cat([self.fuse(d1, out1), self.fuse(d2, out2)], -1), heads)
 
 
 def build_draft_model(config: DrafterConfig) -> nn.Module:

@@ -1,31 +1,43 @@
-"""Train a drafter: `accelerate launch -m gumiho.train --target T --data DIR --method M ...`
+"""Train a drafter: `accelerate launch -m gumiho.train --data DIR --method M ...`
 (or `python -m gumiho.train` on one device; `bash scripts/train.sh` wraps it).
 
-Seeded; logs loss terms and top-1 accuracy per draft position; saves official-format
-checkpoints every epoch and at the end, and resumes from `OUT/state` after an interruption
-(rerun the same command).
+Seeded; logs loss terms, top-1 accuracy per draft position and tokens/s; saves official-
+format checkpoints every epoch and at the end. `OUT/state` is written atomically at each
+save (optimizer, scheduler, RNG, progress, the run's settings): rerunning the same command
+after an interruption resumes exactly where the last save left off, and a rerun with other
+settings is refused. Any number of processes gives the same run: the epoch's batches are
+fixed by the seed and each optimizer step covers the same global batches.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
 import sys
 import time
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from gumiho.checkpoint import save_drafter
-from gumiho.config import DrafterConfig
+from gumiho.config import TrainConfig
+from gumiho.drafters import random_drafter_model
 from gumiho.errors import GumihoError, cli_errors
-from gumiho.ge_data.shards import load_samples
-from gumiho.modeling import build_draft_model
+from gumiho.modeling import DraftHead, draft_vocabulary
 from gumiho.target import load_target
-from gumiho.train.dataset import add_noise, collate, online_samples
+from gumiho.train.dataset import (
+    add_noise,
+    collate,
+    epoch_batches,
+    online_samples,
+    stored_samples,
+    token_counts,
+)
 from gumiho.train.loss import medusa_loss, serial_loss
+from gumiho.train.state import RunState, load_run_state, save_run_state
 
 EXPORT_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -34,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gumiho.train", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", help="dir made by gumiho.ge_data.allocation")
+    source.add_argument("--data", nargs="+", help="dirs made by gumiho.ge_data.allocation")
     source.add_argument("--online", action="store_true",
                         help="compute the target's features on the fly (no stored data)")
     p.add_argument("--conversations", default="sharegpt", help="--online: source file")
@@ -47,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer steps of the schedule (default: from --epochs)")
     p.add_argument("--stop-after-steps", type=int, default=None,
                    help="stop early without changing the schedule (resume later)")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per device per step")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per process per "
+                   "micro-batch")
     p.add_argument("--grad-accum", type=int, default=8,
                    help="global batch = batch-size x grad-accum x processes (reference: 32)")
     p.add_argument("--lr", type=float, default=2e-4)
@@ -57,13 +70,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ploss-fraction", type=float, default=1.0,
                    help="score ploss (Medusa: its cross-entropy) on this random fraction "
                    "of positions (1.0 = the reference; lower it to fit a CPU budget)")
-    p.add_argument("--eval-data", default=None, help="held-out data dir: per-position "
-                   "accuracy at the end (and each epoch with --eval-each-epoch)")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="reduced draft vocabulary: the N most frequent assistant tokens of "
+                   "the training data (0 = the target's whole vocabulary)")
+    p.add_argument("--eval-data", nargs="+", default=None, help="held-out data dirs: "
+                   "per-position accuracy at the end (and each epoch with --eval-each-epoch)")
     p.add_argument("--eval-each-epoch", action="store_true")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="also evaluate every N optimizer steps (logged to train_log.jsonl; "
+                   "plot with python -m gumiho.train.plot)")
     p.add_argument("--export-dtype", default="float16", choices=list(EXPORT_DTYPE))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the settings, data dirs and output dir, then exit")
     return p
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    values["data"] = tuple(str(Path(d).resolve()) for d in args.data or ())
+    return TrainConfig(**values)
 
 
 def schedule(step: int, warmup: int, total: int) -> float:
@@ -73,164 +100,234 @@ def schedule(step: int, warmup: int, total: int) -> float:
     return max(0.0, (total - step) / max(1, total - warmup))
 
 
-def new_model(target, method: str, seed: int):
-    torch.manual_seed(seed)
-    model = build_draft_model(DrafterConfig.for_target(target.config, method))
+def new_model(target, config: TrainConfig, samples: list[dict] | None = None,
+              seed: int | None = None):
+    """A fresh trainable drafter (fp32 master weights); a reduced draft vocabulary is
+    chosen from the samples' assistant-token counts (stop tokens always included)."""
+    draft_ids = None
+    vocab = target.lm_head.weight.shape[0]
+    if config.draft_vocab and config.draft_vocab < vocab:
+        if not samples:
+            raise GumihoError("--draft-vocab needs training samples to count tokens in")
+        draft_ids = draft_vocabulary(token_counts(samples, vocab), config.draft_vocab,
+                                     sorted(t for t in target.stop_token_ids if t < vocab))
+    model = random_drafter_model(config.method, target, config.seed if seed is None else seed,
+                                 draft_ids).float().train().requires_grad_(True)
     if hasattr(model, "embed_tokens"):
-        model.embed_tokens.weight.data.copy_(target.embed_tokens.weight.float())
-    if method == "medusa":
-        model.init_lm_heads(target.lm_head.weight)
+        model.embed_tokens.weight.requires_grad_(False)  # a frozen copy of the target's
     return model
 
 
-def batch_loss(model, target, batch, method: str, epoch: int, noise: float,
-               log_acc: bool = True, p_fraction: float = 1.0, seed: int = 0):
+def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: int,
+               noise: float, log_acc: bool = True, p_fraction: float = 1.0, seed: int = 0):
     """Forward one batch; returns (loss, logs). `seed` fixes this batch's noise and ploss
-    sample, so a resumed run repeats an uninterrupted one exactly."""
+    sample, so a resumed (or differently parallelised) run repeats the same computation."""
     generator = torch.Generator().manual_seed(seed)
     valid = batch["valid"]
     features = batch.get("hidden_state")
     if features is None:
         features = target.features(batch["input_ids"], valid.long())
     features = features.float()
-    lm_head = target.lm_head
     if method == "medusa":
         return medusa_loss(model(features), batch["input_ids"], batch["loss_mask"], model,
-                           lm_head, p_fraction, generator)
+                           head, p_fraction, generator)
     noised = add_noise(features, valid, noise, generator) if model.training else features
     outputs = model(batch["input_ids"], noised, valid)
-    return serial_loss(outputs, features, batch["loss_mask"], lm_head, epoch,
-                       log_acc=log_acc, p_fraction=p_fraction, generator=generator)
+    return serial_loss(outputs, features, batch["loss_mask"], head, epoch,
+                       lm_head=target.lm_head if log_acc else None, p_fraction=p_fraction,
+                       generator=generator)
 
 
 @torch.no_grad()
-def evaluate(model, target, samples, method, epoch, batch_size, device) -> dict[str, float]:
+def evaluate(model, target, head, samples, method, epoch, batch_size, device
+             ) -> dict[str, float]:
     """Mean top-1 accuracy per draft position (token-weighted per batch) on held-out data."""
+    was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
     batches = 0
     for i in range(0, len(samples), batch_size):
         batch = {k: v.to(device) for k, v in collate(samples[i : i + batch_size]).items()}
-        _, logs = batch_loss(model, target, batch, method, epoch, 0.0)
+        _, logs = batch_loss(model, target, head, batch, method, epoch, 0.0)
         for k, v in logs.items():
             sums[k] = sums.get(k, 0.0) + v
         batches += 1
-    model.train()
+    model.train(was_training)
     return {k: v / max(batches, 1) for k, v in sums.items() if k.startswith("acc")}
 
 
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return train(args)
+    if args.stop_after_steps is not None and args.stop_after_steps < 1:
+        raise GumihoError("--stop-after-steps must be at least 1")
+    if args.log_every < 1:
+        raise GumihoError("--log-every must be at least 1")
+    config, out = train_config(args), Path(args.output_dir)
+    check_inputs(config, out, args.eval_data or [])
+    if args.dry_run:
+        print(f"ok: {config.method} drafter for {config.target} into {out}")
+        return 0
+    if args.eval_every < 0:
+        raise GumihoError("--eval-every must be at least 0")
+    return train(config, out, args.stop_after_steps, args.eval_data or [],
+                 args.eval_each_epoch, args.log_every, args.eval_every)
 
 
-def train(args: argparse.Namespace) -> int:
+def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
+    """What can be checked before loading anything: the target, data and output dirs."""
+    from gumiho.ge_data.shards import MANIFEST
+    from gumiho.target import SMOLLM2_ALIAS, resolve_target_path
+
+    if config.target != SMOLLM2_ALIAS:
+        resolve_target_path(config.target)
+    for data_dir in [*config.data, *eval_data]:
+        if not (Path(data_dir) / MANIFEST).is_file():
+            raise GumihoError(f"{data_dir}: no {MANIFEST}; make data with "
+                              "python -m gumiho.ge_data.allocation --outdir DIR")
+    if out.exists() and not out.is_dir():
+        raise GumihoError(f"--output-dir {out} is a file: give a directory")
+    parent = next(p for p in [out, *out.parents] if p.exists())
+    if not os.access(parent, os.W_OK):
+        raise GumihoError(f"--output-dir {out}: {parent} is not writable")
+
+
+def precision() -> tuple[str, str]:
+    """Decided once: bf16 autocast over fp32 weights on a GPU (target in bf16), fp32 on CPU."""
+    return ("bf16", "bfloat16") if torch.cuda.is_available() else ("no", "float32")
+
+
+def train(config: TrainConfig, out: Path, stop_after: int | None = None,
+          eval_data: list[str] | tuple[str, ...] = (), eval_each_epoch: bool = False,
+          log_every: int = 10, eval_every: int = 0) -> int:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum,
-                              mixed_precision="no" if not torch.cuda.is_available() else "bf16")
-    set_seed(args.seed)
-    out = Path(args.output_dir)
-    target = load_target(args.target, device=str(accelerator.device),
-                         dtype="float32" if accelerator.device.type == "cpu" else "bfloat16")
-    if args.data:
-        _, samples = load_samples(args.data)
+    mixed, target_dtype = precision()
+    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum,
+                              mixed_precision=mixed)
+    set_seed(config.seed)
+    target = load_target(config.target, device=str(accelerator.device), dtype=target_dtype)
+    if config.online:
+        samples = online_samples(target, config.conversations, config.num_conversations,
+                                 config.max_len)
     else:
-        samples = online_samples(target, args.conversations, args.num_conversations,
-                                 args.max_len)
-    if not samples:
-        raise GumihoError("no training samples")
-    eval_samples = load_samples(args.eval_data)[1] if args.eval_data else []
-    model = new_model(target, args.method, args.seed)
+        samples = stored_samples(config.data, target.hidden_size)
+    eval_samples = stored_samples(eval_data, target.hidden_size) if eval_data else []
+    procs = accelerator.num_processes
+    lengths = [s["input_ids"].shape[0] for s in samples]
+    per_epoch = len(epoch_batches(lengths, config.batch_size, config.seed, 0)) \
+        // (procs * config.grad_accum)
+    if per_epoch == 0:
+        raise GumihoError(f"{len(samples)} training samples do not fill one global batch of "
+                          f"{config.batch_size * config.grad_accum * procs}: lower "
+                          "--batch-size or --grad-accum, or add data")
+    total = config.max_steps or per_epoch * config.epochs
+    model = new_model(target, config, samples)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95))
-    per_epoch = math.ceil(len(samples) / (args.batch_size * accelerator.num_processes
-                                          * args.grad_accum))
-    total = args.max_steps or per_epoch * args.epochs
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95))
+    # stepped by hand once per optimizer step (accelerate would step it once per process)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: schedule(s, args.warmup_steps, total))
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    progress = {"step": 0, "epoch": 0, "batches_done": 0}
-    state_dir = out / "state"
-    if (state_dir / "progress.json").exists():
-        accelerator.load_state(str(state_dir))
-        progress = json.loads((state_dir / "progress.json").read_text())
-        accelerator.print(f"resuming from step {progress['step']} (epoch {progress['epoch']})")
-    stop_at = min(total, args.stop_after_steps or total)
-    bar = tqdm(total=total, initial=progress["step"], desc=f"train {args.method}",
+        optimizer, lambda s: schedule(s, config.warmup_steps, total))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    settings = {**asdict(config), "processes": procs}
+    state = load_run_state(accelerator, out, settings, scheduler)
+    head = DraftHead.for_model(target, accelerator.unwrap_model(model))
+    stop_at = min(total, stop_after or total)
+    bar = tqdm(total=total, initial=state.step, desc=f"train {config.method}",
                disable=not accelerator.is_main_process)
-    log_file = out / "train_log.jsonl"
     out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    while progress["step"] < stop_at:
-        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(
-            args.seed * 1000 + progress["epoch"])).tolist()
-        loader = accelerator.prepare_data_loader(torch.utils.data.DataLoader(
-            [samples[i] for i in order], batch_size=args.batch_size, collate_fn=collate))
-        epoch_batches = len(loader)
-        loader = accelerator.skip_first_batches(loader, progress["batches_done"])
-        for batch in loader:
-            with accelerator.accumulate(model):
-                log_now = (progress["step"] + 1) % args.log_every == 0
-                loss, logs = batch_loss(model, target, batch, args.method, progress["epoch"],
-                                        args.noise, log_acc=log_now,
-                                        p_fraction=args.ploss_fraction,
-                                        seed=hash((args.seed, progress["epoch"],
-                                                   progress["batches_done"])) % 2**62)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(params, args.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            progress["batches_done"] += 1
+    start, tokens = time.perf_counter(), 0
+    while state.step < stop_at:
+        batches = epoch_batches(lengths, config.batch_size, config.seed, state.epoch)
+        usable = per_epoch * procs * config.grad_accum  # whole global steps only
+        for index in range(state.batches_done + accelerator.process_index, usable, procs):
+            batch = {k: v.to(accelerator.device)
+                     for k, v in collate([samples[i] for i in batches[index]]).items()}
+            logs = step_micro_batch(accelerator, model, target, head, optimizer, params,
+                                    batch, config, state, index, log_every)
+            tokens += int(batch["valid"].sum())
+            state.batches_done = index + procs - accelerator.process_index
             if not accelerator.sync_gradients:
                 continue
-            progress["step"] += 1
+            scheduler.step()
+            state.step += 1
             bar.update(1)
-            if accelerator.is_main_process and progress["step"] % args.log_every == 0:
-                bar.set_postfix({k: f"{v:.3f}" for k, v in logs.items()})
-                with log_file.open("a") as f:
-                    f.write(json.dumps({"step": progress["step"], "epoch": progress["epoch"],
+            if accelerator.is_main_process and state.step % log_every == 0:
+                logs["tokens_per_s"] = tokens * procs / (time.perf_counter() - start)
+                bar.set_postfix({k: f"{v:.3f}" for k, v in logs.items() if k != "lr"})
+                with (out / "train_log.jsonl").open("a") as f:
+                    f.write(json.dumps({"step": state.step, "epoch": state.epoch,
                                         "lr": scheduler.get_last_lr()[0], **logs}) + "\n")
-            if progress["step"] >= stop_at and progress["batches_done"] < epoch_batches:
-                break  # mid-epoch; an epoch that ends here completes below
-        else:
-            progress["epoch"] += 1
-            progress["batches_done"] = 0
-            save(accelerator, model, progress, out, args, f"checkpoint-epoch{progress['epoch']}")
-            if eval_samples and args.eval_each_epoch:
-                acc = evaluate(accelerator.unwrap_model(model), target, eval_samples,
-                               args.method, progress["epoch"], args.batch_size,
+            if eval_samples and eval_every and state.step % eval_every == 0:
+                log_evaluation(accelerator, model, target, head, eval_samples, config, state,
+                               out)
+            if state.step >= stop_at:
+                break
+        if state.batches_done >= usable:  # the epoch is complete
+            state.epoch, state.batches_done = state.epoch + 1, 0
+            save(accelerator, model, scheduler, state, out, settings, config,
+                 f"checkpoint-epoch{state.epoch}")
+            if eval_samples and eval_each_epoch:
+                acc = evaluate(accelerator.unwrap_model(model), target, head, eval_samples,
+                               config.method, state.epoch, config.batch_size,
                                accelerator.device)
-                accelerator.print(f"epoch {progress['epoch']} held-out accuracy: "
+                accelerator.print(f"epoch {state.epoch} held-out accuracy: "
                                   + ", ".join(f"{k[4:]} {v:.3f}" for k, v in acc.items()))
-    save(accelerator, model, progress, out, args, None)
+    wall = time.perf_counter() - start
+    save(accelerator, model, scheduler, state, out, settings, config, None)
     bar.close()
-    summary = {"steps": progress["step"], "epochs": progress["epoch"],
-               "train_samples": len(samples), "wall_s": time.perf_counter() - start}
+    summary = {"steps": state.step, "epochs": state.epoch, "train_samples": len(samples),
+               "wall_s": wall, "train_tokens_per_s": tokens * procs / max(wall, 1e-9)}
     if eval_samples:
-        summary["held_out_accuracy"] = evaluate(accelerator.unwrap_model(model), target,
-                                                eval_samples, args.method, progress["epoch"],
-                                                args.batch_size, accelerator.device)
+        summary["held_out_accuracy"] = evaluate(accelerator.unwrap_model(model), target, head,
+                                                eval_samples, config.method, state.epoch,
+                                                config.batch_size, accelerator.device)
     if accelerator.is_main_process:
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         accelerator.print(json.dumps(summary))
     return 0
 
 
-def save(accelerator, model, progress: dict, out: Path, args, name: str | None) -> None:
-    """Training state (for resume) and an official-format export: OUT/name or OUT itself."""
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(out / "state"))
+def log_evaluation(accelerator, model, target, head, samples, config: TrainConfig,
+                   state: RunState, out: Path) -> None:
+    """Held-out accuracy per draft position now, as an `eval` row of train_log.jsonl."""
+    acc = evaluate(accelerator.unwrap_model(model), target, head, samples, config.method,
+                   state.epoch, config.batch_size, accelerator.device)
     if accelerator.is_main_process:
-        (out / "state" / "progress.json").write_text(json.dumps(progress))
-        extra = {"training": {k: v for k, v in vars(args).items() if k != "output_dir"},
-                 "trained_steps": progress["step"]}
+        with (out / "train_log.jsonl").open("a") as f:
+            f.write(json.dumps({"step": state.step, "epoch": state.epoch, "eval": acc}) + "\n")
+
+
+def step_micro_batch(accelerator, model, target, head, optimizer, params, batch,
+                     config: TrainConfig, state: RunState, index: int, log_every: int
+                     ) -> dict[str, float]:
+    """Forward and backward one micro-batch (global index `index` in the epoch); the
+    optimizer steps when accelerate's accumulation says the global batch is complete."""
+    with accelerator.accumulate(model):
+        log_now = (state.step + 1) % log_every == 0
+        loss, logs = batch_loss(model, target, head, batch, config.method, state.epoch,
+                                config.noise, log_acc=log_now,
+                                p_fraction=config.ploss_fraction,
+                                seed=hash((config.seed, state.epoch, index)) % 2**62)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            accelerator.clip_grad_norm_(params, config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return logs
+
+
+def save(accelerator, model, scheduler, state: RunState, out: Path, settings: dict,
+         config: TrainConfig, name: str | None) -> None:
+    """Training state (atomically, for resume) and an official-format export: OUT/name or
+    OUT itself."""
+    save_run_state(accelerator, out, state, settings, scheduler)
+    if accelerator.is_main_process:
+        extra = {"training": settings, "trained_steps": state.step}
         save_drafter(accelerator.unwrap_model(model), out / name if name else out,
-                     dtype=EXPORT_DTYPE[args.export_dtype], extra_config=extra)
+                     dtype=EXPORT_DTYPE[config.export_dtype], extra_config=extra)
+    accelerator.wait_for_everyone()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,29 @@
-"""Training batches: stored features (from `gumiho.ge_data`) or computed online."""
+"""Training batches: stored features (from `gumiho.ge_data`) or computed online, grouped
+by length so that padding wastes little compute."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from gumiho.errors import GumihoError
 from gumiho.ge_data.conversations import load_conversations, split
+from gumiho.ge_data.shards import load_samples
 from gumiho.ge_data.templates import tokenize_conversation
+
+LENGTH_WINDOW = 16  # batches whose samples are sorted by length together (then shuffled)
+
+
+def stored_samples(data_dirs: tuple[str, ...] | list[str], hidden_size: int) -> list[dict]:
+    """Every sample of one or more data dirs (features memory-mapped from disk)."""
+    samples: list[dict] = []
+    for data_dir in data_dirs:
+        manifest, part = load_samples(data_dir, mmap=True)
+        if manifest.get("hidden_size") not in (None, hidden_size):
+            raise GumihoError(f"{data_dir} holds features of width {manifest['hidden_size']}, "
+                              f"but the target has {hidden_size}: make data for this target")
+        samples += part
+    return samples
 
 
 def online_samples(target, source: str, count: int, max_len: int,
@@ -20,6 +37,31 @@ def online_samples(target, source: str, count: int, max_len: int,
         if int(mask.sum()):
             out.append({"input_ids": ids.to(torch.int32), "loss_mask": mask.to(torch.uint8)})
     return out
+
+
+def token_counts(samples: list[dict], vocab_size: int) -> Tensor:
+    """(V,) how often each token is an assistant token (what the drafter must predict)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        ids = s["input_ids"].long()[s["loss_mask"].bool()]
+        counts += torch.bincount(ids.clamp(max=vocab_size - 1), minlength=vocab_size)
+    return counts
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int
+                  ) -> list[list[int]]:
+    """The epoch's batches of sample indices: a seeded shuffle, then within windows of
+    LENGTH_WINDOW batches the samples sorted by length (little padding), then the batches
+    shuffled. The same for every process layout, so any split of them repeats a run."""
+    generator = torch.Generator().manual_seed(seed * 100003 + epoch)
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    window = batch_size * LENGTH_WINDOW
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start : start + window], key=lambda i: lengths[i])
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    shuffle = torch.randperm(len(batches), generator=generator).tolist()
+    return [batches[i] for i in shuffle]
 
 
 def collate(samples: list[dict]) -> dict[str, Tensor]:

@@ -5,7 +5,14 @@ softmax(lm_head(f)) and log_softmax(lm_head(out)), both masked. Gumiho's MLP hea
 scored against f_{t+3+i} with weight 0.8^(i+1):
     total = 1.0 vloss + 0.1 ploss + (1/9) sum_i w_i vloss_i + p_mlp (1/9) sum_i w_i ploss_i
 with p_mlp = 0 for the first 2 epochs, then 0.1. Medusa heads use cross-entropy on the
-token x_{t+2+i}. Logits are computed only at positions the mask keeps.
+token x_{t+2+i}.
+
+Both distributions live on the draft vocabulary (the `DraftHead`: the whole target
+vocabulary, or the reduced one): the target's is its softmax restricted to the draft
+tokens and renormalised. Accuracy compares the drafter's argmax (a target id) with the
+target's argmax over its *whole* vocabulary, so a target token outside the draft
+vocabulary counts as a miss. Every target-side quantity is computed once per batch
+(`TargetDistributions`), not once per loss term.
 """
 
 from __future__ import annotations
@@ -15,6 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from gumiho.modeling.vocab import DraftHead
+
+ARGMAX_CHUNK = 256  # rows of full-vocabulary logits at a time (bounds memory)
 
 
 @dataclass(frozen=True)
@@ -27,91 +38,118 @@ class LossWeights:
     mlp_p_from_epoch: int = 2
 
 
-def feature_losses(out: Tensor, target: Tensor, mask: Tensor, lm_head, need_p: bool,
-                   need_acc: bool, p_fraction: float = 1.0,
-                   generator: torch.Generator | None = None) -> dict[str, Tensor]:
-    """out, target (B, T, H) and mask (B, T) bool -> vloss on every kept position; ploss
-    and top-1 accuracy (drafter argmax vs target argmax) on a `p_fraction` sample of them,
-    only when asked: the vocabulary projection is most of the training cost."""
-    out, target = out[mask], target[mask].to(out.dtype)  # (M, H)
-    zero = out.sum() * 0
-    result = {"v": zero, "p": zero, "acc": None}
-    if out.shape[0] == 0:
+class TargetDistributions:
+    """The target's draft-vocabulary distribution (and, for accuracy, its full-vocabulary
+    argmax) at every scored position of a batch, computed once.
+
+    features (B, L, H) are the target's post-norm features, scored (B, L) bool the positions
+    some loss term is scored against (assistant tokens). `row[b, t]` is the position's row
+    in `probs` (M, D) and `argmax` (M,), or -1.
+    """
+
+    def __init__(self, features: Tensor, scored: Tensor, head: DraftHead,
+                 lm_head=None):
+        b, length = scored.shape
+        self.row = torch.full((b, length), -1, dtype=torch.long, device=scored.device)
+        m = int(scored.sum())
+        self.row[scored] = torch.arange(m, device=scored.device)
+        chosen = features[scored]  # (M, H)
+        with torch.no_grad():
+            self.probs = torch.softmax(head(chosen).float(), -1)  # (M, D)
+            self.argmax = None
+            if lm_head is not None:
+                self.argmax = torch.cat([lm_head(part).argmax(-1) for part in
+                                         chosen.split(ARGMAX_CHUNK)]) if m else \
+                    torch.zeros(0, dtype=torch.long, device=chosen.device)
+
+
+def feature_losses(out: Tensor, features: Tensor, shift: int, targets: TargetDistributions,
+                   head: DraftHead, need_p: bool, need_acc: bool, p_fraction: float = 1.0,
+                   generator: torch.Generator | None = None) -> dict[str, Tensor | None]:
+    """out (B, T, H): the drafter's estimate of f_{t+shift} at row t. vloss on every scored
+    position; ploss and top-1 accuracy on a `p_fraction` sample of them, only when asked
+    (the vocabulary projection is most of the training cost)."""
+    rows = targets.row[:, shift : shift + out.shape[1]]  # (B, T)
+    kept = rows >= 0
+    estimate = out[:, : rows.shape[1]][kept]  # (M', H)
+    truth = features[:, shift : shift + rows.shape[1]][kept].to(estimate.dtype)
+    rows = rows[kept]
+    zero = estimate.sum() * 0
+    result: dict[str, Tensor | None] = {"v": zero, "p": zero, "acc": None}
+    if estimate.shape[0] == 0:
         return result
-    result["v"] = F.smooth_l1_loss(out.float(), target.float(), reduction="none").mean(-1).mean()
+    result["v"] = F.smooth_l1_loss(estimate.float(), truth.float(), reduction="none"
+                                   ).mean(-1).mean()
     if not (need_p or need_acc):
         return result
     if p_fraction < 1.0:
-        keep = (torch.rand(out.shape[0], generator=generator) < p_fraction).to(out.device)
+        keep = (torch.rand(estimate.shape[0], generator=generator) < p_fraction).to(
+            estimate.device)
         keep[0] = True
-        out, target = out[keep], target[keep]
-    with torch.no_grad():
-        want = torch.softmax(lm_head(target).float(), -1)
-    logp = torch.log_softmax(lm_head(out if need_p else out.detach()).float(), -1)
+        estimate, rows = estimate[keep], rows[keep]
+    logq = torch.log_softmax(head(estimate if need_p else estimate.detach()).float(), -1)
     if need_p:
-        result["p"] = -(want * logp).sum(-1).mean()
-    result["acc"] = (logp.argmax(-1) == want.argmax(-1)).float().mean().detach()
+        result["p"] = -(targets.probs[rows] * logq).sum(-1).mean()
+    if need_acc and targets.argmax is not None:
+        hit = head.to_target(logq.argmax(-1)) == targets.argmax[rows]
+        result["acc"] = hit.float().mean().detach()
     return result
 
 
-def shifted_mask(loss_mask: Tensor, shift: int, length: int) -> Tensor:
-    """Mask (B, length) of positions t whose target sits at t + shift."""
-    return loss_mask[:, shift : shift + length].bool()
-
-
-def serial_loss(outputs: dict, features: Tensor, loss_mask: Tensor, lm_head, epoch: int,
-                weights: LossWeights = LossWeights(), log_acc: bool = True,
+def serial_loss(outputs: dict, features: Tensor, loss_mask: Tensor, head: DraftHead,
+                epoch: int, lm_head=None, weights: LossWeights = LossWeights(),
                 p_fraction: float = 1.0, generator: torch.Generator | None = None
                 ) -> tuple[Tensor, dict[str, float]]:
-    """Total loss and logs for Gumiho / EAGLE-2 outputs of DraftModel.forward."""
-    out1 = outputs["out1"]
-    n = out1.shape[1]
-    first = feature_losses(out1, features[:, 1 : 1 + n], shifted_mask(loss_mask, 1, n),
-                           lm_head, True, log_acc, p_fraction, generator)
+    """Total loss and logs for Gumiho / EAGLE-2 outputs of DraftModel.forward.
+    lm_head: the target's full head, given when accuracies are to be logged."""
+    targets = TargetDistributions(features, loss_mask.bool(), head, lm_head)
+    log_acc = lm_head is not None
+    first = feature_losses(outputs["out1"], features, 1, targets, head, True, log_acc,
+                           p_fraction, generator)
     total = weights.v * first["v"] + weights.p * first["p"]
     logs = {"vloss": float(first["v"].detach()), "ploss": float(first["p"].detach())}
     accs = {"acc_serial1": first["acc"]}
-    if "out2" in outputs and log_acc:
-        out2 = outputs["out2"].detach()  # step 2 is not in the reference loss; logged only
-        second = feature_losses(out2, features[:, 2 : 2 + out2.shape[1]],
-                                shifted_mask(loss_mask, 2, out2.shape[1]), lm_head, False,
-                                True, p_fraction, generator)
-        accs["acc_serial2"] = second["acc"]
+    if "out2" in outputs and log_acc:  # step 2 is not in the reference loss; logged only
+        accs["acc_serial2"] = feature_losses(outputs["out2"].detach(), features, 2, targets,
+                                             head, False, True, p_fraction, generator)["acc"]
     if "mlp" in outputs:
         mlp = outputs["mlp"]  # (B, T, N, H), head i at row t targets f_{t+3+i}
         p_weight = weights.mlp_p if epoch >= weights.mlp_p_from_epoch else 0.0
         for i in range(mlp.shape[2]):
-            t = min(mlp.shape[1], features.shape[1] - 3 - i)
-            head = feature_losses(mlp[:, :t, i], features[:, 3 + i : 3 + i + t],
-                                  shifted_mask(loss_mask, 3 + i, t), lm_head, p_weight > 0,
+            part = feature_losses(mlp[:, :, i], features, 3 + i, targets, head, p_weight > 0,
                                   log_acc, p_fraction, generator)
             w = weights.mlp_decay ** (i + 1)
-            total = total + weights.mlp_v * w * head["v"] + p_weight * w * head["p"]
-            accs[f"acc_mlp{i + 1}"] = head["acc"]
+            total = total + weights.mlp_v * w * part["v"] + p_weight * w * part["p"]
+            accs[f"acc_mlp{i + 1}"] = part["acc"]
     logs.update({k: float(v) for k, v in accs.items() if v is not None})
     return total, logs
 
 
-def medusa_loss(hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, heads, lm_head,
-                p_fraction: float = 1.0, generator: torch.Generator | None = None
-                ) -> tuple[Tensor, dict[str, float]]:
-    """hidden (B, L, N, H): head i at position t predicts x_{t+2+i} (cross-entropy, on a
-    `p_fraction` sample of positions)."""
-    total, logs = hidden.new_zeros(()), {}
+def medusa_loss(hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, heads,
+                head: DraftHead, p_fraction: float = 1.0,
+                generator: torch.Generator | None = None) -> tuple[Tensor, dict[str, float]]:
+    """hidden (B, L, N, H): head i at position t predicts x_{t+2+i} (cross-entropy over the
+    draft vocabulary, on a `p_fraction` sample of positions; a token outside the draft
+    vocabulary is a miss and adds no loss)."""
+    total, logs = hidden.sum() * 0, {}
     for i in range(hidden.shape[2]):
         t = input_ids.shape[1] - 2 - i
         if t <= 0:
             break
-        mask = shifted_mask(loss_mask, 2 + i, t)
+        mask = loss_mask[:, 2 + i : 2 + i + t].bool()
         if p_fraction < 1.0:
             mask = mask & (torch.rand(mask.shape, generator=generator) < p_fraction).to(
                 mask.device)
         h = hidden[:, :t, i][mask]
         if h.shape[0] == 0:
             continue
-        logits = h @ heads.lm_heads[i].T if heads.lm_heads is not None else lm_head(h)
+        own = heads.lm_heads
+        logits = (h @ own[i].T if own is not None else head(h)).float()  # (M, D)
         labels = input_ids[:, 2 + i : 2 + i + t][mask].long()
-        total = total + F.cross_entropy(logits.float(), labels) * (0.8 ** i)
-        logs[f"acc_medusa{i + 1}"] = float((logits.argmax(-1) == labels).float().mean())
-    logs["loss"] = float(total)
+        draft_labels, inside = head.to_draft(labels)
+        if bool(inside.any()):
+            total = total + F.cross_entropy(logits[inside], draft_labels[inside]) * (0.8 ** i)
+        logs[f"acc_medusa{i + 1}"] = float((head.to_target(logits.argmax(-1)) == labels)
+                                           .float().mean())
+    logs["loss"] = float(total.detach())
     return total, logs

@@ -1,0 +1,138 @@
+"""Prompt-lookup candidates: n-gram continuations from the text so far, no network.
+
+The idea is prompt lookup decoding (Saxena 2023; in Hugging Face `generate` as
+`prompt_lookup_num_tokens`): when the last few tokens occurred before (in the prompt or the
+answer so far), the tokens that followed them then are a cheap guess for what follows now.
+Summaries, code edits and answers that quote gain the most.
+
+`LookupDrafter` adds such a chain as extra branches under the root of any drafter's tree
+(plain decoding included: that is the `lookup` method). The chain is merged into the tree:
+its leading tokens that the tree already has under the root are not repeated (those slots
+are kept but marked dead, so every step has one shape), and the rest hangs below the
+deepest shared node. Verification is unchanged, so the output stays exactly the target's.
+The n-gram search runs on the host over the tokens the loop already brought back; the
+chain reaches the device in one non-blocking copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gumiho.hostsync import upload
+from gumiho.tree import DraftTree
+
+
+class NgramIndex:
+    """The end of the latest earlier occurrence of every n-gram (n = 1..max_n) of a growing
+    token list, so that `continuation` is O(max_n) per call."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+        self.tokens: list[int] = []
+        self.last: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence
+        self.previous: dict[tuple[int, ...], int] = {}  # ... and of the one before
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens)
+            for n in range(1, min(self.max_n, end) + 1):
+                key = tuple(self.tokens[end - n :])
+                if key in self.last:
+                    self.previous[key] = self.last[key]
+                self.last[key] = end
+
+    def continuation(self, length: int) -> list[int]:
+        """Up to `length` tokens that followed the latest earlier occurrence of the longest
+        suffix n-gram (longest first, down to min_n); empty when none recurs."""
+        end = len(self.tokens)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            start = self.previous.get(tuple(self.tokens[end - n :]))
+            if start is not None:
+                return self.tokens[start : start + length]
+        return []
+
+
+def attach_chain(tree: DraftTree, chain: Tensor, valid: Tensor, max_depth: int) -> DraftTree:
+    """The tree with a chain of L candidate tokens below its root (L more nodes).
+
+    chain (L,) tokens, valid (L,) bool (a shorter chain is padded). The chain's leading
+    tokens that the tree already holds as a path from the root become dead slots, the rest
+    hangs below the deepest shared node; padding is dead too. Tensor ops only, a fixed
+    number of them (no host sync). max_depth bounds the new tree's depth.
+    """
+    k, length = tree.size, chain.shape[0]
+    cur = torch.zeros((), dtype=torch.long, device=chain.device)  # where the chain sits
+    merging = torch.ones((), dtype=torch.bool, device=chain.device)
+    parents, dead = [], []
+    for d in range(length):
+        match = (tree.parents == cur) & (tree.tokens == chain[d])  # (K,) the same child
+        found = match.any() & merging & valid[d]
+        # a new node hangs below `cur` while still merging, else below the previous one
+        parents.append(torch.where(merging, cur, k + d - 1))
+        dead.append(found | ~valid[d])
+        cur = torch.where(found, match.long().argmax(), cur)
+        merging = merging & found
+    parents_t, dead_t = torch.stack(parents), torch.stack(dead)
+    tokens = torch.where(valid, chain, tree.tokens[0])  # dead slots still need a real id
+    merged = DraftTree.from_parents(torch.cat([tree.tokens, tokens]),
+                                    torch.cat([tree.parents, parents_t]), max_depth)
+    old_dead = tree.dead if tree.dead is not None else torch.zeros(k, dtype=torch.bool,
+                                                                   device=chain.device)
+    priority = None
+    if tree.priority is not None:  # lookup nodes come last for a smaller budget
+        priority = torch.cat([tree.priority, tree.priority.new_full((length,), -float("inf"))])
+    return replace(merged, dead=torch.cat([old_dead, dead_t]), priority=priority)
+
+
+def chain_to_device(tokens: list[int], length: int, device: torch.device
+                    ) -> tuple[Tensor, Tensor]:
+    """(chain (L,), valid (L,)) on the device in one copy that does not stall the host
+    (pinned memory, non-blocking, on an accelerator)."""
+    packed = np.zeros(2 * length, dtype=np.int64)
+    packed[: len(tokens)] = tokens
+    packed[length : length + len(tokens)] = 1
+    on_device = upload(packed, device)
+    return on_device[:length], on_device[length:].bool()
+
+
+class LookupDrafter:
+    """Any drafter plus a prompt-lookup chain of `tokens` candidates under the root."""
+
+    def __init__(self, inner, tokens: int = 10, max_n: int = 3, min_n: int = 1):
+        self.inner, self.tokens = inner, tokens
+        self.max_n, self.min_n = max_n, min_n
+        self.name = "lookup" if inner.name == "ar" else f"{inner.name}+lookup"
+        self.max_nodes = inner.max_nodes + tokens
+        self.draft_depth = inner.draft_depth + tokens
+        self.tree = getattr(inner, "tree", None)
+
+    @property
+    def timer(self):
+        return getattr(self.inner, "timer", None)
+
+    @timer.setter
+    def timer(self, timer) -> None:  # the loop's profiler reaches the inner drafter's phases
+        self.inner.timer = timer
+
+    def begin(self, target, capacity: int) -> None:
+        self.inner.begin(target, capacity)
+        self.index = NgramIndex(self.max_n, self.min_n)
+        self.device = target.device
+
+    def observe(self, features: Tensor, next_tokens: Tensor,
+                tokens: list[int] | None = None) -> None:
+        self.inner.observe(features, next_tokens, tokens)
+        if tokens is None:  # not from the loop: read them (a host sync)
+            tokens = next_tokens.tolist()
+        self.index.extend(tokens)
+
+    def propose(self) -> DraftTree:
+        tree = self.inner.propose()
+        chain, valid = chain_to_device(self.index.continuation(self.tokens), self.tokens,
+                                       self.device)
+        return attach_chain(replace(tree, spliced_paths=None), chain, valid, self.draft_depth)

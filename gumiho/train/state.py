@@ -1,0 +1,81 @@
+"""A training run's resumable state, saved atomically.
+
+`OUT/state` holds accelerate's state (model, optimizer, RNG), the LR scheduler, the
+progress (`step`, `epoch`, global micro-batches done in the epoch) and the run's settings.
+A save writes `OUT/state.tmp` completely, then swaps it in with two renames; a kill at any
+moment leaves either the new state or the previous one (`state.old`, between the renames),
+never a mix. A resume compares the saved settings with the command's and refuses a
+difference, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from gumiho.errors import GumihoError
+
+PROGRESS = "progress.json"
+
+
+@dataclass
+class RunState:
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batches_done: int = 0  # global micro-batches of the current epoch already trained
+
+
+def _complete(path: Path) -> bool:
+    return (path / PROGRESS).is_file()
+
+
+def state_dir(out: Path) -> Path | None:
+    """The newest complete saved state of a run, if any."""
+    for name in ("state", "state.old"):
+        if _complete(out / name):
+            return out / name
+    return None
+
+
+def load_run_state(accelerator, out: Path, settings: dict, scheduler) -> RunState:
+    """Resume from OUT's saved state (checking its settings), or start at step 0."""
+    found = state_dir(out)
+    if found is None:
+        return RunState()
+    saved = json.loads((found / PROGRESS).read_text())
+    old = saved.get("settings", {})
+    for key, value in settings.items():
+        if json.dumps(old.get(key)) != json.dumps(value):
+            raise GumihoError(
+                f"{out} holds a run made with {key}={old.get(key)!r}, not {value!r}: rerun "
+                "with the same settings to resume it, or give another --output-dir")
+    accelerator.load_state(str(found))
+    scheduler.load_state_dict(torch.load(found / "scheduler.pt", weights_only=True))
+    state = RunState(**saved["progress"])
+    accelerator.print(f"resuming from step {state.step} (epoch {state.epoch})")
+    return state
+
+
+def save_run_state(accelerator, out: Path, state: RunState, settings: dict, scheduler) -> None:
+    """Write the state beside the old one, then swap it in (see the module docstring)."""
+    tmp, final, old = out / "state.tmp", out / "state", out / "state.old"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / PROGRESS).write_text(json.dumps({"progress": asdict(state),
+                                                "settings": settings}))
+        if _complete(final):
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()

@@ -1,0 +1,80 @@
+"""Prompt-lookup candidates: the n-gram index, the chain merged into a tree, and output
+that stays exactly the target's (greedy and sampled)."""
+
+import pytest
+import torch
+
+from gumiho.config import TreeConfig
+from gumiho.drafters import PlainDrafter, load_drafter
+from gumiho.engine import GenerateConfig, run
+from gumiho.lookup import LookupDrafter, NgramIndex, attach_chain
+from gumiho.tree import DraftTree
+
+from conftest import tiny_llama
+from drafters_for_tests import RandomDrafter
+from test_sampling import chi_square_rejects, exact_marginals
+
+
+@pytest.mark.host
+def test_ngram_index_continues_the_latest_earlier_occurrence():
+    index = NgramIndex(max_n=3)
+    index.extend([1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3])
+    # suffix (1, 2, 3) occurred at the start: what followed it then
+    assert index.continuation(3) == [4, 9, 2]
+    index.extend([8])  # (3, 8), (8) never occurred before; ...
+    assert index.continuation(4) == []
+    index.extend([2])  # suffix (2) last occurred before at position 10 -> 3, 8, 2
+    assert index.continuation(2) == [3, 8]
+    assert NgramIndex(min_n=2).continuation(5) == []
+
+
+@pytest.mark.host
+def test_chain_merges_into_the_tree():
+    # root 7 -> a=1 -> b=2 ; root -> c=5
+    tree = DraftTree.from_parents(torch.tensor([7, 1, 2, 5]), torch.tensor([-1, 0, 1, 0]))
+    chain = torch.tensor([1, 2, 3, 4, 0])
+    valid = torch.tensor([True, True, True, True, False])
+    merged = attach_chain(tree, chain, valid, max_depth=8)
+    assert merged.size == 9
+    assert merged.dead.tolist() == [False] * 4 + [True, True, False, False, True]
+    assert merged.parents[6:8].tolist() == [2, 6]  # 3 under the existing 2, then 4
+    assert merged.depths[6:8].tolist() == [3, 4]
+    logits = torch.full((9, 10), -1.0)
+    for node, nxt in [(0, 1), (1, 2), (2, 3), (6, 4), (7, 9)]:
+        logits[node, nxt] = 1.0  # the target continues 7 1 2 3 4 9
+    from gumiho.sampling import accept_greedy
+    accepted, bonus = accept_greedy(merged, logits)
+    assert accepted.tolist() == [0, 1, 2, 6, 7] and int(bonus) == 9
+
+
+REPEATING = ("Repeat this sentence exactly three times: the quick brown fox jumps over the "
+             "lazy dog near the river bank.")
+
+
+@pytest.mark.parametrize("method", ["lookup", "gumiho", "eagle2", "medusa"])
+def test_lookup_equals_plain(smollm2, method):
+    ids = smollm2.chat_ids(REPEATING)
+    config = GenerateConfig(max_new_tokens=48)
+    plain = run(smollm2, PlainDrafter(), ids, config)
+    tree = TreeConfig.for_method(method, lookup=8, **({} if method == "lookup" else
+                                                      {"total_tokens": 12}))
+    drafter = load_drafter(method, smollm2, None if method == "lookup" else "random", tree=tree)
+    out = run(smollm2, drafter, ids, config)
+    assert out.token_ids == plain.token_ids
+    assert out.tau > 1.5, out.accept_lengths  # the repetition is found
+
+
+def test_lookup_sampling_matches_target():
+    vocab = 16
+    target = tiny_llama(vocab_size=vocab, seed=1, logit_scale=25.0)
+    prompt = [3, 9, 1, 12, 5, 3, 9, 1, 12, 5, 3, 9]
+    want2, want3 = exact_marginals(target, prompt, 1.0, vocab)
+    drafter = LookupDrafter(RandomDrafter(vocab, size=4, seed=0), tokens=4, min_n=1)
+    got2, got3 = torch.zeros(vocab), torch.zeros(vocab)
+    for seed in range(1500):
+        out = run(target, drafter, prompt, GenerateConfig(max_new_tokens=3, temperature=1.0,
+                                                          seed=seed))
+        got2[out.token_ids[1]] += 1
+        got3[out.token_ids[2]] += 1
+    assert not chi_square_rejects(got2, want2)
+    assert not chi_square_rejects(got3, want3)

@@ -1,0 +1,126 @@
+"""The reduced draft vocabulary: EAGLE-3 buffers, restricted logits, checkpoints, and
+output that stays exactly the target's (greedy and sampled)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gumiho.checkpoint import load_drafter_model, save_drafter
+from gumiho.config import TreeConfig
+from gumiho.drafters import MedusaDrafter, SerialDrafter, random_drafter_model
+from gumiho.engine import GenerateConfig, run
+from gumiho.modeling import DraftHead, draft_vocabulary
+from gumiho.modeling.vocab import draft_ids_of, vocab_buffers
+
+from conftest import tiny_llama
+from drafters_for_tests import OracleHead, oracle_drafter
+from test_sampling import chi_square_rejects, exact_marginals
+
+
+@pytest.mark.host
+def test_draft_vocabulary_takes_the_most_frequent_and_the_required():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7, 0, 3])
+    ids = draft_vocabulary(counts, 4, always=[6])
+    assert ids.tolist() == [2, 3, 5, 6]  # increasing target ids; ties to the lower id
+    d2t, t2d = vocab_buffers(ids, 8)
+    assert (torch.arange(4) + d2t).tolist() == ids.tolist()  # target = draft + d2t[draft]
+    assert t2d.tolist() == [False, False, True, True, False, True, True, False]
+    with pytest.raises(ValueError):
+        draft_vocabulary(counts, 9)
+
+
+def test_draft_head_is_the_lm_heads_rows(smollm2):
+    ids = torch.tensor([3, 17, 200, 4000, 49151])
+    head = DraftHead(smollm2.lm_head, ids)
+    hidden = torch.randn(2, 7, 576)
+    torch.testing.assert_close(head(hidden), smollm2.lm_head(hidden)[..., ids])
+    assert head.to_target(torch.tensor([0, 4])).tolist() == [3, 49151]
+    draft, inside = head.to_draft(torch.tensor([17, 18, 49151]))
+    assert draft[inside].tolist() == [1, 4] and inside.tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])
+def test_reduced_vocabulary_checkpoint_round_trip(tmp_path, smollm2, method):
+    ids = torch.arange(0, 49152, 7)
+    model = random_drafter_model(method, smollm2, seed=2, draft_ids=ids)
+    save_drafter(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["draft_vocab_size"] == ids.shape[0] and config["vocab_size"] == 49152
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
+    assert int(state["t2d"].sum()) == ids.shape[0]
+    loaded = load_drafter_model(tmp_path, smollm2)
+    assert torch.equal(draft_ids_of(loaded), ids)
+    (tmp_path / "config.json").unlink()  # official-style: no config, shape from the keys
+    assert torch.equal(draft_ids_of(load_drafter_model(tmp_path, smollm2, method)), ids)
+
+
+class RestrictedOracle(OracleHead):
+    """The oracle's logits over a part of the vocabulary only."""
+
+    def __init__(self, full, vocab_size, ids):
+        super().__init__(full, vocab_size)
+        self.ids = ids
+
+    def __call__(self, hidden):
+        return super().__call__(hidden)[..., self.ids]
+
+    def to_target(self, indices):
+        return self.ids[indices]
+
+
+@pytest.mark.parametrize("method", ["gumiho", "eagle2"])
+def test_restricted_oracle_equals_plain(smollm2, reference, method):
+    """Tokens outside the draft vocabulary can't be drafted; output is unchanged."""
+    ids, plain = reference
+    full = ids + plain.token_ids
+    answer = sorted(set(plain.token_ids))
+    missing = set(answer[::3])  # a third of the answer's tokens are not in the vocabulary
+    vocab = torch.tensor([t for t in range(49152) if t not in missing])
+    drafter = oracle_drafter(method, smollm2, full, TreeConfig.for_method(method))
+    begin = drafter.begin
+
+    def restricted_begin(target, capacity):
+        begin(target, capacity)
+        drafter.head = RestrictedOracle(full, 49152, vocab)
+
+    drafter.begin = restricted_begin
+    out = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=len(plain.token_ids)))
+    assert out.token_ids == plain.token_ids
+    assert out.tau > 1.5  # the oracle still drafts the tokens it has
+
+
+@pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])
+def test_random_reduced_drafter_equals_plain(smollm2, reference, method):
+    ids, plain = reference
+    vocab = torch.tensor(sorted(set(range(0, 49152, 5)) | set(plain.token_ids)))
+    model = random_drafter_model(method, smollm2, draft_ids=vocab)
+    tree = TreeConfig.for_method(method, total_tokens=24)
+    drafter = MedusaDrafter(model, tree) if method == "medusa" else SerialDrafter(model, tree)
+    out = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=len(plain.token_ids)))
+    assert out.token_ids == plain.token_ids
+
+
+def test_reduced_vocabulary_sampling_matches_target():
+    vocab = 16
+    target = tiny_llama(vocab_size=vocab, seed=1, logit_scale=25.0)
+    prompt = [3, 9, 1, 12]
+    want2, want3 = exact_marginals(target, prompt, 1.0, vocab)
+    model = random_drafter_model("eagle2", target, seed=0, draft_ids=torch.arange(0, 16, 2))
+    # the whole draft vocabulary at the first level: a draft is accepted whenever the
+    # target samples a token inside it
+    drafter = SerialDrafter(model, TreeConfig.for_method("eagle2", total_tokens=16, top_k=8,
+                                                         depth=2))
+    got2, got3 = torch.zeros(vocab), torch.zeros(vocab)
+    drafted = 0
+    for seed in range(1500):
+        out = run(target, drafter, prompt, GenerateConfig(max_new_tokens=3, temperature=1.0,
+                                                          seed=seed))
+        got2[out.token_ids[1]] += 1
+        got3[out.token_ids[2]] += 1
+        drafted += out.accept_lengths[1] - 1
+    assert drafted > 200, "too few accepted drafts for the test to mean anything"
+    assert not chi_square_rejects(got2, want2)
+    assert not chi_square_rejects(got3, want3)
