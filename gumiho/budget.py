@@ -135,11 +135,18 @@ def verify_step_seconds(target: Target, width: int, context: int, repeats: int,
     device = target.device
     runner = TargetRunner(target, engine)
     cache = runner.cache_for(context + width + 1)
-    prompt = torch.randint(100, 1000, (1, context), device=device)
+    low, high = token_range(target)
+    prompt = torch.randint(low, high, (1, context), device=device)
     prefill(target, cache, prompt)
     parents = torch.cat([torch.tensor([-1]), torch.arange(width - 1) // 2]).to(device)
-    tree = DraftTree.from_parents(torch.randint(100, 1000, (width,), device=device), parents)
+    tree = DraftTree.from_parents(torch.randint(low, high, (width,), device=device), parents)
     return timed(lambda: verify_tree(target, cache, tree, step=runner.step), device, repeats)
+
+
+def token_range(target: Target) -> tuple[int, int]:
+    """Ordinary token ids to time with: [100, 1000), inside the vocabulary."""
+    vocab = target.embed_tokens.weight.shape[0]
+    return (100, 1000) if vocab >= 1000 else (0, vocab)
 
 
 def candidate_shapes(method: str, reference: TreeConfig,
@@ -256,8 +263,11 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
               "engine": engine, "plain_step_s": verify[1], "cycles": len(trees),
               "fixed_s": fixed, "shapes": rows}
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(report, indent=1))
+            tmp.replace(path)
+        except OSError as exc:  # e.g. GUMIHO_CACHE names a file: measure again next time
+            log.warning("could not cache the tree size in %s (%s)", path.parent, exc.strerror)
     return report

@@ -146,7 +146,12 @@ def infer_config(state: dict[str, Tensor], target_config, method: str | None,
     if saved and saved.get("method"):
         if method and saved["method"] != method:
             raise GumihoError(f"checkpoint is a {saved['method']} drafter, not {method}")
-        return DrafterConfig.from_json(saved)
+        try:
+            return DrafterConfig.from_json(saved)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise GumihoError(f"drafter config.json does not describe a drafter "
+                              f"({type(exc).__name__}: {exc}): fix it, or delete it to "
+                              "derive the shape from the target") from None
     if method is None:
         method = "medusa" if any(k.startswith("medusa_head.") for k in state) else (
             "gumiho" if any(MLP_KEY.match(k) for k in state) else "eagle2")
@@ -177,7 +182,15 @@ def load_drafter_model(path: str | Path, target, method: str | None = None) -> n
     state = read_state(path)
     saved = None
     if (path / "config.json").exists():
-        saved = json.loads((path / "config.json").read_text())
+        try:
+            saved = json.loads((path / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise GumihoError(f"drafter config {path / 'config.json'} is not valid JSON "
+                              f"({type(exc).__name__}): fix it, or delete it to derive the "
+                              "shape from the target") from None
+        if not isinstance(saved, dict):
+            raise GumihoError(f"drafter config {path / 'config.json'} is not a JSON object: "
+                              "fix it, or delete it to derive the shape from the target")
     fc = state.get("fc.weight", state.get("medusa_head.0.0.linear.weight"))
     if fc is not None and fc.shape[0] != target.hidden_size:
         raise GumihoError(f"drafter {path} is for hidden size {fc.shape[0]}, but target "

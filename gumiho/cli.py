@@ -19,10 +19,22 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in SUBCOMMANDS:
-        print(f"usage: gumiho {{{','.join(SUBCOMMANDS)}}} ...", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+    usage = f"gumiho {{{','.join(SUBCOMMANDS)}}} ... (each takes --help)"
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: {usage}")
+        return 0
+    if not argv:
+        print(f"error: no command given: use {usage}", file=sys.stderr)
+        return 2
+    if argv[0] not in SUBCOMMANDS:
+        print(f"error: unknown command {argv[0]!r}: use {usage}", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(SUBCOMMANDS[argv[0]])  # torch: seconds
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return module.main(argv[1:])
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from gumiho.errors import GumihoError
 
 METHODS = ("ar", "lookup", "gumiho", "eagle2", "medusa")
 FTA_MODES = ("off", "official", "exact")
+MAX_TREE_SETTING = 1024  # sanity bound on any tree size or width (memory grows with it)
 MODEL_TYPE = {"gumiho": "gumiho", "eagle2": "eagle2", "medusa": "medusa"}
 ARCHITECTURE = {"gumiho": "GumihoLlamaForCausalLM", "eagle2": "EagleLlamaForCausalLM",
                 "medusa": "MedusaModel"}
@@ -37,6 +38,26 @@ class DrafterConfig:
     medusa_own_lm_head: bool = False  # original Medusa: one vocab projection per head
     # Reduced draft vocabulary (modeling/vocab.py): 0 = the target's whole vocabulary.
     draft_vocab_size: int = 0
+
+    def __post_init__(self):
+        """Types and ranges, so a hand-edited config.json fails here in one line, not deep
+        inside a model constructor (TypeError/ValueError name the field)."""
+        if self.method not in MODEL_TYPE:
+            raise ValueError(f"method must be one of {', '.join(MODEL_TYPE)}, got "
+                             f"{self.method!r}")
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                     "num_hidden_layers", "num_mlp_heads", "num_mlp_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < (0 if name in ("num_hidden_layers", "num_mlp_heads") else 1):
+                raise ValueError(f"{name} must be positive, got {value}")
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
+            raise ValueError(f"rms_norm_eps must be a positive number, got {eps!r}")
+        if not isinstance(self.rope_parameters, dict) or not isinstance(self.hidden_act, str):
+            raise TypeError("rope_parameters must be an object and hidden_act a string")
 
     @classmethod
     def for_target(cls, target_config, method: str = "gumiho", **overrides) -> DrafterConfig:
@@ -107,6 +128,28 @@ class DrafterConfig:
         return cls(**values)
 
 
+# The tree flags each method reads; setting another one is refused, not silently ignored.
+TREE_FIELDS = {"ar": (), "gumiho": ("total_tokens", "top_k", "mlp_topk", "pruning", "fta"),
+               "eagle2": ("total_tokens", "top_k", "depth"),
+               "medusa": ("total_tokens", "depth")}
+
+
+def check_tree_options(method: str, options: dict) -> None:
+    """Refuse tree flags that `method` does not use (e.g. --fta with eagle2)."""
+    if method not in METHODS:
+        raise GumihoError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    unknown = set(options) - set(TreeConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown tree option(s) {', '.join(sorted(unknown))}: use "
+                        f"{', '.join(TreeConfig.__dataclass_fields__)}")
+    unused = [k for k, v in options.items() if v is not None and k not in TREE_FIELDS[method]]
+    if unused:
+        flags = ", ".join("--" + k.replace("_", "-") for k in unused)
+        used = ", ".join("--" + k.replace("_", "-") for k in TREE_FIELDS[method]) or "none"
+        raise GumihoError(f"{flags} does not apply to --method {method} (its tree flags: "
+                          f"{used})")
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """Draft tree settings; defaults per method follow the papers' reference settings."""
@@ -126,11 +169,29 @@ class TreeConfig:
 
     def __post_init__(self):
         if self.fta not in FTA_MODES:
-            raise GumihoError(f"--fta must be one of {', '.join(FTA_MODES)}")
-        if self.total_tokens < 2 or self.top_k < 1 or self.mlp_topk < 1 or self.pruning < 1:
-            raise GumihoError("tree sizes must be positive (--total-tokens at least 2)")
-        if self.lookup < 0 or self.depth < 1:
-            raise GumihoError("--lookup must be at least 0 and --depth at least 1")
+            raise GumihoError(f"--fta must be one of {', '.join(FTA_MODES)}, got {self.fta!r}")
+        for name in ("total_tokens", "top_k", "mlp_topk", "pruning", "depth"):
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise GumihoError(f"{flag} must be an integer, got {value!r}")
+            if value < (2 if name == "total_tokens" else 1):
+                raise GumihoError(f"{flag} must be at least "
+                                  f"{2 if name == 'total_tokens' else 1}, got {value}")
+            if value > MAX_TREE_SETTING:
+                raise GumihoError(f"{flag} {value} is too large (at most {MAX_TREE_SETTING}: "
+                                  "the reference trees verify 60-64 tokens)")
+        if isinstance(self.lookup, bool) or not isinstance(self.lookup, int) or not (
+                0 <= self.lookup <= MAX_TREE_SETTING):
+            raise GumihoError(f"--lookup must be an integer from 0 to {MAX_TREE_SETTING}, "
+                              f"got {self.lookup!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Beam and candidate widths cannot exceed the vocabulary they pick from."""
+        for name in ("top_k", "mlp_topk"):
+            if getattr(self, name) > vocab_size:
+                raise GumihoError(f"--{name.replace('_', '-')} {getattr(self, name)} is larger "
+                                  f"than the target's vocabulary ({vocab_size} tokens)")
 
     @classmethod
     def for_method(cls, method: str, **overrides) -> TreeConfig:

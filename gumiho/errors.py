@@ -1,22 +1,161 @@
-"""The one exception type users see: a one-line message that says what to do."""
+"""Bad input gets one clear line: the exception users see, the CLI wrapper that prints it,
+and argparse pieces that check values before any model is loaded.
+
+Every command's `main(argv=None)` is wrapped by `cli_errors`: a `GumihoError` (or an
+argparse error) becomes exactly one `error: ...` line on stderr and exit status 2; Ctrl-C
+prints `interrupted` (and how to resume, for long jobs) and exits 130. `GUMIHO_DEBUG=1`
+shows the traceback as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+import traceback
+
+EXIT_BAD_INPUT = 2
+EXIT_BUG = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+# Set by a parent command for its worker processes: errors go to this file, not stderr,
+# so the parent can report them as its own single line.
+ERROR_FILE_ENV = "GUMIHO_ERROR_FILE"
 
 
 class GumihoError(Exception):
     """Bad input or environment; the CLI prints it as a single line and exits 2."""
 
 
-def cli_errors(main):
-    """Wrap a `main(argv=None) -> int`: a GumihoError becomes one `error: ...` line on
-    stderr and exit status 2, never a traceback."""
-    import functools
-    import sys
+def debug() -> bool:
+    return os.environ.get("GUMIHO_DEBUG", "") not in ("", "0")
+
+
+def one_line(text: str) -> str:
+    """A message squeezed onto one line (library messages often span several)."""
+    return " ".join(str(text).split())
+
+
+def _report(line: str) -> None:
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        with open(path, "w") as f:
+            f.write(line + "\n")
+        return
+    sys.stdout.flush()
+    if sys.stdout.isatty():
+        print(file=sys.stdout, flush=True)  # a streamed answer may be mid-line
+    print(line, file=sys.stderr, flush=True)
+
+
+def cli_errors(main=None, *, resume: str | None = None):
+    """Wrap a `main(argv=None) -> int`.
+
+    GumihoError -> one `error: ...` line, exit 2. KeyboardInterrupt -> `interrupted` plus
+    `resume` (what is kept and how to go on), exit 130. Any other exception is a bug, not
+    bad input: one `error: internal error ...` line that says so, exit 1, and with
+    GUMIHO_DEBUG=1 the full traceback. Use as `@cli_errors` or `@cli_errors(resume=...)`.
+    """
+    if main is None:
+        return functools.partial(cli_errors, resume=resume)
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
         try:
             return main(argv)
         except GumihoError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            if debug():
+                traceback.print_exc()
+            _report(f"error: {one_line(exc)}")
+            return EXIT_BAD_INPUT
+        except KeyboardInterrupt:
+            if debug():
+                traceback.print_exc()
+            _report("interrupted" + (f": {resume}" if resume else ""))
+            return EXIT_INTERRUPTED
+        except Exception as exc:  # noqa: BLE001 - a bug: say so in one line, keep the trace
+            if debug():
+                traceback.print_exc()
+            if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+                _report("error: out of memory: use smaller settings (--max-new-tokens, "
+                        "--total-tokens, batch sizes) or a bigger device")
+                return EXIT_BAD_INPUT
+            _report(f"error: internal error {type(exc).__name__}: {one_line(exc)[:300]} "
+                    "(a bug in gumiho; rerun with GUMIHO_DEBUG=1 for the traceback and "
+                    "report it)")
+            return EXIT_BUG
 
     return wrapper
+
+
+def install_interrupt_hook() -> None:
+    """For a process started as a gumiho command (`python -m gumiho.…` or the `gumiho`
+    script): Ctrl-C while its modules import (torch takes seconds), before `main` runs,
+    prints `interrupted` and exits 130 instead of a traceback. Notebooks are unaffected."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0 != "-m" and os.path.basename(argv0) != "gumiho":
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if issubclass(kind, KeyboardInterrupt) and not debug():
+            sys.stdout.flush()
+            print("interrupted", file=sys.stderr, flush=True)
+            os._exit(EXIT_INTERRUPTED)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one `error: ...` line (no usage block), exit 2."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {one_line(message)} (see {self.prog} --help)",
+              file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an integer >= 1."""
+    number = _int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def nonnegative_int(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    number = _int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    return number
+
+
+def nonnegative_float(value: str) -> float:
+    """argparse type: a finite number >= 0 (temperatures, tau)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {value!r}")
+    return number
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+
+
+def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
+    """API check: a real int (not a bool, float or string) >= 1 (>= 0 with allow_zero)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < (0 if allow_zero else 1):
+        raise GumihoError(f"{name} must be {'>= 0' if allow_zero else 'at least 1'}, "
+                          f"got {value}")
+    return value

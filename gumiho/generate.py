@@ -13,19 +13,32 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import operator
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
 
+import torch
+
 from gumiho.budget import choose_tree
-from gumiho.config import FTA_MODES, METHODS, TreeConfig
+from gumiho.config import FTA_MODES, METHODS, TreeConfig, check_tree_options
 from gumiho.drafters import Drafter, load_drafter
 from gumiho.engine import GenerateConfig, GenerationResult, generate
-from gumiho.errors import GumihoError, cli_errors
+from gumiho.errors import (
+    ArgumentParser,
+    GumihoError,
+    check_positive_int,
+    cli_errors,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+)
 from gumiho.graphs import ENGINES, resolve_engine
-from gumiho.target import Target, load_target
+from gumiho.target import Target, load_target, resolve_target_path
 
 Prompt = str | list[dict] | list[int]
+ROLES = ("system", "user", "assistant")
 
 
 class SpeculativeGenerator:
@@ -38,6 +51,7 @@ class SpeculativeGenerator:
         self.verify_width = verify_width  # pad verify steps to one static shape
         self.engine = engine  # eager | graphs | compile; None: graphs on GPU, eager on CPU
         self.last_result: GenerationResult | None = None
+        self._active: object | None = None  # the stream now driving the caches
         self.auto_report: dict | None = None
 
     @classmethod
@@ -48,16 +62,22 @@ class SpeculativeGenerator:
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
         fta, lookup); unset ones take the method's reference defaults. total_tokens="auto"
         times this device and the drafter and picks the fastest tree shape (budget.py)."""
-        loaded = load_target(target, device=device, dtype=dtype, chat_template=chat_template)
-        engine = resolve_engine(engine, loaded.device)
+        check_load_args(target, method, draft, tree_options)
+        if verify_width is not None:
+            check_positive_int("verify_width", verify_width)
         auto = tree_options.get("total_tokens") == "auto"
         if auto:
             tree_options = {**tree_options, "total_tokens": None}
-        tree = TreeConfig.for_method(method, **tree_options)
+        tree = TreeConfig.for_method(method, **tree_options)  # bad sizes fail before loading
+        draft = None if draft is None else str(draft)
+        if auto and draft is None and method not in ("ar", "lookup"):
+            raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
+        loaded = load_target(str(target), device=device, dtype=dtype,
+                             chat_template=chat_template)
+        engine = resolve_engine(engine, loaded.device)
+        tree.check_vocab(loaded.lm_head.weight.shape[0])
         report = None
         if auto and method not in ("ar", "lookup"):
-            if draft is None:
-                raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
             report = choose_tree(loaded, method, draft, tree, engine)
             tree = replace(tree, **report["tree"])
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
@@ -66,16 +86,37 @@ class SpeculativeGenerator:
         return gen
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """A string is one user turn, a list of dicts a chat, a list of ints raw token ids."""
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return prompt
-        return self.target.chat_ids(prompt)
+        """A string is one user turn, a list of dicts a chat, a list of ints raw token ids
+        (a tuple or a 1-D integer tensor also works)."""
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+                raise TypeError("a tensor prompt must be 1-D integer token ids, got shape "
+                                f"{list(prompt.shape)} of {prompt.dtype}")
+            prompt = prompt.tolist()
+        if isinstance(prompt, tuple):
+            prompt = list(prompt)
+        if isinstance(prompt, str):
+            return self.target.chat_ids(prompt)
+        if not isinstance(prompt, list):
+            raise TypeError("prompt must be a string, a list of {'role', 'content'} messages "
+                            f"or a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise GumihoError("empty prompt: give some text to answer")
+        if all(isinstance(m, dict) for m in prompt):
+            check_messages(prompt)
+            return self.target.chat_ids(prompt)
+        if all(hasattr(t, "__index__") and not isinstance(t, bool) for t in prompt):
+            return [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d int tensors
+        raise TypeError("prompt must be a string, a list of {'role', 'content'} messages or "
+                        "a list of token ids (ints), got a list holding "
+                        f"{', '.join(sorted({type(x).__name__ for x in prompt}))}")
 
-    def _steps(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int):
+    def _steps(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int,
+               result: GenerationResult | None = None):
         config = GenerateConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                                 seed=seed, verify_width=self.verify_width,
                                 engine=self.engine)
-        return generate(self.target, self.drafter, self.prompt_ids(prompt), config)
+        return generate(self.target, self.drafter, self.prompt_ids(prompt), config, result)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                  seed: int = 0) -> GenerationResult:
@@ -86,20 +127,71 @@ class SpeculativeGenerator:
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                seed: int = 0) -> Iterator[str]:
-        """Text pieces as the cycles emit them; the statistics land in `last_result`."""
-        steps = self._steps(prompt, max_new_tokens, temperature, seed)
+        """Text pieces as the cycles emit them; the statistics land in `last_result`.
+
+        Stopping early (`break`, or closing the iterator) leaves in `last_result` the part
+        generated so far, with `stopped_by == "closed"`; an error leaves None. One
+        generation at a time: a newer `generate`/`stream` call ends an older stream.
+        """
+        self.last_result = None
+        owner = self._active = object()  # which stream may use the shared caches now
+        result = GenerationResult()
+        steps = self._steps(prompt, max_new_tokens, temperature, seed, result)
         tokens: list[int] = []
         shown = ""
-        while True:
-            try:
-                tokens += next(steps)
-            except StopIteration as done:
-                self.last_result = done.value
-                return
-            text = self.target.decode(tokens)
-            if text.startswith(shown) and not text.endswith("\ufffd"):  # wait out split UTF-8
-                yield text[len(shown):]
-                shown = text
+        try:
+            while True:
+                if self._active is not owner:
+                    raise GumihoError("this stream was superseded by a newer generate/stream "
+                                      "call on the same generator: finish one before the next")
+                try:
+                    tokens += next(steps)
+                except StopIteration:
+                    self.last_result = result
+                    return
+                text = self.target.decode(tokens)
+                if text.startswith(shown) and not text.endswith("\ufffd"):  # split UTF-8
+                    yield text[len(shown):]
+                    shown = text
+        except GeneratorExit:  # the caller stopped early: describe what it got
+            steps.close()
+            if self._active is owner:
+                self.last_result = result
+            raise
+
+
+def check_load_args(target, method, draft, tree_options: dict) -> None:
+    """API arguments of `SpeculativeGenerator.load`, checked before anything loads."""
+    for name, value in (("target", target), ("draft", draft)):
+        if value is not None and not isinstance(value, str | os.PathLike):
+            raise TypeError(f"{name} must be a path or a name (str), got {value!r}")
+    if not isinstance(method, str):
+        raise TypeError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    check_tree_options(method, tree_options)
+
+
+def check_messages(messages: list[dict]) -> None:
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise GumihoError(f"message {i} must be {{'role': one of {', '.join(ROLES)}, "
+                              f"'content': str}}, got {m!r}"[:300])
+
+
+def check_context_room(target: str, max_new_tokens: int) -> None:
+    """Before a slow load or tree-size calibration: max_new_tokens alone must fit the
+    target's context (prompt + max_new_tokens is checked exactly before generating)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_target_path(target)).get_text_config()
+    except GumihoError:
+        raise
+    except Exception:  # noqa: BLE001 - load_target reports a broken config in one line
+        return
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and max_new_tokens >= limit:
+        raise GumihoError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in "
+                          f"{target}'s context of {limit} tokens: ask for fewer")
 
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:
@@ -123,14 +215,15 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                        help="verified tokens incl. the root (gumiho 64, eagle2 60, medusa 64), "
                        "or 'auto': time this device and the drafter and pick the fastest tree "
                        "shape (size, depth, or a chain) within the reference (cached)")
-    group.add_argument("--top-k", type=int, help="beam width at serial levels (gumiho 14, "
+    group.add_argument("--top-k", type=positive_int, help="beam width at serial levels (gumiho 14, "
                        "eagle2 10)")
-    group.add_argument("--mlp-topk", type=int, help="candidates per node at MLP levels (35)")
-    group.add_argument("--pruning", type=int, help="nodes kept per MLP level (35)")
-    group.add_argument("--depth", type=int, help="draft depth: gumiho 2 serial levels + MLP "
-                       "levels (7), eagle2 serial levels (6), medusa tree depth (4)")
-    group.add_argument("--lookup", type=int, help="add a prompt-lookup chain of this many "
-                       "n-gram continuation tokens under the root (method lookup: 10)")
+    group.add_argument("--mlp-topk", type=positive_int,
+                       help="candidates per node at MLP levels (35)")
+    group.add_argument("--pruning", type=positive_int, help="nodes kept per MLP level (35)")
+    group.add_argument("--depth", type=positive_int, help="draft depth: gumiho 2 serial levels + "
+                       "MLP levels (7), eagle2 serial levels (6), medusa tree depth (4)")
+    group.add_argument("--lookup", type=nonnegative_int, help="add a prompt-lookup chain of this "
+                       "many n-gram continuation tokens under the root (method lookup: 10)")
     group.add_argument("--fta", choices=FTA_MODES, help="Full Tree Attention (gumiho): off "
                        "(plain dynamic tree, default), exact (lossless path completion), or "
                        "official (the released splice: APPROXIMATE, not lossless)")
@@ -140,9 +233,13 @@ def total_tokens_arg(value: str) -> int | str:
     if value == "auto":
         return value
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
+    if number < 2:
+        raise argparse.ArgumentTypeError(f"expected at least 2 (the root and one draft), "
+                                         f"got {value!r}")
+    return number
 
 
 def tree_options(args: argparse.Namespace) -> dict:
@@ -151,18 +248,18 @@ def tree_options(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gumiho generate", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="gumiho generate", description=__doc__.split("\n")[0])
     add_target_args(parser)
     parser.add_argument("--method", default="ar", choices=METHODS)
     parser.add_argument("--draft", default=None,
                         help="drafter checkpoint dir, or 'random' (seeded random weights)")
     add_tree_args(parser)
     parser.add_argument("--prompt", required=True, help="one user turn")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
+    parser.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--verify-width", type=int, default=None,
+    parser.add_argument("--verify-width", type=positive_int, default=None,
                         help="pad every verify step to this many tokens (one static shape)")
     return parser
 
@@ -171,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)
+    if not args.prompt.strip():
+        raise GumihoError("empty prompt: give some text to answer")
+    check_context_room(args.target, args.max_new_tokens)
     gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
                                     device=args.device, dtype=args.dtype,
                                     chat_template=args.chat_template,

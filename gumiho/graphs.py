@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from gumiho.errors import GumihoError
+from gumiho.hostsync import REPLAYING
 
 ENGINES = ("eager", "graphs", "compile", "static")
 
@@ -101,7 +102,12 @@ class StaticStep:
             entry = self.entries[key] = self._capture(inputs)
         for buffer, x in zip(entry.inputs, inputs, strict=True):
             buffer.copy_(x)
-        return tuple(out.clone() for out in entry())
+        REPLAYING.active = True  # a recorded step: no per-kernel host work on a GPU
+        try:
+            outputs = entry()
+        finally:
+            REPLAYING.active = False
+        return tuple(out.clone() for out in outputs)
 
     def _capture(self, inputs: tuple[Tensor, ...]) -> _Graph | _Replay:
         if self.engine == "static":

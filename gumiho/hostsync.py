@@ -10,16 +10,21 @@ finds the same operations from the operator stream, so a CPU test can hold the s
 loop to its budget (one sync a greedy cycle) and name the line that breaks it.
 
 Zero-dimensional Python scalars in arithmetic (`t + 1`, `torch.where(m, t, 0)`) and basic
-slice assignment (`t[:n] = True`) are passed as kernel arguments and do not sync.
+slice assignment (`t[:n] = True`) are passed as kernel arguments and do not sync, nor does
+`upload` (host data through pinned memory, copied non-blocking): the one way the loop
+sends host-made data to the device.
 """
 
 from __future__ import annotations
 
+import threading
 import traceback
 import weakref
 from collections import Counter
 
+import numpy as np
 import torch
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -29,6 +34,22 @@ _READS = {aten._local_scalar_dense.default: "item()/int()/bool()",
           aten.nonzero.default: "nonzero", aten.masked_select.default: "masked_select",
           aten.unique_consecutive.default: "unique", aten._unique2.default: "unique"}
 _HOST_METHODS = {torch.Tensor.tolist: "tolist()", torch.Tensor.numpy: "numpy()"}
+
+
+_UPLOADING = threading.local()
+
+
+def upload(values: np.ndarray, device: torch.device) -> Tensor:
+    """Host data on the device without blocking the host: a pinned copy, sent
+    non-blocking (on a CPU device, the array itself)."""
+    _UPLOADING.active = True
+    try:
+        host = torch.from_numpy(values)
+        if device.type == "cpu":
+            return host
+        return host.pin_memory().to(device, non_blocking=True)
+    finally:
+        _UPLOADING.active = False
 
 
 class _Dispatch(TorchDispatchMode):
@@ -43,7 +64,9 @@ class _Dispatch(TorchDispatchMode):
         if func in _READS:
             self.owner.record(_READS[func])
         elif func in (aten.lift_fresh.default, aten.lift_fresh_copy.default):
-            if out.dim() > 0:
+            if getattr(_UPLOADING, "active", False):
+                pass  # pinned and non-blocking: no sync
+            elif out.dim() > 0:
                 self.owner.record("tensor from Python data")  # an H2D copy on a GPU
             else:
                 self.python_scalars.add(out)
@@ -104,4 +127,58 @@ def _caller() -> str:
         name = frame.filename
         if "/torch/" not in name and not name.endswith("hostsync.py"):
             return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{frame.lineno}"
+    return "?"
+
+
+REPLAYING = threading.local()  # set by graphs.StaticStep while a recorded step replays
+
+
+class _Launches(TorchDispatchMode):
+    def __init__(self, owner: LaunchCounter):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.owner.active and not getattr(REPLAYING, "active", False) and \
+                not func.is_view and func not in _NO_KERNEL:
+            self.owner.by_module[_gumiho_module()] += 1
+        return out
+
+
+_NO_KERNEL = {aten._local_scalar_dense.default, aten.lift_fresh.default, aten.detach.default,
+              aten.alias.default, aten._to_copy.default}
+
+
+class LaunchCounter:
+    """Device kernels the host launches outside recorded steps, by the gumiho module that
+    asked for them (`with LaunchCounter() as launches: ...; launches.by_module`).
+
+    On a GPU each launch costs the host a few microseconds, so this is what the cycle's
+    eager part (tree building, acceptance, cache compaction) costs beyond its syncs. Steps
+    a captured engine records (`static` replays them in Python) are not counted; views
+    launch nothing and are not counted either."""
+
+    def __init__(self, active: bool = True):
+        self.by_module: Counter[str] = Counter()
+        self.active = active  # switch on later, e.g. after a prefill
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_module.values())
+
+    def __enter__(self) -> LaunchCounter:
+        self._mode = _Launches(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+
+def _gumiho_module() -> str:
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        path = frame.filename.replace("\\", "/")
+        if "/gumiho/" in path and not path.endswith("hostsync.py"):
+            return path.rsplit("/gumiho/", 1)[1]
     return "?"

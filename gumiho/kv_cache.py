@@ -1,9 +1,12 @@
 """The target's preallocated KV cache: the only module that touches HF cache internals.
 
 We build transformers' static cache layers: fixed-capacity (B, heads, capacity, head_dim)
-tensors per layer, written in place. Its layers write new entries at their own
-`cumulative_length` counter, so we own that counter: `rewind(L)` before a step makes the step
-write at L, and `compact(...)` moves the accepted tree nodes' entries down to L..L+n-1.
+tensors per layer, written in place, here all views of one storage tensor (layers, keys and
+values, B, heads, capacity, head_dim). Our layers write new entries at one position tensor
+shared by all of them (stock layers each keep and advance a counter of their own): `rewind(L)`
+before a step makes the step write at L, and `compact(...)` moves the accepted tree nodes'
+entries down to L..L+n-1 in every layer at once. Both are one or two kernels whatever the
+depth of the model (a GPU pays per kernel launched outside a recorded step).
 Entries past the committed length are stale but never read, because every attention mask we
 build hides columns >= the committed length except the step's own tree columns.
 
@@ -41,6 +44,22 @@ def attention_kinds(config) -> tuple[list[str], tuple[str, ...], int | None]:
     return list(layer_types), tuple(dict.fromkeys(layer_types)), window
 
 
+class _SharedPositionLayer(StaticLayer):
+    """A static layer whose keys/values are views of the cache's storage and that writes
+    at the cache's shared position without advancing it."""
+
+    def __init__(self, capacity: int, position: Tensor):
+        super().__init__(max_cache_len=capacity)
+        self.cumulative_length = position  # () long, shared; also what HF reads as length
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        slots = torch.arange(key_states.shape[-2], device=key_states.device) + \
+            self.cumulative_length
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        return self.keys, self.values
+
+
 class KVCache:
     """A target KV cache of fixed capacity with accepted-path compaction."""
 
@@ -53,12 +72,19 @@ class KVCache:
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
-        with torch.device(device):  # the layers' write counters are born on the device
-            # Full-length static layers for every layer, sliding ones included (module doc).
-            self.hf = Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in layer_types])
-            # Allocate now so compaction can run before the first write of a sequence.
-            self.hf.early_initialization(batch_size=1, num_heads=heads, head_dim=head_dim,
-                                         dtype=self.dtype, device=self.device)
+        self.position = torch.zeros((), dtype=torch.long, device=device)  # next write slot
+        # (layers, keys/values, B, heads, capacity, head_dim): one tensor for every layer
+        self.storage = torch.zeros(len(layer_types), 2, 1, heads, capacity, head_dim,
+                                   dtype=dtype, device=device)
+        # Full-length static layers for every layer, sliding ones included (module doc).
+        layers = [_SharedPositionLayer(capacity, self.position) for _ in layer_types]
+        self.hf = Cache(layers=layers)
+        for i, layer in enumerate(layers):  # what HF's lazy initialisation would set
+            layer.dtype, layer.device = dtype, torch.device(device)
+            layer.batch_size, layer.num_heads = 1, heads
+            layer.k_head_dim = layer.v_head_dim = head_dim
+            layer.keys, layer.values = self.storage[i, 0], self.storage[i, 1]
+            layer.is_initialized = True
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, capacity: int) -> KVCache:
@@ -68,13 +94,11 @@ class KVCache:
 
     def rewind(self, length: int) -> None:
         """Make the next forward write its K new entries at slots length..length+K-1."""
-        for layer in self.hf.layers:
-            layer.cumulative_length.fill_(length)
+        self.position.fill_(length)
 
     def seek(self, write_at: Tensor) -> None:
         """Device-side `rewind`, for captured steps: write_at is a (1,) long tensor."""
-        for layer in self.hf.layers:
-            layer.cumulative_length.copy_(write_at[0])
+        self.position.copy_(write_at[0])
 
     def write_position(self, offset: int = 0) -> Tensor:
         """Where the next step writes, as the (1,) tensor a captured step takes."""
@@ -121,9 +145,9 @@ class KVCache:
                             for kind in self.kinds])[:, None]
 
     def commit(self, num_tokens: int) -> None:
-        """Accept the step's first `num_tokens` entries as they lie (a chain, e.g. prefill)."""
+        """Accept the step's first `num_tokens` entries as they lie (a chain, e.g. prefill).
+        (No rewind here: every step rewinds or seeks before it writes.)"""
         self.length += num_tokens
-        self.rewind(self.length)
 
     def compact(self, accepted: Tensor) -> None:
         """Keep the step's entries at tree positions `accepted` (n,) as the next n tokens.
@@ -134,10 +158,9 @@ class KVCache:
         n = accepted.shape[0]
         src = self.length + accepted
         dst = torch.arange(self.length, self.length + n, device=accepted.device)
-        for layer in self.hf.layers:
-            # index_select copies first, so overlapping source and destination are safe.
-            layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
-            layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+        # every layer's keys and values at once; index_select copies first, so overlapping
+        # source and destination are safe
+        self.storage.index_copy_(4, dst, self.storage.index_select(4, src))
         self.commit(n)
 
     def keys_values(self, layer: int) -> tuple[Tensor, Tensor]:

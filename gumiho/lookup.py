@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gumiho.hostsync import upload
 from gumiho.tree import DraftTree
 
 
@@ -95,10 +96,7 @@ def chain_to_device(tokens: list[int], length: int, device: torch.device
     packed = np.zeros(2 * length, dtype=np.int64)
     packed[: len(tokens)] = tokens
     packed[length : length + len(tokens)] = 1
-    host = torch.from_numpy(packed)
-    if device.type != "cpu":
-        host = host.pin_memory()
-    on_device = host.to(device, non_blocking=True)
+    on_device = upload(packed, device)
     return on_device[:length], on_device[length:].bool()
 
 

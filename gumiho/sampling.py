@@ -19,10 +19,19 @@ Drawing every node's token up front keeps shapes static and costs one host sync 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from gumiho.tree import DraftTree
+
+
+class Acceptance(NamedTuple):
+    nodes: Tensor  # (n,) tree indices of the accepted path, root first
+    bonus: Tensor  # () the token the target emits after the last accepted node
+    tokens: list[int]  # the emitted tokens on the host: accepted drafts, then the bonus
+    contiguous: bool  # nodes are 0..n-1: their cache entries already lie in place
 
 
 def accept_greedy(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -30,11 +39,11 @@ def accept_greedy(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor]:
 
     logits: (K, V) target logits at the tree nodes.
     """
-    accepted, bonus, _ = accept_greedy_tokens(tree, logits)
-    return accepted, bonus
+    result = accept_greedy_tokens(tree, logits)
+    return result.nodes, result.bonus
 
 
-def accept_greedy_tokens(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+def accept_greedy_tokens(tree: DraftTree, logits: Tensor) -> Acceptance:
     """`accept_greedy`, plus the emitted tokens (accepted drafts, then the bonus) on the host."""
     picks = logits.argmax(-1)  # (K,)
     if tree.spliced_paths is not None:  # the official FTA: follow its spliced paths
@@ -42,44 +51,58 @@ def accept_greedy_tokens(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tenso
     return accept_matching(tree, picks)
 
 
-def accept_matching(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+def accept_matching(tree: DraftTree, picks: Tensor, step=None) -> Acceptance:
     """The accepted path for the target's pick at every node (K,), the bonus token and the
     emitted tokens on the host.
 
-    One host sync: a single transfer brings back the accept length and the tokens.
-    A node is reachable when it and all its ancestors match the pick at their parents; the
-    deepest reachable node (the first in node order on a tie, which only greedy decoding
-    can meet: equal token chains, so equal output) ends the accepted path.
+    One host sync: a single transfer brings back the accept length, the path's nodes and
+    the tokens. `step`: `match_picks` as a (recorded) engine step, if the loop has one.
     """
     k = tree.size
-    matched = (tree.tokens == picks[tree.parents.clamp(min=0)]) & first_of_siblings(tree)
-    if tree.dead is not None:
-        matched &= ~tree.dead
+    dead = tree.dead if tree.dead is not None else torch.zeros_like(tree.tokens, dtype=torch.bool)
+    packed, order, bonus = (step or match_picks)(tree.tokens, tree.parents, tree.depths,
+                                                 tree.mask, dead, picks)
+    host = packed.tolist()  # the host sync of the cycle: length, tokens, nodes
+    n = host[0]
+    nodes = host[k + 1 : k + 1 + n]
+    return Acceptance(order[: n + 1], bonus[0], host[1 : n + 1] + host[k : k + 1],
+                      nodes == list(range(1, n + 1)))
+
+
+def match_picks(tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor, dead: Tensor,
+                picks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The device part of `accept_matching` (tensors only: it can be recorded).
+
+    A node is reachable when it and all its ancestors match the pick at their parents; the
+    deepest reachable node (the first in node order on a tie, which only greedy decoding
+    can meet: equal token chains, so equal output) ends the accepted path. Returns packed
+    (2K,) = [accept length, the path's K - 1 tokens (padded), bonus, its K - 1 nodes], the
+    path's nodes ordered by depth (K + 1,) (valid up to the accept length) and the bonus (1,).
+    """
+    k = tokens.shape[0]
+    matched = (tokens == picks[parents.clamp(min=0)]) & first_of_siblings(tokens, parents) & \
+        ~dead
     matched[0] = True  # the root is already the target's
-    reachable = ~(tree.mask & ~matched[None, :]).any(1)
-    reach = torch.where(reachable, tree.depths, -1)
+    reachable = ~(mask & ~matched[None, :]).any(1)
+    reach = torch.where(reachable, depths, -1)
     best = reach.argmax().view(1)  # indexing with a 0-dim tensor would read it on the host
     # best's ancestors ordered by depth (slot k collects the non-ancestors, then is dropped)
     order = torch.zeros(k + 1, dtype=torch.long, device=picks.device)
-    order.scatter_(0, torch.where(tree.mask[best][0], tree.depths, k),
-                   torch.arange(k, device=picks.device))
-    bonus = picks[best][0]
-    packed = torch.cat([reach[best], tree.tokens[order[1:k]], bonus.view(1)])
-    host = packed.tolist()  # the host sync of the cycle: accept length and tokens
-    n = host[0]
-    return order[: n + 1], bonus, host[1 : n + 1] + host[-1:]
+    order.scatter_(0, torch.where(mask[best][0], depths, k), torch.arange(k, device=picks.device))
+    bonus = picks[best]
+    packed = torch.cat([reach[best], tokens[order[1:k]], bonus, order[1:k]])
+    return packed, order, bonus
 
 
-def first_of_siblings(tree: DraftTree) -> Tensor:
+def first_of_siblings(tokens: Tensor, parents: Tensor) -> Tensor:
     """(K,) bool: false for a node whose token an earlier sibling already carries."""
-    k = tree.size
-    same = (tree.parents[:, None] == tree.parents[None, :]) & \
-        (tree.tokens[:, None] == tree.tokens[None, :])  # (K, K)
-    earlier = torch.ones(k, k, dtype=torch.bool, device=tree.tokens.device).tril(-1)
+    k = tokens.shape[0]
+    same = (parents[:, None] == parents[None, :]) & (tokens[:, None] == tokens[None, :])
+    earlier = torch.ones(k, k, dtype=torch.bool, device=tokens.device).tril(-1)
     return ~(same & earlier).any(1)
 
 
-def _accept_along_paths(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+def _accept_along_paths(tree: DraftTree, picks: Tensor) -> Acceptance:
     paths = tree.paths  # (P, D + 1)
     safe = paths.clamp(min=0)
     match = (tree.tokens[safe[:, 1:]] == picks[safe[:, :-1]]) & (paths[:, 1:] >= 0)
@@ -88,7 +111,7 @@ def _accept_along_paths(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor,
     n = int(lengths[best])
     accepted = safe[best, : n + 1]
     bonus = picks[accepted[-1]]
-    return accepted, bonus, emitted_tokens(tree, accepted, bonus)
+    return Acceptance(accepted, bonus, emitted_tokens(tree, accepted, bonus), False)
 
 
 def emitted_tokens(tree: DraftTree, accepted: Tensor, bonus: Tensor) -> list[int]:
@@ -111,11 +134,11 @@ def accept_sampling(tree: DraftTree, logits: Tensor, temperature: float,
     """Multi-candidate rejection sampling for a deterministic draft tree (EAGLE-2,
     SpecInfer), in the equivalent form of the module docstring: emits exactly softmax(
     logits / T) at every step (along the official FTA's spliced paths if it spliced)."""
-    accepted, bonus, _ = accept(tree, logits, temperature, generator)
-    return accepted, bonus
+    result = accept(tree, logits, temperature, generator)
+    return result.nodes, result.bonus
 
 
-def sample_along_paths(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+def sample_along_paths(tree: DraftTree, picks: Tensor) -> Acceptance:
     """The released sampler on the official FTA's spliced paths, in the equivalent form of
     the module docstring (picks (K,): one draw per node). At each depth it reads the
     logits of the first path whose tokens so far are the emitted ones, and tries the
@@ -133,15 +156,15 @@ def sample_along_paths(tree: DraftTree, picks: Tensor) -> tuple[Tensor, Tensor, 
         y = drawn[paths[best][-1]]  # every column accepted: the bonus from the last node
     accepted = tree.spliced_paths[best, : n + 1]
     emitted = [tokens[node] for node in paths[best][1 : n + 1]] + [y]
-    return accepted, torch.tensor(y, device=picks.device), emitted
+    return Acceptance(accepted, torch.tensor(y, device=picks.device), emitted, False)
 
 
 def accept(tree: DraftTree, logits: Tensor, temperature: float,
-           generator: torch.Generator) -> tuple[Tensor, Tensor, list[int]]:
-    """(accepted node indices, bonus token, the emitted tokens on the host)."""
-    if temperature == 0:
-        return accept_greedy_tokens(tree, logits)
-    picks = sample_tokens(logits, temperature, generator)
-    if tree.spliced_paths is not None:  # the official FTA spliced (at T > 0: rarely)
-        return sample_along_paths(tree, picks)
-    return accept_matching(tree, picks)
+           generator: torch.Generator, step=None) -> Acceptance:
+    """The accepted path, bonus token and emitted tokens of a cycle. step: a recorded
+    `match_picks` (engine.TargetRunner), or None."""
+    if tree.spliced_paths is not None:  # the official FTA splice (at T > 0: rarely)
+        if temperature == 0:
+            return _accept_along_paths(tree, logits.argmax(-1))
+        return sample_along_paths(tree, sample_tokens(logits, temperature, generator))
+    return accept_matching(tree, sample_tokens(logits, temperature, generator), step)

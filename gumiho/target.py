@@ -151,9 +151,14 @@ class Target:
         if self.tokenizer is None:
             raise GumihoError(f"target {self.name} has no tokenizer: pass token ids instead")
         if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            except Exception as exc:  # noqa: BLE001 - Jinja errors of a user's template
+                raise GumihoError(f"the chat template of {self.name} fails on this prompt "
+                                  f"({type(exc).__name__}: {_first_line(exc)}): fix it or "
+                                  "pass --chat-template") from None
             return list(ids["input_ids"] if isinstance(ids, dict) else ids)
         text = "\n".join(m["content"] for m in messages)
         return self.tokenizer(text)["input_ids"]
@@ -171,12 +176,15 @@ def cache_dir() -> Path:
 def choose_device_dtype(
     device: str | None = None, dtype: str | None = None
 ) -> tuple[torch.device, torch.dtype]:
-    """Decide device and dtype once: an accelerator in bf16 if there is one, else CPU fp32."""
+    """Decide device and dtype once: $GUMIHO_DEVICE if set, else an accelerator in bf16 if
+    there is one, else CPU fp32."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"  # ROCm reports as cuda too
-    dev = torch.device(device)
+    dev = check_device(device)
     if dtype is None:
         torch_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    elif dtype in (torch.float32, torch.bfloat16, torch.float16):
+        torch_dtype = dtype
     else:
         names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -186,6 +194,26 @@ def choose_device_dtype(
     return dev, torch_dtype
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """A torch device that exists here, or one line saying what to use instead."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise GumihoError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps") from None
+    available = {"cpu": lambda: True, "cuda": torch.cuda.is_available,
+                 "mps": torch.backends.mps.is_available,
+                 "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}
+    if dev.type not in available:
+        raise GumihoError(f"unsupported device {device!r}: use cpu, cuda, cuda:N or mps")
+    if not available[dev.type]():
+        raise GumihoError(f"--device {device}: no {dev.type} device is available here "
+                          "(use --device cpu, or leave --device out to pick automatically)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise GumihoError(f"--device {device}: only {torch.cuda.device_count()} CUDA "
+                          f"device(s) here (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    return dev
+
+
 def package_dir(package: str, install_hint: str) -> Path:
     """The folder of an installed data package, found without importing it (some of these
     packages import plugins we deliberately do not install)."""
@@ -193,6 +221,19 @@ def package_dir(package: str, install_hint: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise GumihoError(f"package {package} is not installed: {install_hint}")
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+def check_writable_dir(path: Path, what: str) -> None:
+    """`path` is, or can be made, a writable directory (else one line naming it)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise GumihoError(f"{what} {path}: {existing} is a file, not a directory: "
+                          "point it at a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise GumihoError(f"{what} {path}: {existing} is not writable: point it at a "
+                          "writable directory")
 
 
 def resolve_target_path(name_or_path: str) -> Path:
@@ -236,15 +277,37 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
                                                      attn_implementation=attn)
     except (ValueError, KeyError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise GumihoError(
-            f"target {name_or_path!r} is not a supported causal LM: {first}") from None
-    tokenizer = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
+        raise GumihoError(f"target {name_or_path!r} is not a supported causal LM: "
+                          f"{_first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - truncated/garbage weight files fail in many ways
+        if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+            raise
+        from gumiho.embedded import EMBEDDED
+
+        fix = (f"delete {path} to convert it again" if name_or_path in EMBEDDED
+               else "are its files complete?")
+        raise GumihoError(f"cannot load the weights of target {name_or_path!r} from {path} "
+                          f"({type(exc).__name__}: {_first_line(exc)}): {fix}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
+    except Exception as exc:  # noqa: BLE001 - missing or garbage tokenizer files
+        raise GumihoError(f"target {name_or_path!r} has no usable tokenizer in {path} "
+                          f"({type(exc).__name__}: {_first_line(exc)}): copy the model's "
+                          "tokenizer files (tokenizer.json, tokenizer_config.json) into it"
+                          ) from None
     if chat_template:
         from gumiho.ge_data.templates import TEMPLATES
 
         tokenizer.chat_template = TEMPLATES.get(chat_template, chat_template)
-    return wrap_target(model.to(dev).eval(), tokenizer, name=name_or_path)
+    target = wrap_target(model.to(dev).eval(), tokenizer, name=name_or_path)
+    if chat_template:
+        target.chat_ids("Hello")  # a broken template fails here, in one line
+    return target
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def wrap_target(model: torch.nn.Module, tokenizer=None, name: str = "model") -> Target:

@@ -1,10 +1,31 @@
-"""Shared fixtures: a tiny random Llama (fast unit tests) and the real SmolLM2 target."""
+"""Shared fixtures: a tiny random Llama (fast unit tests) and the real SmolLM2 target.
+
+The suite runs on the CPU (CI) unless GUMIHO_TEST_DEVICE names another device, e.g.
+`GUMIHO_TEST_DEVICE=cuda python -m pytest`: then every target loads there (also in the
+subprocesses the CLI tests start, through GUMIHO_DEVICE) and tensors a test makes without
+a device land there too; tests marked `host` (pure arithmetic on hand-made tensors) stay
+on the CPU.
+"""
+
+import os
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gumiho.target import load_target, wrap_target
+
+DEVICE = torch.device(os.environ.get("GUMIHO_TEST_DEVICE", "cpu"))
+os.environ["GUMIHO_DEVICE"] = str(DEVICE)  # the library's default device, subprocesses too
+
+
+@pytest.fixture(autouse=True)
+def _test_device(request):
+    if DEVICE.type == "cpu" or request.node.get_closest_marker("host"):
+        yield
+        return
+    with DEVICE:
+        yield
 
 
 def tiny_llama(vocab_size: int = 97, seed: int = 0, logit_scale: float = 1.0):
@@ -17,7 +38,7 @@ def tiny_llama(vocab_size: int = 97, seed: int = 0, logit_scale: float = 1.0):
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
-    target = wrap_target(model, name="tiny")
+    target = wrap_target(model.to(DEVICE), name="tiny")
     target.stop_token_ids = frozenset()
     return target
 

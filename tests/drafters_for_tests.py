@@ -29,8 +29,8 @@ class ReplayDrafter:
         main = self.full[self.known : self.known + self.depth]
         tokens, parents, parent = [int(self.root)], [-1], 0
         for tok in main:
-            wrong = (tok + 1 + int(torch.randint(self.vocab_size - 1, (), generator=self.rng))) \
-                % self.vocab_size
+            draw = torch.randint(self.vocab_size - 1, (), generator=self.rng, device="cpu")
+            wrong = (tok + 1 + int(draw)) % self.vocab_size
             tokens += [wrong, tok]  # the wrong sibling comes first
             parents += [parent, parent]
             parent = len(tokens) - 1
@@ -57,9 +57,13 @@ class RandomDrafter:
 
 
 def random_tree(root, size, vocab_size, rng) -> DraftTree:
-    parents = [-1] + [int(torch.randint(i, (), generator=rng)) for i in range(1, size)]
-    tokens = torch.cat([root.view(1), torch.randint(vocab_size, (size - 1,), generator=rng)])
-    return DraftTree.from_parents(tokens, torch.tensor(parents))
+    """A random tree on the default device (the test device), drawn with a CPU rng."""
+    parents = [-1] + [int(torch.randint(i, (), generator=rng, device="cpu"))
+                      for i in range(1, size)]
+    drawn = torch.randint(vocab_size, (size - 1,), generator=rng, device="cpu")
+    device = torch.get_default_device()
+    tokens = torch.cat([root.view(1).to(device), drawn.to(device)])
+    return DraftTree.from_parents(tokens, torch.tensor(parents, device=device))
 
 
 class OracleModel(torch.nn.Module):
@@ -108,7 +112,7 @@ class OracleHead:
     def __init__(self, full: list[int], vocab_size: int):
         self.full, self.vocab = torch.tensor(full), vocab_size
         self.noise = torch.rand(len(full) + 16, vocab_size, generator=torch.Generator()
-                                .manual_seed(5))
+                                .manual_seed(5), device="cpu").to(torch.get_default_device())
 
     def to_target(self, indices):
         return indices

@@ -23,6 +23,7 @@ def hand_tree():
     return replace(tree, priority=torch.tensor([float("inf"), -1.0, -2.0, -3.0, -4.0, -5.0]))
 
 
+@pytest.mark.host
 def test_accept_by_size_keeps_the_path_prefix_inside_each_budget():
     tree = hand_tree()
     # accepted drafts 10, 11, 12: nodes 1, 3, 5 with ranks 0, 2, 4
@@ -31,10 +32,12 @@ def test_accept_by_size_keeps_the_path_prefix_inside_each_budget():
     assert budget.accept_by_size([tree], [[]], [6]) == {6: 1}
 
 
+@pytest.mark.host
 def test_select_tree_priority_ranks_a_smaller_budget_as_its_prefix():
     gen = torch.Generator().manual_seed(0)
-    scores = -torch.rand(30, generator=gen).cumsum(0)  # descending, so parents outrank
-    parents = torch.tensor([-1] * 5 + [int(torch.randint(i, (), generator=gen))
+    # descending, so parents outrank
+    scores = -torch.rand(30, generator=gen, device="cpu").cumsum(0)
+    parents = torch.tensor([-1] * 5 + [int(torch.randint(i, (), generator=gen, device="cpu"))
                                        for i in range(5, 30)])
     depths = torch.ones(30, dtype=torch.long)
     for i in range(5, 30):
@@ -87,6 +90,7 @@ def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypat
         assert row["accept"] >= 1 and row["cycle_s"] > 0
 
 
+@pytest.mark.host
 def test_shape_subtrees_of_a_reference_tree():
     tree = hand_tree()  # depths: 1 -> 1, 2 -> 1, 3 -> 2, 4 -> 2, 5 -> 3
     assert budget.kept_nodes(tree, budget.Shape(3, 1)) == {0, 1, 2}

@@ -71,7 +71,7 @@ def test_save_load_round_trip(tmp_path, smollm2, method):
 def write_official(path, keys, seed=0, fmt="safetensors", drop=(), reshape=None):
     """An official-format checkpoint with random weights and no config.json."""
     g = torch.Generator().manual_seed(seed)
-    state = {k: torch.randn(*shape, generator=g) * 0.02 for k, shape in keys.items()
+    state = {k: torch.randn(*shape, generator=g, device="cpu") * 0.02 for k, shape in keys.items()
              if k not in drop}
     if reshape:
         state[reshape] = torch.zeros(3)

@@ -10,13 +10,14 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from gumiho.config import TreeConfig
 from gumiho.drafters import load_drafter
 from gumiho.engine import GenerateConfig, run
-from gumiho.hostsync import HostSyncCounter
+from gumiho.hostsync import HostSyncCounter, upload
 
 CASES = [("ar", "off"), ("lookup", "off"), ("gumiho", "off"), ("gumiho", "exact"),
          ("gumiho", "official"), ("eagle2", "off"), ("medusa", "off")]
@@ -56,6 +57,7 @@ def test_one_host_sync_per_cycle(smollm2, method, fta, temperature):
     assert per_cycle <= 1.0, syncs.sites.most_common(5)
 
 
+@pytest.mark.host
 def test_sync_counter_sees_what_cuda_would_sync_on():
     x = torch.zeros(6, dtype=torch.bool)
     idx = torch.arange(3)
@@ -73,9 +75,11 @@ def test_sync_counter_sees_what_cuda_would_sync_on():
         idx + 1
         x.scatter_(0, idx, True)
         idx[idx]
+        upload(np.arange(4), torch.device("cpu"))  # pinned, non-blocking on a GPU
     assert none.total == 0, none.sites
 
 
+@pytest.mark.host
 def test_code_version_outside_a_checkout(tmp_path):
     import shutil
 

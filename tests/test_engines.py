@@ -84,6 +84,7 @@ def test_graphs_engine_refused_without_a_gpu():
     assert resolve_engine(None, torch.device("cpu")) == "eager"
 
 
+@pytest.mark.host
 def test_static_step_copies_inputs_and_outputs():
     calls = []
 
@@ -98,6 +99,7 @@ def test_static_step_copies_inputs_and_outputs():
     assert calls[0] is calls[1]  # the same static buffer both times, refilled
 
 
+@pytest.mark.host
 @pytest.mark.parametrize("seed", range(4))
 def test_sync_free_tree_and_accept_match_the_checked_path(seed):
     """from_parents with a depth bound (no host syncs) builds the same tree, and the
@@ -106,7 +108,7 @@ def test_sync_free_tree_and_accept_match_the_checked_path(seed):
     tree = random_tree(torch.tensor([3]), 40, 6, rng)
     fast = DraftTree.from_parents(tree.tokens, tree.parents, max_depth=int(tree.depths.max()))
     assert torch.equal(fast.mask, tree.mask) and torch.equal(fast.depths, tree.depths)
-    logits = torch.randn(tree.size, 6, generator=rng) * 4
+    logits = torch.randn(tree.size, 6, generator=rng, device="cpu") * 4
     accepted, bonus = accept_greedy(fast, logits)
     argmax = logits.argmax(-1)
     nodes = accepted.tolist()

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from gumiho.evaluation import gen_answers, speed
+from gumiho.evaluation.answers import read_answer_file
 from gumiho.evaluation.benchmarks import BENCHMARKS, load_questions
 
 
@@ -54,9 +55,12 @@ def test_report_arithmetic(tmp_path):
 
 def test_answer_file_resume_drops_half_line(tmp_path):
     path = tmp_path / "a.jsonl"
-    path.write_text(json.dumps({"question_id": 81}) + "\n" + '{"question_id": 82, "tu')
-    assert gen_answers.answered(path) == {81}
-    assert path.read_text().count("\n") == 1
+    first = json.dumps(record(81, "ar", 1, 1, 0.1, [1])) + "\n"
+    path.write_text(first + '{"question_id": 82, "tu')
+    found = read_answer_file(path)
+    assert [r["question_id"] for r in found.records] == [81]
+    assert found.keep_bytes == len(first) and not found.needs_newline
+    assert path.read_text().startswith(first)  # reading changes nothing
 
 
 def test_small_end_to_end_evaluation(smollm2, tmp_path):

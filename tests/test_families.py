@@ -69,12 +69,12 @@ def test_tree_verify_equals_sequential_past_the_window(family_targets, family):
     target = family_targets[family]
     vocab = target.config.vocab_size
     rng = torch.Generator().manual_seed(FAMILIES.index(family))
-    prompt = torch.randint(vocab, (40,), generator=rng).tolist()
+    prompt = torch.randint(vocab, (40,), generator=rng, device="cpu").tolist()
     cache = KVCache.for_model(target.model, 128)
     prefill(target, cache, torch.tensor([prompt]))
     committed = list(prompt)
     for _ in range(2):
-        tree = random_tree(torch.randint(vocab, (1,), generator=rng), 24, vocab, rng)
+        tree = random_tree(torch.randint(vocab, (1,), generator=rng, device="cpu"), 24, vocab, rng)
         _, logits = verify_tree(target, cache, tree)
         for path in tree.paths:
             nodes = path[path >= 0]
@@ -191,7 +191,7 @@ def test_attention_implementations(family_dirs, family_targets):
     assert default_attention(family_dirs["gemma3"]) == "sdpa"
     rng = torch.Generator().manual_seed(9)
     tree = random_tree(torch.tensor([7]), 12, 1000, rng)
-    prompt = torch.randint(1000, (30,), generator=rng)[None]
+    prompt = torch.randint(1000, (30,), generator=rng, device="cpu")[None]
     for family in ("llama", "gemma3"):
         outs = []
         for attn in ("sdpa", "eager"):

@@ -15,6 +15,7 @@ from drafters_for_tests import RandomDrafter
 from test_sampling import chi_square_rejects, exact_marginals
 
 
+@pytest.mark.host
 def test_ngram_index_continues_the_latest_earlier_occurrence():
     index = NgramIndex(max_n=3)
     index.extend([1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3])
@@ -27,6 +28,7 @@ def test_ngram_index_continues_the_latest_earlier_occurrence():
     assert NgramIndex(min_n=2).continuation(5) == []
 
 
+@pytest.mark.host
 def test_chain_merges_into_the_tree():
     # root 7 -> a=1 -> b=2 ; root -> c=5
     tree = DraftTree.from_parents(torch.tensor([7, 1, 2, 5]), torch.tensor([-1, 0, 1, 0]))

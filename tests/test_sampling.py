@@ -31,10 +31,11 @@ def small_tree():
     return DraftTree.from_parents(tokens, parents)
 
 
+@pytest.mark.host
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_accept_sampling_emits_target_distribution(temperature):
     tree = small_tree()
-    logits = torch.randn(6, 6, generator=torch.Generator().manual_seed(3)) * 1.5
+    logits = torch.randn(6, 6, generator=torch.Generator().manual_seed(3), device="cpu") * 1.5
     p = torch.softmax(logits / temperature, -1)
     gen = torch.Generator().manual_seed(0)
     first = torch.zeros(6)
@@ -85,13 +86,14 @@ def test_speculative_sampling_end_to_end_matches_target(temperature):
     assert not chi_square_rejects(got3, want3)
 
 
+@pytest.mark.host
 def test_equal_sibling_tokens_do_not_bias_sampling():
     # root -> {1: token 2, 2: token 2}; node 1 -> {3: token 1}, node 2 -> {4: token 3}.
     # Nodes 1 and 2 share their context, so the target's logits there are equal; taking
     # whichever branch matches deeper would over-emit token 3 after token 2.
     tree = DraftTree.from_parents(torch.tensor([5, 2, 2, 1, 3]),
                                   torch.tensor([-1, 0, 0, 1, 2]))
-    logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(4))
+    logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(4), device="cpu")
     logits[0, 2] += 3.0  # token 2 comes first most of the time
     logits[2] = logits[1]
     gen = torch.Generator().manual_seed(1)

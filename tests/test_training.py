@@ -176,3 +176,16 @@ def test_bad_training_settings_are_one_line(tiny_target_dir, tiny_data_dir, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and bad[0] in err[0]
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_eval_every_logs_curves_that_plot(tiny_target_dir, tiny_data_dir, tmp_path):
+    from gumiho.train import plot
+
+    args = train_args((tiny_target_dir, tiny_data_dir), tmp_path / "run", "--eval-data",
+                      tiny_data_dir, "--eval-every", "2")
+    assert main(args) == 0
+    rows = plot.eval_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [2, 4]
+    assert {"acc_serial1", "acc_serial2", "acc_mlp1"} <= set(rows[0]["eval"])
+    assert plot.main([str(tmp_path / "run"), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 1000

@@ -5,6 +5,8 @@ from gumiho.tree import DraftTree
 
 from drafters_for_tests import random_tree
 
+pytestmark = pytest.mark.host  # pure tree arithmetic on hand-made tensors
+
 
 def ancestors(parents, i):
     out = {i}

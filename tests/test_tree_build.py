@@ -17,7 +17,7 @@ def random_pool(seed, levels=4, width=6, vocab=50):
     scores = torch.zeros(1)
     parts, first = [], -1
     for depth in range(1, levels + 1):
-        lp = torch.log_softmax(torch.randn(scores.shape[0], vocab, generator=g), -1)
+        lp = torch.log_softmax(torch.randn(scores.shape[0], vocab, generator=g, device="cpu"), -1)
         top = lp.topk(width)
         level, _ = expand_level(scores, top.indices, top.values, width, first, depth)
         if depth == 1:  # root's children: no parent in the pool
@@ -29,6 +29,7 @@ def random_pool(seed, levels=4, width=6, vocab=50):
     return Pool.concat(parts)
 
 
+@pytest.mark.host
 @pytest.mark.parametrize("budget", [1, 5, 13, 24])
 def test_select_tree_takes_best_scores_ancestor_closed(budget):
     pool = random_pool(0)
@@ -42,6 +43,7 @@ def test_select_tree_takes_best_scores_ancestor_closed(budget):
     assert (tree.tokens[1:] == pool.tokens[chosen]).all()
 
 
+@pytest.mark.host
 def test_static_tree_shape():
     parents, depths, ranks = static_tree(63, 4, [0.6, 0.4, 0.3, 0.25])
     tree = DraftTree.from_parents(torch.zeros(64, dtype=torch.long), parents)
@@ -117,6 +119,7 @@ def hand_tree():
                                   torch.tensor([-1, 0, 1, 2, 0]))
 
 
+@pytest.mark.host
 def test_official_fta_accepts_tokens_verified_in_another_branch():
     tree = hand_tree()
     spliced = splice_official(tree)
@@ -132,10 +135,11 @@ def test_official_fta_accepts_tokens_verified_in_another_branch():
     assert plain.tolist() == [0, 4] and int(bonus) == 2  # lossless: 1 draft + bonus 2
 
 
+@pytest.mark.host
 def test_exact_fta_completes_mlp_leaves_within_budget():
     pool = random_pool(1, levels=7, width=5)
     branch = torch.where(pool.depths >= 2, torch.arange(pool.tokens.shape[0]) % 5, -1)
-    chains = torch.randint(50, (5, 5), generator=torch.Generator().manual_seed(0))
+    chains = torch.randint(50, (5, 5), generator=torch.Generator().manual_seed(0), device="cpu")
     root = torch.tensor([1])
     for budget in (6, 12, 20, 30):
         tree = exact_fta_tree(root, pool, budget, branch, chains, first_mlp_depth=3)

@@ -19,6 +19,7 @@ from drafters_for_tests import OracleHead, oracle_drafter
 from test_sampling import chi_square_rejects, exact_marginals
 
 
+@pytest.mark.host
 def test_draft_vocabulary_takes_the_most_frequent_and_the_required():
     counts = torch.tensor([5, 0, 9, 9, 1, 7, 0, 3])
     ids = draft_vocabulary(counts, 4, always=[6])

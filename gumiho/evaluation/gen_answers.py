@@ -2,14 +2,17 @@
 
 Writes one JSONL line per question: per turn the text, token count, cycles, wall time and
 per-cycle accept lengths, plus the full settings, device, dtype, versions and git commit.
-A warm-up generation runs before any timed one. Rerunning with the same --answer-file
-skips answered questions (a half-written last line is dropped).
+A warm-up generation runs before any timed one. Rerunning the same command resumes: it
+skips answered questions and drops only a half-written last record. A file that is not an
+answer file, has a damaged line, or holds answers made with other settings is refused and
+left untouched (`--overwrite` starts an answer file over).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,10 +20,33 @@ import torch
 from tqdm import tqdm
 
 from gumiho.config import METHODS
-from gumiho.errors import cli_errors
+from gumiho.errors import (
+    ArgumentParser,
+    GumihoError,
+    cli_errors,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+)
+from gumiho.evaluation.answers import (
+    RECORD_START,
+    RESUME_KEYS,
+    AnswerFile,
+    check_can_write,
+    read_answer_file,
+    settings_mismatch,
+)
 from gumiho.evaluation.benchmarks import LABELS, load_questions
-from gumiho.generate import SpeculativeGenerator, add_target_args, add_tree_args, tree_options
+from gumiho.generate import (
+    SpeculativeGenerator,
+    add_target_args,
+    add_tree_args,
+    check_context_room,
+    tree_options,
+)
 from gumiho.version import code_version
+
+ENV_KEYS = ("device", "dtype")  # answers timed elsewhere must not share a file
 
 
 def environment(gen: SpeculativeGenerator) -> dict:
@@ -31,22 +57,6 @@ def environment(gen: SpeculativeGenerator) -> dict:
     return {"device": str(device), "device_name": name, "dtype": str(gen.target.dtype),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "git_commit": code_version(), "threads": torch.get_num_threads()}
-
-
-def answered(path: Path) -> set:
-    """Question ids already in the answer file; drops a trailing half-written line."""
-    if not path.exists():
-        return set()
-    lines = path.read_text().splitlines(keepends=True)
-    good, done = [], set()
-    for line in lines:
-        try:
-            done.add(json.loads(line)["question_id"])
-            good.append(line if line.endswith("\n") else line + "\n")
-        except (json.JSONDecodeError, KeyError):
-            break
-    path.write_text("".join(good))
-    return done
 
 
 def answer(gen: SpeculativeGenerator, question: dict, max_new_tokens: int,
@@ -65,37 +75,124 @@ def answer(gen: SpeculativeGenerator, question: dict, max_new_tokens: int,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gumiho.evaluation.gen_answers",
-                                description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m gumiho.evaluation.gen_answers",
+                       description=__doc__.split("\n")[0])
     add_target_args(p)
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--draft", default=None)
     p.add_argument("--bench", required=True, choices=list(LABELS))
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--question-begin", type=int, default=0)
-    p.add_argument("--question-end", type=int, default=None)
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=512)
+    p.add_argument("--question-begin", type=nonnegative_int, default=0)
+    p.add_argument("--question-end", type=nonnegative_int, default=None)
     p.add_argument("--answer-file", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start the answer file over (it must be an answer file; it is "
+                   "replaced once the first new answer is ready)")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--warmup", type=nonnegative_int, default=1,
+                   help="untimed warm-up generations")
     add_tree_args(p)
     return p
 
 
-@cli_errors
+def pick_questions(bench: str, begin: int, end: int | None) -> list[dict]:
+    questions = load_questions(bench)
+    if end is not None and end <= begin:
+        raise GumihoError(f"--question-end {end} must be greater than --question-begin {begin}")
+    if begin >= len(questions):
+        raise GumihoError(f"--question-begin {begin} is beyond {bench}'s {len(questions)} "
+                          f"questions (0..{len(questions) - 1})")
+    return questions[begin:end]
+
+
+def existing_answers(path: Path, overwrite: bool) -> AnswerFile | None:
+    """What the answer file holds; None if there is none or --overwrite starts it over.
+    Anything that is not an answer file is refused and left untouched, --overwrite or not."""
+    check_can_write(path)
+    if not path.exists():
+        return None
+    try:
+        found = read_answer_file(path)
+    except GumihoError:
+        if overwrite and path.read_bytes().startswith(RECORD_START):
+            return None  # a damaged answer file: --overwrite may replace it
+        raise
+    return None if overwrite else found
+
+
+def check_resume(path: Path, found: AnswerFile | None, settings: dict,
+                 keys: tuple[str, ...] = RESUME_KEYS, env: dict | None = None) -> None:
+    """Refuse to append answers made with other settings (naming the first that differs)."""
+    for rec, line in zip(found.records if found else [], found.lines if found else [],
+                         strict=True):
+        diff = settings_mismatch({k: rec["settings"].get(k) for k in keys},
+                                 {k: settings.get(k) for k in keys})
+        if diff is None and env is not None:
+            diff = settings_mismatch({k: rec.get("env", {}).get(k) for k in ENV_KEYS},
+                                     {k: env.get(k) for k in ENV_KEYS})
+        if diff:
+            raise GumihoError(f"{path} holds answers made with other settings (line {line}: "
+                              f"{diff}): use another --answer-file, the same settings to "
+                              "resume, or --overwrite to start over")
+
+
+class AnswerWriter:
+    """Appends one line per answered question, each flushed at once. Before the first one
+    it drops a half-written last record; with --overwrite, the old file is replaced only
+    when the first new record is ready."""
+
+    def __init__(self, path: Path, found: AnswerFile | None):
+        self.path, self.found, self.file = path, found, None
+
+    def write(self, record: dict) -> None:
+        line = (json.dumps(record) + "\n").encode()
+        if self.file is None:
+            if self.found is None:  # new file, or --overwrite
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_bytes(line)
+                os.replace(tmp, self.path)
+                self.file = self.path.open("ab")
+                return
+            self.file = self.path.open("r+b")
+            self.file.truncate(self.found.keep_bytes)  # only a half-written record
+            self.file.seek(self.found.keep_bytes)
+            if self.found.needs_newline:
+                line = b"\n" + line
+        self.file.write(line)
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+@cli_errors(resume="every finished answer is kept in the answer file; rerun the same "
+            "command to resume")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    questions = pick_questions(args.bench, args.question_begin, args.question_end)
+    path = Path(args.answer_file)
+    found = existing_answers(path, args.overwrite)
+    check_resume(path, found, {"target": args.target, "method": args.method,
+                               "draft": args.draft, "bench": args.bench,
+                               "temperature": args.temperature,
+                               "max_new_tokens": args.max_new_tokens, "seed": args.seed},
+                 keys=("target", "method", "draft", "bench", "temperature",
+                       "max_new_tokens", "seed"))  # before the slow load
+    done = {rec["question_id"] for rec in found.records} if found else set()
+    todo = [q for q in questions if q["question_id"] not in done]
+    if not todo:
+        print(f"all {len(questions)} questions are already answered in {path}",
+              file=sys.stderr)
+        return 0
+    check_context_room(args.target, args.max_new_tokens)
     gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
                                     device=args.device, dtype=args.dtype,
                                     chat_template=args.chat_template, engine=args.engine,
                                     **tree_options(args))
-    questions = load_questions(args.bench)[args.question_begin : args.question_end]
-    path = Path(args.answer_file)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    done = answered(path)
-    todo = [q for q in questions if q["question_id"] not in done]
-    for _ in range(args.warmup if todo else 0):
-        gen.generate(todo[0]["turns"][0], min(32, args.max_new_tokens))
     tree = getattr(gen.drafter, "tree", None)  # the settings the drafter was built with
     settings = {"target": args.target, "method": args.method, "draft": args.draft,
                 "bench": args.bench, "temperature": args.temperature,
@@ -104,12 +201,17 @@ def main(argv: list[str] | None = None) -> int:
                 "engine": gen.engine,
                 "auto_tree": gen.auto_report}
     env = environment(gen)
-    with path.open("a") as f:
+    check_resume(path, found, settings, env=env)
+    for _ in range(args.warmup):
+        gen.generate(todo[0]["turns"][0], min(32, args.max_new_tokens))
+    writer = AnswerWriter(path, found)
+    try:
         for q in tqdm(todo, desc=f"{args.method} {args.bench}", unit="q"):
             turns = answer(gen, q, args.max_new_tokens, args.temperature, args.seed)
-            f.write(json.dumps({"question_id": q["question_id"], "turns": turns,
-                                "settings": settings, "env": env}) + "\n")
-            f.flush()
+            writer.write({"question_id": q["question_id"], "turns": turns,
+                          "settings": settings, "env": env})
+    finally:
+        writer.close()
     return 0
 
 

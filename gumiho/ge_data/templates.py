@@ -27,9 +27,14 @@ TEMPLATES = {"vicuna": VICUNA_TEMPLATE}
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool,
            template: str | None) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-        chat_template=TEMPLATES.get(template, template))
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=TEMPLATES.get(template, template))
+    except Exception as exc:  # noqa: BLE001 - Jinja errors of a user's template
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise GumihoError(f"the chat template fails ({type(exc).__name__}: {first}): fix "
+                          "--template, or use --template vicuna") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

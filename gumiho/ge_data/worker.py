@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gumiho.errors import GumihoError, cli_errors
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int
 from gumiho.ge_data.conversations import load_conversations, split
 from gumiho.ge_data.shards import read_manifest, shard_path, write_shard
 from gumiho.ge_data.templates import render, tokenize_conversation
@@ -82,24 +82,33 @@ def make_samples(target: Target, conversations: list[dict], manifest: dict) -> l
     return samples
 
 
-@cli_errors
+def shards_arg(value: str) -> list[int]:
+    parts = [p for p in value.split(",") if p]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected shard indices like 0,2,4, got {value!r}")
+    return [int(p) for p in parts]
+
+
+@cli_errors(resume="finished shards are kept; rerun the allocation command to resume")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gumiho.ge_data.worker")
+    parser = ArgumentParser(prog="python -m gumiho.ge_data.worker")
     parser.add_argument("--outdir", required=True)
-    parser.add_argument("--shards", required=True, help="comma-separated shard indices")
-    parser.add_argument("--rank", type=int, default=0, help="progress-bar row")
+    parser.add_argument("--shards", required=True, type=shards_arg,
+                        help="comma-separated shard indices")
+    parser.add_argument("--rank", type=nonnegative_int, default=0, help="progress-bar row")
     args = parser.parse_args(argv)
     outdir = Path(args.outdir)
-    manifest = read_manifest(outdir)
+    manifest = read_manifest(outdir) if outdir.is_dir() else None
     if manifest is None:
         raise GumihoError(f"{outdir}: no manifest (start with gumiho.ge_data.allocation)")
+    if any(i >= manifest["num_shards"] for i in args.shards):
+        raise GumihoError(f"--shards: {outdir} has shards 0..{manifest['num_shards'] - 1}")
     device, _ = choose_device_dtype(None, None)
     target = load_target(manifest["target"], device=str(device),
                          dtype=manifest.get("target_dtype"))
     conversations = planned_conversations(manifest)
     size = manifest["shard_size"]
-    shards = [int(s) for s in args.shards.split(",") if s]
-    for index in tqdm(shards, desc=f"worker {args.rank}", position=args.rank,
+    for index in tqdm(args.shards, desc=f"worker {args.rank}", position=args.rank,
                       unit="shard"):
         if shard_path(outdir, index).exists():
             continue

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-data", nargs="+", default=None, help="held-out data dirs: "
                    "per-position accuracy at the end (and each epoch with --eval-each-epoch)")
     p.add_argument("--eval-each-epoch", action="store_true")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="also evaluate every N optimizer steps (logged to train_log.jsonl; "
+                   "plot with python -m gumiho.train.plot)")
     p.add_argument("--export-dtype", default="float16", choices=list(EXPORT_DTYPE))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
@@ -165,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(f"ok: {config.method} drafter for {config.target} into {out}")
         return 0
+    if args.eval_every < 0:
+        raise GumihoError("--eval-every must be at least 0")
     return train(config, out, args.stop_after_steps, args.eval_data or [],
-                 args.eval_each_epoch, args.log_every)
+                 args.eval_each_epoch, args.log_every, args.eval_every)
 
 
 def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
@@ -194,7 +199,7 @@ def precision() -> tuple[str, str]:
 
 def train(config: TrainConfig, out: Path, stop_after: int | None = None,
           eval_data: list[str] | tuple[str, ...] = (), eval_each_epoch: bool = False,
-          log_every: int = 10) -> int:
+          log_every: int = 10, eval_every: int = 0) -> int:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -260,6 +265,9 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
                 with (out / "train_log.jsonl").open("a") as f:
                     f.write(json.dumps({"step": state.step, "epoch": state.epoch,
                                         "lr": scheduler.get_last_lr()[0], **logs}) + "\n")
+            if eval_samples and eval_every and state.step % eval_every == 0:
+                log_evaluation(accelerator, model, target, head, eval_samples, config, state,
+                               out)
             if state.step >= stop_at:
                 break
         if state.batches_done >= usable:  # the epoch is complete
@@ -319,6 +327,16 @@ def global_mean(accelerator, logs: list[dict[str, float]]) -> dict[str, float]:
                          dtype=torch.float64, device=accelerator.device)
     total = accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
     return {k: float(v / total[-1]) for k, v in zip(keys, total[:-1], strict=True)}
+
+
+def log_evaluation(accelerator, model, target, head, samples, config: TrainConfig,
+                   state: RunState, out: Path) -> None:
+    """Held-out accuracy per draft position now, as an `eval` row of train_log.jsonl."""
+    acc = evaluate(accelerator.unwrap_model(model), target, head, samples, config.method,
+                   state.epoch, config.batch_size, accelerator.device)
+    if accelerator.is_main_process:
+        with (out / "train_log.jsonl").open("a") as f:
+            f.write(json.dumps({"step": state.step, "epoch": state.epoch, "eval": acc}) + "\n")
 
 
 def step_micro_batch(accelerator, model, target, head, optimizer, params, batch,

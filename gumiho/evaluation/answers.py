@@ -1,0 +1,138 @@
+"""The answer file that `gen_answers` writes and `speed` reads: one JSON record per line.
+
+A record: {"question_id", "turns": [{"text", "new_tokens", "cycles", "wall_s",
+"accept_lengths", ...}], "settings": {"method", "bench", "temperature", ...}, "env": {...}}.
+Reading is strict, because a resume appends to the file: anything that is not a record of
+this shape is refused with its line number, never dropped or rewritten. The one exception
+is a half-written last line (no newline, not valid JSON), which an interrupted run leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from gumiho.errors import GumihoError
+
+TURN_KEYS = ("new_tokens", "cycles", "wall_s", "accept_lengths")
+# Settings that must agree for answers to share a file (and a row of the speed report).
+# How every record line starts (json.dumps of a dict whose first key is question_id).
+RECORD_START = b'{"question_id": '
+RESUME_KEYS = ("target", "method", "draft", "bench", "temperature", "max_new_tokens", "seed",
+               "tree", "engine")
+
+
+@dataclass
+class AnswerFile:
+    records: list[dict]  # every complete record, in file order
+    lines: list[int]  # the 1-based line number of each record
+    keep_bytes: int  # file length without a half-written last line
+    needs_newline: bool  # the last record lacks its newline (killed right after writing it)
+
+
+def record_problem(rec) -> str | None:
+    """Why `rec` is not an answer record, or None if it is one."""
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not an answer record"
+    missing = [k for k in ("question_id", "turns", "settings") if k not in rec]
+    if missing:
+        return f"no {', '.join(missing)} field"
+    if isinstance(rec["question_id"], bool) or not isinstance(rec["question_id"], str | int):
+        return "question_id is not a string or an integer"
+    if not isinstance(rec["settings"], dict) or not all(
+            k in rec["settings"] for k in ("method", "bench", "temperature")):
+        return "its settings lack method, bench or temperature"
+    turns = rec["turns"]
+    if not isinstance(turns, list) or not turns:
+        return "turns is not a non-empty list"
+    for turn in turns:
+        if not isinstance(turn, dict) or any(k not in turn for k in TURN_KEYS):
+            return f"a turn lacks one of {', '.join(TURN_KEYS)}"
+        if not isinstance(turn["accept_lengths"], list) or not all(
+                isinstance(turn[k], int | float) and not isinstance(turn[k], bool)
+                for k in ("new_tokens", "cycles", "wall_s")):
+            return "a turn has non-numeric counts"
+    return None
+
+
+def read_answer_file(path: Path) -> AnswerFile:
+    """Every record of an answer file. Refuses (GumihoError naming the line) a file that is
+    not an answer file or has a damaged line anywhere but at its very end."""
+    if path.is_dir():
+        raise GumihoError(f"answer file {path} is a directory: give a .jsonl file path")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise GumihoError(f"cannot read answer file {path}: {exc.strerror}") from None
+    records, numbers = [], []
+    offset, keep, needs_newline = 0, 0, False
+    raw_lines = data.split(b"\n")
+    for number, raw in enumerate(raw_lines, 1):
+        last = number == len(raw_lines)
+        end = offset + len(raw) + (0 if last else 1)
+        if not raw.strip():
+            offset = end
+            if not last:
+                keep = end
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            if last and raw.startswith(RECORD_START):  # cut short by an interrupted run
+                break
+            what = "binary data" if isinstance(exc, UnicodeDecodeError) else "not JSON"
+            raise GumihoError(_refusal(path, number, what, bool(records))) from None
+        problem = record_problem(rec)
+        if problem:
+            raise GumihoError(_refusal(path, number, problem, bool(records)))
+        records.append(rec)
+        numbers.append(number)
+        keep, offset = end, end
+        needs_newline = last
+    return AnswerFile(records, numbers, keep, needs_newline)
+
+
+def _refusal(path: Path, number: int, problem: str, has_records: bool) -> str:
+    if not has_records:
+        return (f"{path} is not an answer file of gen_answers (line {number}: {problem}); "
+                "it was left untouched: choose another --answer-file")
+    return (f"{path} line {number} is damaged ({problem}); the file was left untouched: "
+            "fix or delete that line, then rerun to resume")
+
+
+def settings_mismatch(old: dict, new: dict) -> str | None:
+    """The first setting in RESUME_KEYS on which two records' settings differ."""
+    for key in RESUME_KEYS:
+        a, b = old.get(key), new.get(key)
+        if key in ("target", "draft") and a != b and a and b and _same_path(a, b):
+            continue
+        if a != b:
+            return f"{key}={_show(a)} in the file, {_show(b)} now"
+    return None
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _show(value) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def check_can_write(path: Path) -> None:
+    """The answer file's folder exists or can be made, and is writable."""
+    from gumiho.target import check_writable_dir
+
+    if path.exists() and not path.is_file():
+        raise GumihoError(f"answer file {path} exists and is not a regular file: give a "
+                          ".jsonl file path")
+    check_writable_dir(path.parent, "--answer-file folder")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise GumihoError(f"answer file {path} is not writable")

@@ -1,0 +1,381 @@
+"""Bad input gets one clear line and loses nothing (issue 13).
+
+The table runs each command's `main` in-process on bad input and checks: exit status 2,
+exactly one stderr line starting `error:` (the last one), no exception escaping (no
+traceback), and every file that existed before unchanged.
+"""
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from gumiho.errors import GumihoError, cli_errors
+
+ANSWER_ARGS = ["--method", "ar", "--bench", "mt_bench", "--question-end", "2",
+               "--max-new-tokens", "3", "--warmup", "0"]
+ALLOC_ARGS = ["--end", "4", "--shard-size", "2", "--max-len", "64"]
+# (module, argv) -- {tiny}: a tiny target dir; {dir}: the case's own folder of victims.
+BAD = {
+    # gen_answers: never rewrites a file that is not its own, never resumes on mismatch
+    "answers_into_readme": ("gen_answers", ["--target", "{tiny}", *ANSWER_ARGS,
+                                            "--answer-file", "{dir}/README.md"]),
+    "answers_into_csv_even_with_overwrite": (
+        "gen_answers", ["--target", "{tiny}", *ANSWER_ARGS, "--answer-file", "{dir}/t.csv",
+                        "--overwrite"]),
+    "answers_corrupt_middle_line": ("gen_answers", ["--target", "{tiny}", *ANSWER_ARGS,
+                                                    "--answer-file", "{dir}/broken.jsonl"]),
+    "answers_other_max_new_tokens": (
+        "gen_answers", ["--target", "{tiny}", "--method", "ar", "--bench", "mt_bench",
+                        "--question-end", "3", "--max-new-tokens", "7", "--warmup", "0",
+                        "--answer-file", "{dir}/answers.jsonl"]),
+    "answers_other_method": ("gen_answers", ["--target", "{tiny}", "--method", "gumiho",
+                                             "--draft", "random", "--bench", "mt_bench",
+                                             "--max-new-tokens", "3", "--answer-file",
+                                             "{dir}/answers.jsonl"]),
+    "answers_file_is_a_dir": ("gen_answers", ["--target", "{tiny}", *ANSWER_ARGS,
+                                              "--answer-file", "{dir}"]),
+    "answers_folder_is_a_file": ("gen_answers", ["--target", "{tiny}", *ANSWER_ARGS,
+                                                 "--answer-file", "{dir}/README.md/a.jsonl"]),
+    "answers_begin_beyond_questions": ("gen_answers", [
+        "--target", "{tiny}", "--method", "ar", "--bench", "mt_bench", "--question-begin",
+        "80", "--answer-file", "{dir}/new.jsonl"]),
+    "answers_end_before_begin": ("gen_answers", [
+        "--target", "{tiny}", "--method", "ar", "--bench", "humaneval", "--question-begin",
+        "5", "--question-end", "5", "--answer-file", "{dir}/new.jsonl"]),
+    "answers_nan_temperature": ("gen_answers", ["--target", "{tiny}", *ANSWER_ARGS,
+                                                "--temperature", "nan", "--answer-file",
+                                                "{dir}/new.jsonl"]),
+    "answers_max_new_tokens_past_context": (
+        "gen_answers", ["--target", "{tiny}", "--method", "ar", "--bench", "mt_bench",
+                        "--max-new-tokens", "5000", "--answer-file", "{dir}/new.jsonl"]),
+    # generate
+    "generate_huge_max_new_tokens": ("generate", ["--target", "{tiny}", "--prompt", "hi",
+                                                  "--max-new-tokens", "1000000000000"]),
+    "generate_prompt_plus_max_new_tokens_past_context": (
+        "generate", ["--target", "{tiny}", "--prompt", "hi", "--max-new-tokens", "1010"]),
+    "generate_whitespace_prompt": ("generate", ["--target", "{tiny}", "--prompt", " \n\t"]),
+    "generate_nan_temperature": ("generate", ["--target", "{tiny}", "--prompt", "hi",
+                                              "--temperature", "nan"]),
+    "generate_negative_temperature": ("generate", ["--target", "{tiny}", "--prompt", "hi",
+                                                   "--temperature", "-0.5"]),
+    "generate_banana_device": ("generate", ["--target", "{tiny}", "--prompt", "hi",
+                                            "--device", "banana"]),
+    "generate_mlp_topk_beyond_vocab": ("generate", [
+        "--target", "{tiny}", "--prompt", "hi", "--method", "gumiho", "--draft", "random",
+        "--mlp-topk", "100000"]),
+    "generate_top_k_beyond_vocab": ("generate", [
+        "--target", "{tiny}", "--prompt", "hi", "--method", "eagle2", "--draft", "random",
+        "--top-k", "60000"]),
+    "generate_fta_with_eagle2": ("generate", ["--target", "{tiny}", "--prompt", "hi",
+                                              "--method", "eagle2", "--draft", "random",
+                                              "--fta", "exact"]),
+    "generate_broken_chat_template": ("generate", ["--target", "{tiny}", "--prompt", "hi",
+                                                   "--chat-template", "{{ oops("]),
+    "generate_truncated_weights": ("generate", ["--target", "{dir}/truncated", "--prompt",
+                                                "hi"]),
+    "generate_target_without_tokenizer": ("generate", ["--target", "{dir}/no_tokenizer",
+                                                       "--prompt", "hi"]),
+    "generate_garbage_drafter_config": ("generate", ["--target", "{tiny}", "--prompt", "hi",
+                                                     "--method", "gumiho", "--draft",
+                                                     "{dir}/drafter"]),
+    "generate_seed_not_a_number": ("generate", ["--target", "{tiny}", "--prompt", "hi",
+                                                "--seed", "x"]),
+    # timing
+    "timing_widths_not_numbers": ("timing", ["--target", "{tiny}", "--widths", "a,b"]),
+    "timing_width_zero": ("timing", ["--target", "{tiny}", "--widths", "0"]),
+    "timing_repeats_zero": ("timing", ["--target", "{tiny}", "--repeats", "0"]),
+    "timing_unknown_method": ("timing", ["--target", "{tiny}", "--methods", "gumiho,ar"]),
+    "timing_context_past_positions": ("timing", ["--target", "{tiny}", "--widths", "8",
+                                                 "--context", "5000"]),
+    # speed
+    "speed_on_a_readme": ("speed", ["--answers", "{dir}/README.md", "--out", "{dir}/r"]),
+    "speed_missing_file": ("speed", ["--answers", "{dir}/nope.jsonl", "--out", "{dir}/r"]),
+    "speed_out_would_clobber_readme": ("speed", ["--answers", "{dir}/answers.jsonl", "--out",
+                                                 "{dir}/README"]),
+    # allocation
+    "alloc_start_beyond_data": ("allocation", ["--outdir", "{dir}/data", "--target", "{tiny}",
+                                               "--start", "100000"]),
+    "alloc_start_after_end": ("allocation", ["--outdir", "{dir}/data", "--target", "{tiny}",
+                                             "--start", "10", "--end", "5"]),
+    "alloc_negative_start": ("allocation", ["--outdir", "{dir}/data", "--target", "{tiny}",
+                                            "--start", "-3"]),
+    "alloc_max_len_zero": ("allocation", ["--outdir", "{dir}/data", "--target", "{tiny}",
+                                          "--max-len", "0"]),
+    "alloc_shard_size_zero": ("allocation", ["--outdir", "{dir}/data", "--target", "{tiny}",
+                                             "--shard-size", "0"]),
+    "alloc_workers_zero": ("allocation", ["--outdir", "{dir}/data", "--target", "{tiny}",
+                                          "--workers", "0"]),
+    "alloc_outdir_is_a_file": ("allocation", ["--outdir", "{dir}/README.md", "--target",
+                                              "{tiny}", *ALLOC_ARGS]),
+    "alloc_garbage_manifest": ("allocation", ["--outdir", "{dir}/olddata", "--target",
+                                              "{tiny}", *ALLOC_ARGS]),
+    "alloc_no_usable_conversations": ("allocation", ["--outdir", "{dir}/data", "--target",
+                                                     "{tiny}", "--data", "{dir}/t.csv"]),
+    "alloc_broken_template": ("allocation", ["--outdir", "{dir}/data", "--target", "{tiny}",
+                                             "--template", "{% for %}", *ALLOC_ARGS]),
+}
+MODULES = {"gen_answers": "gumiho.evaluation.gen_answers", "generate": "gumiho.generate",
+           "timing": "gumiho.evaluation.timing", "speed": "gumiho.evaluation.speed",
+           "allocation": "gumiho.ge_data.allocation"}
+
+
+def answer_record(qid: int, target: str, max_new_tokens: int = 3) -> dict:
+    return {"question_id": qid, "turns": [{"text": "x", "new_tokens": 1, "cycles": 1,
+                                           "wall_s": 0.1, "accept_lengths": [1]}],
+            "settings": {"target": target, "method": "ar", "draft": None, "bench": "mt_bench",
+                         "temperature": 0.0, "max_new_tokens": max_new_tokens, "seed": 0,
+                         "tree": None, "engine": "eager"},
+            "env": {"device": "cpu", "dtype": "torch.float32"}}
+
+
+def make_victims(folder: Path, tiny: str) -> None:
+    """Files a careless command could destroy, and broken inputs."""
+    shutil.copy(Path(__file__).parents[1] / "README.md", folder / "README.md")
+    (folder / "t.csv").write_text("name,value\nalpha,1\nbeta,2\n")
+    lines = [json.dumps(answer_record(i, tiny)) for i in range(3)]
+    (folder / "answers.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "broken.jsonl").write_text(lines[0] + "\n" + lines[1][:40] + "\n" + lines[2]
+                                         + "\n")
+    truncated = folder / "truncated"
+    shutil.copytree(tiny, truncated)
+    weights = truncated / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    no_tok = folder / "no_tokenizer"
+    no_tok.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny) / name, no_tok / name)
+    drafter = folder / "drafter"
+    drafter.mkdir()
+    save_file({"fc.weight": torch.zeros(64, 128)}, str(drafter / "model.safetensors"))
+    (drafter / "config.json").write_text("{not json")
+    (folder / "olddata").mkdir()
+    (folder / "olddata" / "manifest.json").write_text("{half a manif")
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_cli_input_gets_one_error_line(case, tmp_path, tiny_target_dir, capsys):
+    module, argv = BAD[case]
+    make_victims(tmp_path, tiny_target_dir)
+    before = snapshot(tmp_path)
+    argv = [a.replace("{tiny}", tiny_target_dir).replace("{dir}", str(tmp_path))
+            for a in argv]
+    main = importlib.import_module(MODULES[module]).main
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse
+        code = exit_.code
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2, err
+    assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0], err
+    assert "Traceback" not in err
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k in before} == before, "a file was changed"
+
+
+def test_error_lines_say_what_is_wrong(tmp_path, tiny_target_dir, capsys):
+    """Spot checks of the wording: the input is named, and what to do."""
+    make_victims(tmp_path, tiny_target_dir)
+    cases = {"answers_corrupt_middle_line": "line 2 is damaged",
+             "answers_other_max_new_tokens": "max_new_tokens=3 in the file, 7 now",
+             "answers_into_readme": "is not an answer file",
+             "generate_huge_max_new_tokens": "context of 1024 tokens",
+             "generate_prompt_plus_max_new_tokens_past_context": "exceeds",
+             "alloc_start_beyond_data": "--start 100000 is beyond the data",
+             "generate_fta_with_eagle2": "--fta does not apply to --method eagle2"}
+    for case, words in cases.items():
+        module, argv = BAD[case]
+        argv = [a.replace("{tiny}", tiny_target_dir).replace("{dir}", str(tmp_path))
+                for a in argv]
+        importlib.import_module(MODULES[module]).main(argv)
+        assert words in capsys.readouterr().err, case
+
+
+def test_debug_shows_the_traceback(monkeypatch, capsys):
+    @cli_errors
+    def main(argv):
+        raise GumihoError("bad thing: do this")
+
+    assert main([]) == 2
+    assert capsys.readouterr().err == "error: bad thing: do this\n"
+    monkeypatch.setenv("GUMIHO_DEBUG", "1")
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.endswith("error: bad thing: do this\n")
+
+
+def test_interrupt_and_bugs_are_one_line(capsys):
+    @cli_errors(resume="rerun the same command to resume")
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    @cli_errors
+    def buggy(argv):
+        return {}["missing"]
+
+    assert interrupted([]) == 130
+    assert capsys.readouterr().err == "interrupted: rerun the same command to resume\n"
+    assert buggy([]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: internal error KeyError")
+    assert "GUMIHO_DEBUG=1" in err[0]
+
+
+def test_gumiho_cache_that_is_a_file_fails_before_converting(tmp_path, monkeypatch):
+    from gumiho import embedded
+
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(embedded, "convert_gguf", lambda *a, **k: pytest.fail("converted"))
+    for make in (embedded.smollm2_dir, embedded.gemma3_dir):
+        with pytest.raises(GumihoError, match="is a file, not a directory"):
+            make()
+
+
+def test_cuda_device_without_cuda():
+    import torch
+
+    from gumiho.target import choose_device_dtype
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present")
+    with pytest.raises(GumihoError, match="no cuda device is available"):
+        choose_device_dtype("cuda")
+
+
+def test_unknown_and_missing_commands(capsys):
+    from gumiho import cli
+
+    assert cli.main([]) == 2
+    assert capsys.readouterr().err.startswith("error: no command given")
+    assert cli.main(["frobnicate"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown command 'frobnicate'")
+
+
+# The notebook API: a clear GumihoError / TypeError before anything runs.
+
+@pytest.fixture(scope="module")
+def plain_gen(smollm2):
+    from gumiho.drafters import PlainDrafter
+    from gumiho.generate import SpeculativeGenerator
+
+    return SpeculativeGenerator(smollm2, PlainDrafter())
+
+
+@pytest.mark.parametrize("prompt, error, words", [
+    ([5, 49152], GumihoError, "outside the vocabulary"),
+    ([-1, 5], GumihoError, "outside the vocabulary"),
+    ([], GumihoError, "empty prompt"),
+    (None, TypeError, "prompt must be"),
+    (42, TypeError, "prompt must be"),
+    ({"role": "user", "content": "hi"}, TypeError, "prompt must be"),
+    (["hello", "world"], TypeError, "prompt must be"),
+    ([1, 2.5], TypeError, "prompt must be"),
+    ([True, 3], TypeError, "prompt must be"),
+    ([{"role": "robot", "content": "hi"}], GumihoError, "message 0 must be"),
+    ([{"role": "user", "content": 7}], GumihoError, "message 0 must be"),
+])
+def test_api_bad_prompts(plain_gen, prompt, error, words):
+    with pytest.raises(error, match=words):
+        plain_gen.generate(prompt, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"max_new_tokens": 0}, GumihoError, "max_new_tokens must be at least 1"),
+    ({"max_new_tokens": -5}, GumihoError, "max_new_tokens must be at least 1"),
+    ({"max_new_tokens": "8"}, TypeError, "max_new_tokens must be an int"),
+    ({"max_new_tokens": 8.0}, TypeError, "max_new_tokens must be an int"),
+    ({"max_new_tokens": True}, TypeError, "max_new_tokens must be an int"),
+    ({"temperature": float("nan")}, GumihoError, "temperature must be a finite"),
+    ({"temperature": -1.0}, GumihoError, "temperature must be a finite"),
+    ({"temperature": "hot"}, TypeError, "temperature must be a number"),
+    ({"temperature": 1e-40}, GumihoError, "too small to sample with"),
+    ({"seed": -1}, GumihoError, "seed must be >= 0"),
+])
+def test_api_bad_settings(plain_gen, kwargs, error, words):
+    with pytest.raises(error, match=words):
+        plain_gen.generate("Hello", **{"max_new_tokens": 4, **kwargs})
+
+
+def test_prompt_beyond_the_context_is_refused_before_generating(plain_gen, smollm2):
+    limit = smollm2.model.config.max_position_embeddings
+    assert limit == 8192
+    with pytest.raises(GumihoError, match="the prompt is 8200 tokens, but .* context is "
+                                          "8192 tokens"):
+        plain_gen.generate([100] * 8200, max_new_tokens=4)
+    with pytest.raises(GumihoError, match=r"the prompt \(8000 tokens\) \+ max new tokens "
+                                          r"\(500\) exceeds .* 8192 .* at most 192"):
+        plain_gen.generate([100] * 8000, max_new_tokens=500)
+    with pytest.raises(GumihoError, match="exceeds"):
+        plain_gen.generate("Hi", max_new_tokens=10**12)
+
+
+def test_breaking_out_of_stream_leaves_the_partial_result(plain_gen):
+    older = plain_gen.generate("Name three colours.", max_new_tokens=6)
+    assert older.stopped_by in ("max_new_tokens", "stop_token")
+    full = plain_gen.generate("Tell me a long story about a fox.", max_new_tokens=24)
+    pieces = []
+    for piece in plain_gen.stream("Tell me a long story about a fox.", max_new_tokens=24):
+        pieces.append(piece)
+        if len(pieces) == 5:
+            break
+    partial = plain_gen.last_result
+    assert partial is not None and partial is not full and partial.stopped_by == "closed"
+    assert 5 <= partial.new_tokens < full.new_tokens
+    assert partial.token_ids == full.token_ids[: partial.new_tokens]
+    assert partial.text.startswith("".join(pieces))
+    assert partial.cycles == partial.new_tokens and partial.wall_s > 0
+
+
+def test_a_newer_stream_supersedes_an_older_one(plain_gen):
+    first = plain_gen.stream("Count to ten.", max_new_tokens=20)
+    next(first)
+    second = plain_gen.generate("Say hi.", max_new_tokens=4)
+    with pytest.raises(GumihoError, match="superseded"):
+        next(first)
+    assert plain_gen.last_result is second
+    with pytest.raises(GumihoError):  # a failed call leaves no stale result behind
+        plain_gen.generate([10**9], max_new_tokens=4)
+    assert plain_gen.last_result is None
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"target": 123}, TypeError, "target must be a path"),
+    ({"method": "banana"}, GumihoError, "unknown method 'banana'"),
+    ({"method": "gumiho", "draft": "random", "total_tokens": "64"}, GumihoError,
+     "--total-tokens must be an integer"),
+    ({"method": "gumiho", "draft": "random", "top_k": 0}, GumihoError,
+     "--top-k must be at least 1"),
+    ({"method": "eagle2", "draft": "random", "fta": "exact"}, GumihoError,
+     "--fta does not apply to --method eagle2"),
+    ({"method": "ar", "total_tokens": 16}, GumihoError, "does not apply to --method ar"),
+    ({"method": "gumiho", "draft": "random", "verify_width": 0}, GumihoError,
+     "verify_width must be at least 1"),
+    ({"method": "gumiho", "draft": "random", "beam": 3}, TypeError, "unknown tree option"),
+])
+def test_api_bad_load_arguments(kwargs, error, words):
+    from gumiho.generate import SpeculativeGenerator
+
+    with pytest.raises(error, match=words):
+        SpeculativeGenerator.load(**kwargs)
+
+
+def test_beam_wider_than_the_vocabulary():
+    from gumiho.config import TreeConfig
+
+    with pytest.raises(GumihoError, match="--mlp-topk 100 is larger than the target's "
+                                          "vocabulary \\(97 tokens\\)"):
+        TreeConfig(mlp_topk=100).check_vocab(97)
+    TreeConfig(top_k=97, mlp_topk=97).check_vocab(97)
