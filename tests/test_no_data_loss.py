@@ -161,7 +161,9 @@ def run_and_interrupt(cmd: list[str], ready, timeout: float = 240) -> tuple[int,
     """Start `python -m ...`, send SIGINT once ready() is true, return (status, stderr)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", *cmd], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            # a shell's background job ignores SIGINT, and children inherit it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + timeout
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
