@@ -114,25 +114,26 @@ def test_gumiho_tree_invariants(gumiho_random):
 
 
 def hand_tree():
-    # 0 root; long path 0-1-2-3 (A); short path 0-4 (B)
+    # nodes in level order, like a drafter's: 0 root; short path 0-2 (B), listed first as
+    # its leaf comes first; long path 0-1-3-4 (A). Token = node index.
     return DraftTree.from_parents(torch.tensor([0, 1, 2, 3, 4]),
-                                  torch.tensor([-1, 0, 1, 2, 0]))
+                                  torch.tensor([-1, 0, 0, 1, 3]))
 
 
 @pytest.mark.host
 def test_official_fta_accepts_tokens_verified_in_another_branch():
     tree = hand_tree()
     spliced = splice_official(tree)
-    assert spliced.paths.tolist() == [[0, 1, 2, 3], [0, 4, 2, 3]]
-    # Target argmax: root -> 4 (branch B), node 4 -> 2, node 2 -> 3. Node 2's logits were
-    # computed in branch A's context (after token 1), not after token 4.
+    assert spliced.paths.tolist() == [[0, 2, 3, 4], [0, 1, 3, 4]]
+    # Target argmax: root -> 2 (branch B), node 2 -> 3, node 3 -> 4. Node 3's logits were
+    # computed in branch A's context (after token 1), not after token 2.
     logits = torch.full((5, 5), -5.0)
-    for node, best in [(0, 4), (4, 2), (2, 3), (1, 0), (3, 0)]:
+    for node, best in [(0, 2), (2, 3), (3, 4), (1, 0), (4, 0)]:
         logits[node, best] = 5.0
     accepted, _ = accept_greedy(spliced, logits)
-    assert accepted.tolist() == [0, 4, 2, 3]  # 3 drafts, the last justified by A's context
+    assert accepted.tolist() == [0, 2, 3, 4]  # 3 drafts, the last two justified by A's context
     plain, bonus = accept_greedy(tree, logits)
-    assert plain.tolist() == [0, 4] and int(bonus) == 2  # lossless: 1 draft + bonus 2
+    assert plain.tolist() == [0, 2] and int(bonus) == 3  # lossless: 1 draft + bonus 3
 
 
 @pytest.mark.host
