@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from gumiho.checkpoint import load_drafter_model, read_state, save_drafter, to_official
 from gumiho.config import DrafterConfig
-from gumiho.errors import GumihoError, cli_errors
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors
 
 FORMATS = ("gumiho", "released", "vllm-eagle", "sglang-eagle", "vllm-eagle3",
            "sglang-eagle3")
@@ -219,7 +219,7 @@ def write_eagle(model: nn.Module, target, out: Path, dtype: torch.dtype, engine:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gumiho.export",
+    p = ArgumentParser(prog="python -m gumiho.export",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--draft", required=True, help="a drafter checkpoint dir")
     p.add_argument("--out", required=True, help="the dir to write")
@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=("gumiho", "eagle2", "medusa"), default=None)
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="default: the dtype the checkpoint was saved in")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out (its files of the same names are replaced)")
     return p
 
 
@@ -238,8 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.format.endswith("eagle3"):  # refused before loading anything
         raise GumihoError(EAGLE3_REFUSAL.format(fmt=args.format))
-    if Path(args.out).resolve() == Path(args.draft).resolve():
+    from gumiho.target import check_writable_dir
+
+    out = Path(args.out)
+    if out.resolve() == Path(args.draft).resolve():
         raise GumihoError("--out is the --draft dir: give another directory")
+    check_writable_dir(out, "--out")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise GumihoError(f"--out {out} is not empty: give a new directory (or --overwrite)")
     target = load_target(args.target, device="cpu", dtype="float32")
     notes = export(args.draft, target, args.out, args.format, args.method,
                    DTYPES.get(args.dtype))

@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -168,6 +169,9 @@ def check_load_args(target, method, draft, tree_options: dict) -> None:
     if not isinstance(method, str):
         raise TypeError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     check_tree_options(method, tree_options)
+    if draft is not None and str(draft) != "random" and not Path(draft).is_dir():
+        raise GumihoError(f"drafter {str(draft)!r}: not a directory (give a checkpoint dir "
+                          "with model.safetensors or pytorch_model.bin, or 'random')")
 
 
 def check_messages(messages: list[dict]) -> None:

@@ -23,6 +23,18 @@ ANSWER_ARGS = ["--method", "ar", "--bench", "mt_bench", "--question-end", "2",
 ALLOC_ARGS = ["--end", "4", "--shard-size", "2", "--max-len", "64"]
 # (module, argv) -- {tiny}: a tiny target dir; {dir}: the case's own folder of victims.
 BAD = {
+    # export: never writes into a file or over another directory's files
+    "export_out_is_a_file": ("export", ["--draft", "{dir}/drafter", "--target", "{tiny}",
+                                        "--out", "{dir}/README.md"]),
+    "export_out_not_empty": ("export", ["--draft", "{dir}/drafter", "--target", "{tiny}",
+                                        "--out", "{dir}/olddata"]),
+    "export_unknown_format": ("export", ["--draft", "{dir}/drafter", "--out", "{dir}/new",
+                                         "--format", "onnx"]),
+    "generate_draft_is_a_file": ("generate", ["--target", "{tiny}", "--method", "gumiho",
+                                              "--draft", "{dir}/t.csv", "--prompt", "hi"]),
+    "train_draft_vocab_beyond_vocabulary": (
+        "train", ["--target", "{tiny}", "--online", "--num-conversations", "2", "--max-len",
+                  "32", "--output-dir", "{dir}/run", "--draft-vocab", "999999999"]),
     # gen_answers: never rewrites a file that is not its own, never resumes on mismatch
     "answers_into_readme": ("gen_answers", ["--target", "{tiny}", *ANSWER_ARGS,
                                             "--answer-file", "{dir}/README.md"]),
@@ -123,7 +135,8 @@ BAD = {
 }
 MODULES = {"gen_answers": "gumiho.evaluation.gen_answers", "generate": "gumiho.generate",
            "timing": "gumiho.evaluation.timing", "speed": "gumiho.evaluation.speed",
-           "allocation": "gumiho.ge_data.allocation"}
+           "allocation": "gumiho.ge_data.allocation", "export": "gumiho.export",
+           "train": "gumiho.train.__main__"}
 
 
 def answer_record(qid: int, target: str, max_new_tokens: int = 3) -> dict:

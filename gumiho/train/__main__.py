@@ -106,6 +106,9 @@ def new_model(target, config: TrainConfig, samples: list[dict] | None = None,
     chosen from the samples' assistant-token counts (stop tokens always included)."""
     draft_ids = None
     vocab = target.lm_head.weight.shape[0]
+    if config.draft_vocab > vocab:
+        raise GumihoError(f"--draft-vocab {config.draft_vocab} is larger than the target's "
+                          f"vocabulary ({vocab} tokens): give at most {vocab} (or 0 for all)")
     if config.draft_vocab and config.draft_vocab < vocab:
         if not samples:
             raise GumihoError("--draft-vocab needs training samples to count tokens in")

@@ -1,0 +1,114 @@
+"""What a reduced draft vocabulary costs and saves, per size: `python -m
+gumiho.evaluation.vocab_sizes`.
+
+Two measurements, side by side in one run:
+
+* coverage: the share of held-out assistant tokens that a draft vocabulary of each size
+  (the most frequent assistant tokens of the counting conversations, as training builds
+  it) contains. A token outside it can never be drafted, so 1 - coverage bounds the
+  acceptance a drafter can lose at any draft position.
+* drafting time: seconds per Gumiho drafting pass in the real loop (random weights: the
+  tree, and so the work, is the same size whatever the weights), per draft vocabulary.
+
+The default `--draft-vocab` of scripts/train.sh was chosen from this table (README,
+"Draft vocabulary").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from tqdm import tqdm
+
+from gumiho.config import TrainConfig, TreeConfig
+from gumiho.drafters import SerialDrafter
+from gumiho.engine import GenerateConfig, run
+from gumiho.errors import ArgumentParser, cli_errors, nonnegative_int, positive_int
+from gumiho.ge_data.conversations import load_conversations, split
+from gumiho.ge_data.templates import tokenize_conversation
+from gumiho.modeling import draft_vocabulary
+from gumiho.target import load_target
+from gumiho.train.__main__ import new_model
+from gumiho.train.dataset import token_counts
+
+PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+def samples_of(target, conversations: list[dict], max_len: int) -> list[dict]:
+    """input_ids and loss_mask of each conversation (no target features needed)."""
+    out = []
+    for conv in tqdm(conversations, desc="tokenize", leave=False):
+        ids, mask = tokenize_conversation(target.tokenizer, conv["messages"], max_len,
+                                          target.stop_token_ids)
+        if mask.any():
+            out.append({"input_ids": ids, "loss_mask": mask})
+    return out
+
+
+def coverage(counts: torch.Tensor, test: torch.Tensor, size: int, always: list[int]) -> float:
+    """Share of the test tokens (counts per id) inside the draft vocabulary of `size`."""
+    if size == 0 or size >= counts.shape[0]:
+        return 1.0
+    ids = draft_vocabulary(counts, size, always)
+    return float(test[ids].sum() / test.sum())
+
+
+def drafting_seconds(target, samples: list[dict], size: int, new_tokens: int) -> dict:
+    """Seconds per drafting pass and per cycle of Gumiho's reference tree in the loop."""
+    model = new_model(target, TrainConfig(online=True, draft_vocab=size), samples).eval()
+    drafter = SerialDrafter(model, TreeConfig.for_method("gumiho"))
+    prompt = target.chat_ids(PROMPT)
+    config = GenerateConfig(max_new_tokens=new_tokens, profile=True)
+    run(target, drafter, prompt, GenerateConfig(max_new_tokens=4))  # warm-up
+    result = run(target, drafter, prompt, config)
+    cycles = len(result.accept_lengths) - 1  # the first "cycle" is the prefill
+    return {"draft_s": result.phase_s.get("draft", 0.0) / cycles,
+            "cycle_s": sum(result.cycle_s[1:]) / cycles}
+
+
+def build_parser():
+    p = ArgumentParser(prog="python -m gumiho.evaluation.vocab_sizes", description=__doc__
+                       .split("\n\n")[0])
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--count", type=positive_int, default=3000,
+                   help="training-split conversations whose assistant tokens are counted")
+    p.add_argument("--test", type=positive_int, default=500,
+                   help="held-out conversations to measure coverage on")
+    p.add_argument("--sizes", default="4096,8192,16384,32768,0",
+                   help="draft vocabulary sizes (0: the whole vocabulary)")
+    p.add_argument("--max-len", type=positive_int, default=2048)
+    p.add_argument("--new-tokens", type=nonnegative_int, default=48,
+                   help="tokens generated per timing run (0: coverage only)")
+    return p
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    torch.manual_seed(0)
+    target = load_target(args.target)
+    train, held = split(load_conversations("sharegpt"))
+    counted = samples_of(target, train[: args.count], args.max_len)
+    tested = samples_of(target, held[: args.test], args.max_len)
+    vocab = target.lm_head.weight.shape[0]
+    counts, test = token_counts(counted, vocab), token_counts(tested, vocab)
+    always = sorted(target.stop_token_ids)
+    rows = []
+    for size in sizes:
+        row = {"draft_vocab": size or vocab,
+               "coverage": coverage(counts, test, size, always)}
+        if args.new_tokens:
+            row.update(drafting_seconds(target, counted, size, args.new_tokens))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"target": args.target, "counted_conversations": len(counted),
+                      "test_conversations": len(tested), "test_tokens": int(test.sum()),
+                      "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Our loop against what a user already has, side by side in one process: transformers'
+`generate` (plain, and with prompt lookup), our plain loop, our prompt lookup and our
+drafters. Greedy; each variant runs on every prompt in turn, repeats interleaved, so
+machine load hits every variant alike. Prints tokens/s per prompt and ratios to HF plain.
+
+    python scripts/bench_peers.py [--new-tokens 96] [--repeats 3] [--methods ar,lookup,gumiho]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+
+from gumiho.drafters import load_drafter
+from gumiho.generate import SpeculativeGenerator
+from gumiho.target import load_target
+
+# A summary and a list edit (the answer copies the prompt), open-ended text, code.
+ARTICLE = (
+    "The city council met on Tuesday to discuss the new bus routes. After two hours of "
+    "debate, the council voted to add three routes connecting the north suburbs to the "
+    "central station, to extend evening service until midnight, and to cut the fare for "
+    "students by half. The changes start in March and cost about 2 million dollars a year, "
+    "paid from the parking fund. Residents of the north suburbs had asked for better "
+    "service for years; several spoke at the meeting in support.")
+PROMPTS = {
+    "summary": f"Summarise this article in three sentences, reusing its wording:\n\n{ARTICLE}",
+    "reverse": "Write this list in reverse order, one item per line: apple, banana, cherry, "
+               "date, elderberry, fig, grape, honeydew, kiwi, lemon, mango, nectarine.",
+    "open": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "code": "Write a Python function that checks whether a string is a palindrome, "
+            "ignoring case and punctuation, with a docstring and two examples.",
+}
+DRAFTS = {"gumiho": "gumiho/assets/smollm2/gumiho", "eagle2": "gumiho/assets/smollm2/eagle2",
+          "medusa": "gumiho/assets/smollm2/medusa"}
+
+
+def hf_runner(target, ids: list[int], new_tokens: int, lookup: int | None):
+    input_ids = torch.tensor([ids])
+    stops = sorted(target.stop_token_ids)
+
+    def go() -> int:
+        out = target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                    max_new_tokens=new_tokens, do_sample=False,
+                                    eos_token_id=stops, pad_token_id=stops[0],
+                                    prompt_lookup_num_tokens=lookup)
+        return out.shape[1] - input_ids.shape[1]
+
+    return go
+
+
+def our_runner(gen: SpeculativeGenerator, ids: list[int], new_tokens: int):
+    def go() -> int:
+        return gen.generate(ids, max_new_tokens=new_tokens).new_tokens
+
+    return go
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--methods", default="ar,lookup,gumiho")
+    p.add_argument("--draft", action="append", default=[],
+                   help="METHOD=DIR: a drafter other than the shipped one")
+    args = p.parse_args()
+    drafts = {**DRAFTS, **dict(d.split("=", 1) for d in args.draft)}
+    target = load_target("smollm2")
+    prompts = {name: target.chat_ids(text) for name, text in PROMPTS.items()}
+    variants = {"hf": lambda ids: hf_runner(target, ids, args.new_tokens, None),
+                "hf_lookup": lambda ids: hf_runner(target, ids, args.new_tokens, 10)}
+    for method in args.methods.split(","):
+        gen = SpeculativeGenerator(target, load_drafter(method, target, drafts.get(method)))
+        variants[method] = lambda ids, gen=gen: our_runner(gen, ids, args.new_tokens)
+    runners = {(v, name): make(ids) for v, make in variants.items()
+               for name, ids in prompts.items()}
+    for go in runners.values():  # warm-up (and the output lengths)
+        go()
+    rates: dict[tuple[str, str], list[float]] = {key: [] for key in runners}
+    for _ in range(args.repeats):
+        for key, go in runners.items():
+            start = time.perf_counter()
+            n = go()
+            rates[key].append(n / (time.perf_counter() - start))
+    table = {}
+    for name in prompts:
+        base = statistics.median(rates[("hf", name)])
+        table[name] = {v: {"tokens_per_s": round(statistics.median(rates[(v, name)]), 1),
+                           "vs_hf": round(statistics.median(rates[(v, name)]) / base, 2)}
+                       for v in variants}
+    print(json.dumps({"new_tokens": args.new_tokens, "repeats": args.repeats,
+                      "threads": torch.get_num_threads(), "prompts": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
