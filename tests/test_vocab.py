@@ -31,6 +31,16 @@ def test_draft_vocabulary_takes_the_most_frequent_and_the_required():
         draft_vocabulary(counts, 9)
 
 
+@pytest.mark.host
+def test_coverage_counts_test_tokens_inside_the_chosen_vocabulary():
+    from gumiho.evaluation.vocab_sizes import coverage
+
+    counts = torch.tensor([5, 0, 9, 9, 1, 7, 0, 3])  # draft vocabulary of 4: 2, 3, 5, 6
+    test = torch.tensor([1, 1, 2, 0, 0, 4, 2, 0])  # 10 tokens, 8 of them in {2, 3, 5, 6}
+    assert coverage(counts, test, 4, always=[6]) == pytest.approx(0.8)
+    assert coverage(counts, test, 0, always=[]) == 1.0  # 0: the whole vocabulary
+
+
 def test_draft_head_is_the_lm_heads_rows(smollm2):
     ids = torch.tensor([3, 17, 200, 4000, 49151])
     head = DraftHead(smollm2.lm_head, ids)

@@ -17,6 +17,7 @@ The default `--draft-vocab` of scripts/train.sh was chosen from this table (READ
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 import torch
@@ -55,17 +56,29 @@ def coverage(counts: torch.Tensor, test: torch.Tensor, size: int, always: list[i
     return float(test[ids].sum() / test.sum())
 
 
-def drafting_seconds(target, samples: list[dict], size: int, new_tokens: int) -> dict:
-    """Seconds per drafting pass and per cycle of Gumiho's reference tree in the loop."""
+def drafter_for(target, samples: list[dict], size: int) -> SerialDrafter:
+    """A random-weight Gumiho drafter at the reference tree, over a draft vocabulary."""
     model = new_model(target, TrainConfig(online=True, draft_vocab=size), samples).eval()
-    drafter = SerialDrafter(model, TreeConfig.for_method("gumiho"))
+    return SerialDrafter(model, TreeConfig.for_method("gumiho"))
+
+
+def drafting_seconds(target, drafters: dict[int, SerialDrafter], new_tokens: int,
+                     repeats: int) -> dict[int, dict]:
+    """Median seconds per drafting pass and per cycle in the loop, for each drafter. The
+    drafters take turns within every repeat, so machine load hits them alike."""
     prompt = target.chat_ids(PROMPT)
     config = GenerateConfig(max_new_tokens=new_tokens, profile=True)
-    run(target, drafter, prompt, GenerateConfig(max_new_tokens=4))  # warm-up
-    result = run(target, drafter, prompt, config)
-    cycles = len(result.accept_lengths) - 1  # the first "cycle" is the prefill
-    return {"draft_s": result.phase_s.get("draft", 0.0) / cycles,
-            "cycle_s": sum(result.cycle_s[1:]) / cycles}
+    times: dict[int, dict[str, list[float]]] = {s: {"draft_s": [], "cycle_s": []}
+                                                for s in drafters}
+    for drafter in drafters.values():  # warm-up
+        run(target, drafter, prompt, GenerateConfig(max_new_tokens=4))
+    for _ in tqdm(range(repeats), desc="timing", leave=False):
+        for size, drafter in drafters.items():
+            result = run(target, drafter, prompt, config)
+            cycles = len(result.accept_lengths) - 1  # the first "cycle" is the prefill
+            times[size]["draft_s"].append(result.phase_s.get("draft", 0.0) / cycles)
+            times[size]["cycle_s"].append(sum(result.cycle_s[1:]) / cycles)
+    return {s: {k: statistics.median(v) for k, v in t.items()} for s, t in times.items()}
 
 
 def build_parser():
@@ -79,8 +92,9 @@ def build_parser():
     p.add_argument("--sizes", default="4096,8192,16384,32768,0",
                    help="draft vocabulary sizes (0: the whole vocabulary)")
     p.add_argument("--max-len", type=positive_int, default=2048)
-    p.add_argument("--new-tokens", type=nonnegative_int, default=48,
+    p.add_argument("--new-tokens", type=nonnegative_int, default=32,
                    help="tokens generated per timing run (0: coverage only)")
+    p.add_argument("--repeats", type=positive_int, default=3)
     return p
 
 
@@ -96,14 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     vocab = target.lm_head.weight.shape[0]
     counts, test = token_counts(counted, vocab), token_counts(tested, vocab)
     always = sorted(target.stop_token_ids)
-    rows = []
-    for size in sizes:
-        row = {"draft_vocab": size or vocab,
-               "coverage": coverage(counts, test, size, always)}
-        if args.new_tokens:
-            row.update(drafting_seconds(target, counted, size, args.new_tokens))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    drafters = {size: drafter_for(target, counted, size) for size in sizes}
+    timed = (drafting_seconds(target, drafters, args.new_tokens, args.repeats)
+             if args.new_tokens else {})
+    rows = [{"draft_vocab": size or vocab, "coverage": round(coverage(counts, test, size,
+                                                                       always), 4),
+             **{k: round(v, 4) for k, v in timed.get(size, {}).items()}} for size in sizes]
+    for row in rows:
+        print(json.dumps(row))
     print(json.dumps({"target": args.target, "counted_conversations": len(counted),
                       "test_conversations": len(tested), "test_tokens": int(test.sum()),
                       "rows": rows}))
