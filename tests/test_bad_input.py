@@ -392,3 +392,21 @@ def test_beam_wider_than_the_vocabulary():
                                           "vocabulary \\(97 tokens\\)"):
         TreeConfig(mlp_topk=100).check_vocab(97)
     TreeConfig(top_k=97, mlp_topk=97).check_vocab(97)
+
+
+@pytest.mark.parametrize("config", ["configs/accelerate_single.yaml", "configs/multi_gpu.yaml"])
+def test_train_script_passes_the_trainers_one_line(config, tmp_path):
+    """scripts/train.sh: a bad flag stops at the dry run with the trainer's own line and exit
+    status, whatever the accelerate config (no launcher traceback around it)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "ACCELERATE_CONFIG": config, "PYTHONPATH": str(root),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "scripts/train.sh", "--online", "--output-dir",
+                           str(tmp_path / "run"), "--lr", "-1"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: --lr") and "Traceback" not in proc.stderr
