@@ -139,6 +139,31 @@ def test_a_kill_inside_the_save_resumes_exactly(tiny_target_dir, tiny_data_dir, 
         torch.testing.assert_close(cut[key], whole[key], atol=0, rtol=0)
 
 
+def test_periodic_saves_resume_mid_epoch_exactly(tiny_target_dir, tiny_data_dir, tmp_path,
+                                                  monkeypatch):
+    import gumiho.train.__main__ as trainer
+
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path / "whole")) == 0
+    real_save, saves = trainer.save, []
+
+    def save_then_die(*args):  # saves: step 1 (mid-epoch), 2 (epoch end), 3 (mid-epoch)
+        if len(saves) == 3:
+            raise KeyboardInterrupt  # killed at step 4, before its save
+        saves.append(args[3].step)
+        return real_save(*args)
+
+    monkeypatch.setattr(trainer, "save", save_then_die)
+    assert main(train_args(data, tmp_path / "cut", "--save-every", "1")) == 130
+    monkeypatch.undo()
+    assert saves == [1, 2, 3]
+    assert main(train_args(data, tmp_path / "cut", "--save-every", "1")) == 0  # from step 3
+    whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    cut = load_file(str(tmp_path / "cut" / "model.safetensors"))
+    for key in whole:
+        torch.testing.assert_close(cut[key], whole[key], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("change, named", [(["--lr", "0.5"], "lr"),
                                            (["--method", "eagle2"], "method"),
                                            (["--batch-size", "1"], "batch_size")])

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dtype", default="float16", choices=list(EXPORT_DTYPE))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save-every", type=int, default=0,
+                   help="also save the run every N optimizer steps (a kill then costs at most "
+                   "N steps; default: at each epoch's end only)")
     p.add_argument("--dry-run", action="store_true",
                    help="check the settings, data dirs and output dir, then exit")
     return p
@@ -171,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(f"ok: {config.method} drafter for {config.target} into {out}")
         return 0
-    if args.eval_every < 0:
-        raise GumihoError("--eval-every must be at least 0")
+    if args.eval_every < 0 or args.save_every < 0:
+        raise GumihoError("--eval-every and --save-every must be at least 0")
     return train(config, out, args.stop_after_steps, args.eval_data or [],
-                 args.eval_each_epoch, args.log_every, args.eval_every)
+                 args.eval_each_epoch, args.log_every, args.eval_every, args.save_every)
 
 
 def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
@@ -202,7 +205,7 @@ def precision() -> tuple[str, str]:
 
 def train(config: TrainConfig, out: Path, stop_after: int | None = None,
           eval_data: list[str] | tuple[str, ...] = (), eval_each_epoch: bool = False,
-          log_every: int = 10, eval_every: int = 0) -> int:
+          log_every: int = 10, eval_every: int = 0, save_every: int = 0) -> int:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -273,6 +276,8 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
                                out)
             if state.step >= stop_at:
                 break
+            if save_every and state.step % save_every == 0 and state.batches_done < usable:
+                save(accelerator, model, scheduler, state, out, settings, config, None)
         if state.batches_done >= usable:  # the epoch is complete
             state.epoch, state.batches_done = state.epoch + 1, 0
             save(accelerator, model, scheduler, state, out, settings, config,
