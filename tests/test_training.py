@@ -213,3 +213,19 @@ def test_eval_every_logs_curves_that_plot(tiny_target_dir, tiny_data_dir, tmp_pa
     assert {"acc_serial1", "acc_serial2", "acc_mlp1"} <= set(rows[0]["eval"])
     assert plot.main([str(tmp_path / "run"), "--out", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_accuracy_tool_matches_trainings_evaluation(tiny_target_dir, tiny_data_dir, tmp_path,
+                                                    capsys):
+    from gumiho.train import accuracy
+
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path, "--eval-data", tiny_data_dir,
+                           "--export-dtype", "float32")) == 0
+    logged = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["held_out_accuracy"]
+    assert accuracy.main(["--draft", str(tmp_path), "--data", tiny_data_dir,
+                          "--target", tiny_target_dir, "--batch-size", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["samples"] > 0
+    for key, value in logged.items():
+        assert report[key] == pytest.approx(value, abs=1e-3)
