@@ -20,11 +20,12 @@ import torch
 from torch import Tensor
 
 from gumiho.checkpoint import load_drafter_model
-from gumiho.config import METHODS, DrafterConfig, TreeConfig
+from gumiho.config import DrafterConfig, TreeConfig
 from gumiho.errors import GumihoError
 from gumiho.fta import exact_fta_tree, splice_official
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
+from gumiho.methods import method_spec
 from gumiho.modeling import DraftHead, build_draft_model, set_draft_vocabulary
 from gumiho.profiling import PhaseTimer
 from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
@@ -76,15 +77,16 @@ class SerialDrafter:
 
     def __init__(self, model, tree: TreeConfig, engine: str = "eager"):
         self.model, self.tree, self.engine = model, tree, engine
-        self.method = model.config.method
-        self.name = self.method
+        spec = method_spec(model.config.method)
+        self.method = self.name = spec.name
         self.max_nodes = tree.total_tokens
-        gumiho = self.method == "gumiho"
-        if gumiho and tree.depth < 2:
-            raise GumihoError("--depth for gumiho counts the 2 serial levels: give 2 to "
-                              f"{2 + model.config.num_mlp_heads}")
-        self.serial_depth = 2 if gumiho else tree.depth
-        self.heads = min(model.config.num_mlp_heads, tree.depth - 2) if gumiho else 0
+        levels = spec.serial_levels  # then the MLP heads (Gumiho); None: serial throughout
+        if levels is not None and tree.depth < levels:
+            raise GumihoError(f"--depth for {spec.name} counts the {levels} serial levels: "
+                              f"give {levels} to {levels + model.config.num_mlp_heads}")
+        self.serial_depth = tree.depth if levels is None else levels
+        self.heads = 0 if levels is None else min(model.config.num_mlp_heads,
+                                                  tree.depth - levels)
         self.draft_depth = self.serial_depth + self.heads  # deepest node a tree can have
         # A node ranked W - 1 or lower within its level is outranked by W - 1 nodes, so it
         # can never be among the W - 1 the tree keeps: no level needs more candidates, and
@@ -218,7 +220,7 @@ class SerialDrafter:
             seen = torch.cat([seen, eye], 1)[row]  # the parent's view plus the parent
         serial = Pool.concat(levels)
         heads = (torch.zeros(0, device=root.device),) * 2
-        if self.method == "gumiho" and self.heads:
+        if self.heads:
             # MLP inputs per level-2 node: its own level-1 parent's token and output (d1,
             # out1, by `row`; the released code paired rows with the wrong parent), its token
             # and its own serial output (d2, out2). Level-2 nodes are in score order.
@@ -274,11 +276,10 @@ class MedusaDrafter:
     """Medusa: heads on the newest target feature f_t; head i proposes x_{t+2+i}; a fixed
     tree whose node at depth d takes its head's rank-r token."""
 
-    name = "medusa"
-
     def __init__(self, model, tree: TreeConfig, head_accuracy: list[float] | None = None,
                  engine: str = "eager"):
         self.model, self.tree = model, tree
+        self.name = model.config.method
         n_heads = model.w.shape[0]
         depth = self.draft_depth = min(tree.depth, n_heads)
         acc = head_accuracy or [0.6, 0.4, 0.3, 0.25, 0.2][:depth]
@@ -333,7 +334,7 @@ def random_drafter_model(method: str, target, seed: int = 0,
         set_draft_vocabulary(model, draft_ids)
     if hasattr(model, "embed_tokens"):
         model.embed_tokens.weight.data.copy_(target.input_embeddings())  # any scale included
-    if config.method == "medusa":
+    if not method_spec(method).serial:
         model.init_lm_heads(DraftHead.for_model(target, model))
     return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
@@ -347,10 +348,9 @@ def load_drafter(method: str, target, draft: str | None = None,
     decoding with one."""
     from gumiho.lookup import LookupDrafter
 
-    if method not in METHODS:
-        raise GumihoError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    spec = method_spec(method)
     tree = tree or TreeConfig.for_method(method)
-    if method in ("ar", "lookup"):
+    if not spec.drafter:
         if draft is not None:
             raise GumihoError(f"--method {method} takes no --draft: it has no drafter network")
         drafter: Drafter = PlainDrafter()
@@ -361,6 +361,5 @@ def load_drafter(method: str, target, draft: str | None = None,
         model = random_drafter_model(method, target, seed) if draft == "random" else \
             load_drafter_model(draft, target, method)
         engine = resolve_engine(engine, target.device)
-        drafter = MedusaDrafter(model, tree, engine=engine) if method == "medusa" else \
-            SerialDrafter(model, tree, engine=engine)
+        drafter = (SerialDrafter if spec.serial else MedusaDrafter)(model, tree, engine=engine)
     return LookupDrafter(drafter, tree.lookup) if tree.lookup else drafter
