@@ -22,6 +22,7 @@ from torch import Tensor
 
 from gumiho.errors import GumihoError
 from gumiho.kv_cache import attention_kinds
+from gumiho.templates import TEMPLATES, turn_end_token
 
 log = logging.getLogger("gumiho")
 
@@ -296,8 +297,6 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
                           "tokenizer files (tokenizer.json, tokenizer_config.json) into it"
                           ) from None
     if chat_template:
-        from gumiho.ge_data.templates import TEMPLATES
-
         tokenizer.chat_template = TEMPLATES.get(chat_template, chat_template)
     target = wrap_target(model.to(dev).eval(), tokenizer, name=name_or_path)
     if chat_template:
@@ -336,27 +335,3 @@ def wrap_target(model: torch.nn.Module, tokenizer=None, name: str = "model") -> 
         if end is not None:
             stops.add(vocab[end])
     return Target(model=model, tokenizer=tokenizer, name=name, stop_token_ids=frozenset(stops))
-
-
-def turn_end_token(tokenizer, template: str | None = None) -> str | None:
-    """The special token a chat template writes right after an assistant reply (the end of a
-    turn: e.g. `<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`), or None.
-
-    Found by rendering a one-exchange chat with a marker reply, not from a list of names."""
-    template = template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        return None
-    marker = "Zq7Xw9Kv"
-    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
-    from jinja2 import TemplateError
-
-    try:
-        text = tokenizer.apply_chat_template(chat, tokenize=False, chat_template=template)
-    except (TemplateError, ValueError, KeyError, TypeError, IndexError):
-        return None  # a template may reject this probe (e.g. one that needs a system turn)
-    after = text.split(marker, 1)[-1].lstrip() if marker in text else ""
-    specials = set(tokenizer.all_special_tokens) | {
-        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
-        if getattr(t, "special", False)}
-    return next((t for t in sorted(specials, key=len, reverse=True)
-                 if t and after.startswith(t)), None)
