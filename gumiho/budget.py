@@ -35,8 +35,9 @@ import torch
 from gumiho.config import TreeConfig
 from gumiho.engine import GenerateConfig, TargetRunner, prefill, run, verify_tree
 from gumiho.methods import method_spec
+from gumiho.paths import cache_dir
 from gumiho.profiling import timed
-from gumiho.target import Target, cache_dir
+from gumiho.target import Target
 from gumiho.tree import DraftTree
 
 log = logging.getLogger("gumiho")

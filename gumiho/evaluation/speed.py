@@ -176,7 +176,7 @@ def plot(rep: dict, path: Path) -> bool:
 
 def check_outputs(out: Path) -> None:
     """R.md / R.json / R.png may replace an earlier report, never another file."""
-    from gumiho.target import check_writable_dir
+    from gumiho.paths import check_writable_dir
 
     if not out.name or out.name in (".", ".."):
         raise GumihoError(f"--out {str(out)!r}: give a path without extension, e.g. "

@@ -40,7 +40,8 @@ from gumiho.ge_data.shards import (
     shard_problem,
     write_manifest,
 )
-from gumiho.target import check_writable_dir, choose_device_dtype, resolve_target_path
+from gumiho.paths import check_writable_dir
+from gumiho.target import choose_device_dtype, resolve_target_path
 from gumiho.templates import tokenize_conversation
 from gumiho.version import code_version
 

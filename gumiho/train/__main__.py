@@ -177,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
     """What can be checked before loading anything: the target, data and output dirs."""
+    from gumiho.embedded import SMOLLM2_ALIAS
     from gumiho.ge_data.shards import MANIFEST
-    from gumiho.target import SMOLLM2_ALIAS, resolve_target_path
+    from gumiho.target import resolve_target_path
 
     if config.target != SMOLLM2_ALIAS:
         resolve_target_path(config.target)
