@@ -59,6 +59,9 @@ class Target:
     tokenizer: object | None
     name: str
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # The loop's TargetRunner per engine (engine.target_runner): its KV cache and captured
+    # steps are bound to this model, so they live as long as the target does.
+    runners: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
