@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from gumiho.config import DrafterConfig
 from gumiho.errors import GumihoError
 from gumiho.methods import MethodSpec, method_spec, spec_from_keys
-from gumiho.modeling import DraftHead, build_draft_model
+from gumiho.modeling import DraftHead, build_draft_model, set_draft_vocabulary
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Unused by every drafter here (layer 0 has no input norm), present in some EAGLE files.
@@ -205,15 +205,28 @@ def load_drafter_model(path: str | Path, target, method: str | None = None) -> n
             f"drafter {path} is for hidden size {config.hidden_size} / vocab "
             f"{config.vocab_size}, but target {target.name} has {target.hidden_size} / "
             f"{vocab}: use a drafter trained for this target")
+    return drafter_network(config, target, from_official(state, config))
+
+
+def drafter_network(config: DrafterConfig, target, state: dict[str, Tensor] | None = None,
+                    draft_ids: Tensor | None = None) -> nn.Module:
+    """The drafter network of `config` for `target`, frozen, on the target's device and
+    dtype: the weights of `state` (the model's own key names, checked strictly), else the
+    fresh ones the current seed gives, with the draft vocabulary `draft_ids` (target ids,
+    modeling/vocab.py). The frozen parts a state leaves out come from the target: the
+    embedding (any scale included) and the start of Medusa's own lm heads."""
     model = build_draft_model(config)
-    own = from_official(state, config)
+    if draft_ids is not None:
+        set_draft_vocabulary(model, draft_ids)
+    own = dict(state or {})
     if "embed_tokens.weight" in model.state_dict() and "embed_tokens.weight" not in own:
-        own["embed_tokens.weight"] = target.input_embeddings()  # any scale included
-    check_keys(model.state_dict(), own, config)
-    model.load_state_dict(own, strict=True)
-    if not method_spec(config.method).serial and config.medusa_own_lm_head \
-            and "lm_heads" not in own:
-        model.init_lm_heads(DraftHead.for_model(target, model))
+        model.embed_tokens.weight.data.copy_(target.input_embeddings())
+        own["embed_tokens.weight"] = model.embed_tokens.weight
+    if state is not None:
+        check_keys(model.state_dict(), own, config)
+        model.load_state_dict(own, strict=True)
+    if not method_spec(config.method).serial and "lm_heads" not in own:
+        model.init_lm_heads(DraftHead.for_model(target, model))  # no-op without own heads
     return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
 

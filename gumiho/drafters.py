@@ -19,14 +19,14 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from gumiho.checkpoint import load_drafter_model
+from gumiho.checkpoint import drafter_network, load_drafter_model
 from gumiho.config import DrafterConfig, TreeConfig
 from gumiho.errors import GumihoError
 from gumiho.fta import exact_fta_tree, splice_official
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.methods import method_spec
-from gumiho.modeling import DraftHead, build_draft_model, set_draft_vocabulary
+from gumiho.modeling import DraftHead
 from gumiho.profiling import PhaseTimer
 from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
 
@@ -329,14 +329,7 @@ def random_drafter_model(method: str, target, seed: int = 0,
     if draft_ids is not None:
         config_overrides["draft_vocab_size"] = draft_ids.shape[0]
     config = DrafterConfig.for_target(target.config, method, **config_overrides)
-    model = build_draft_model(config)
-    if draft_ids is not None:
-        set_draft_vocabulary(model, draft_ids)
-    if hasattr(model, "embed_tokens"):
-        model.embed_tokens.weight.data.copy_(target.input_embeddings())  # any scale included
-    if not method_spec(method).serial:
-        model.init_lm_heads(DraftHead.for_model(target, model))
-    return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    return drafter_network(config, target, draft_ids=draft_ids)
 
 
 def load_drafter(method: str, target, draft: str | None = None,
