@@ -103,7 +103,7 @@ class SerialDrafter:
         if getattr(self, "head_target", None) is not target:  # once per target
             self.head, self.head_target = DraftHead.for_model(target, self.model), target
         self.pending: list[tuple[Tensor, Tensor]] = []
-        self.cache, new = reuse_or_allocate(
+        self.cache, new = reuse_or_allocate(  # + the uncommitted entries of levels 2..
             self.cache, capacity + (self.serial_depth - 1) * self.beam,
             self.engine != "eager", lambda n: KVCache(self.model.config.llama_config(), n,
                                                       target.device, target.dtype))
@@ -149,8 +149,8 @@ class SerialDrafter:
     def _catch_up(self) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Run the pending pairs (committing them); returns out1 (H,) of the newest and
         its top_k (log-probs, tokens)."""
-        features = torch.cat([f for f, _ in self.pending])
-        tokens = torch.cat([t for _, t in self.pending])
+        features = torch.cat([f for f, _ in self.pending])  # (n, H): f_t
+        tokens = torch.cat([t for _, t in self.pending])  # (n,): x_{t+1}
         self.pending = []
         n, cache, device = tokens.shape[0], self.cache, tokens.device
         width = self.draft_depth + 1  # the longest accept: bonus + every draft level
@@ -161,13 +161,13 @@ class SerialDrafter:
             tokens = torch.cat([tokens, tokens[-1:].expand(width - n)])
             features = torch.cat([features, features[-1:].expand(width - n, -1)])
         cache.begin_step(width)
-        rows = torch.eye(width, dtype=torch.bool, device=device)
+        rows = torch.eye(width, dtype=torch.bool, device=device)  # (width, width) over the step
         rows[:n, :n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        positions = cache.length + torch.arange(width, device=device)
+        positions = cache.length + torch.arange(width, device=device)  # (width,)
         out, values, indices = step(tokens[None], features[None], positions[None],
                                     cache.attention_mask(rows), cache.write_position())
         cache.commit(n)
-        last = -1 if step is self._prompt_step else n - 1
+        last = -1 if step is self._prompt_step else n - 1  # the prompt step keeps one row
         return out[last], (values[last], indices[last])
 
     def _serial_level(self, tokens: Tensor, parent_out: Tensor, seen: Tensor
@@ -179,7 +179,9 @@ class SerialDrafter:
         k, r = seen.shape
         cache = self.cache
         cache.begin_step(k, offset=r)
+        # (k, R + k): its ancestors among the earlier entries, then itself
         rows = torch.cat([seen, torch.eye(k, dtype=torch.bool, device=seen.device)], 1)
+        # the R entries are r // k earlier levels, so this level sits that far past the root
         positions = torch.full((1, k), cache.length + r // max(k, 1), device=seen.device)
         return self._serial_step(tokens[None], parent_out[None], positions,
                                  cache.attention_mask(rows), cache.write_position(r))
@@ -202,11 +204,11 @@ class SerialDrafter:
                 self.out1, self.top1 = self._catch_up()
         root, out1 = self.root, self.out1
         k = self.beam
-        values, indices = self.top1
+        values, indices = self.top1  # (k,) each: level 1, drawn from out1 (H,)
         level = Pool(tokens=indices, parents=torch.full_like(indices, -1),
                      scores=values, depths=torch.ones_like(indices))
         levels, outs = [level], out1.expand(k, -1)  # level 1 was drawn from out1
-        seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)
+        seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)  # (k, 0): none yet
         first = 0  # pool index of the current level's node 0
         for depth in range(2, self.serial_depth + 1):
             parent_tokens, parent_outs = level.tokens, outs
@@ -217,10 +219,10 @@ class SerialDrafter:
             levels.append(level)
             outs = new_outs[row]  # children are drawn from their parent's output
             eye = torch.eye(seen.shape[0], dtype=torch.bool, device=seen.device)
-            seen = torch.cat([seen, eye], 1)[row]  # the parent's view plus the parent
-        serial = Pool.concat(levels)
+            seen = torch.cat([seen, eye], 1)[row]  # (k, R + k): the parent's view + the parent
+        serial = Pool.concat(levels)  # levels 1..serial_depth, k nodes each
         heads = (torch.zeros(0, device=root.device),) * 2
-        if self.heads:
+        if self.heads:  # Gumiho: the deeper levels from the MLP heads at once
             # MLP inputs per level-2 node: its own level-1 parent's token and output (d1,
             # out1, by `row`; the released code paired rows with the wrong parent), its token
             # and its own serial output (d2, out2). Level-2 nodes are in score order.
