@@ -60,7 +60,6 @@ SHAPES = {
                       rope_theta=500000.0, tie_word_embeddings=False),
 }
 PROMPT = "Explain in a few sentences why the sky is blue."
-DRAFT_METHODS = DRAFTER_METHODS
 
 
 def shape_target(shape: str, device: str | None, dtype: str | None,
@@ -184,9 +183,9 @@ def methods_arg(value: str) -> list[str]:
     """argparse type: comma-separated drafting methods (empty: none)."""
     methods = [m.strip() for m in value.split(",") if m.strip()]
     for method in methods:
-        if method not in DRAFT_METHODS:
+        if method not in DRAFTER_METHODS:
             raise argparse.ArgumentTypeError(f"unknown method {method!r}: use "
-                                             f"{','.join(DRAFT_METHODS)}")
+                                             f"{','.join(DRAFTER_METHODS)}")
     return methods
 
 
