@@ -34,8 +34,10 @@ import torch
 
 from gumiho.config import TreeConfig
 from gumiho.engine import GenerateConfig, TargetRunner, prefill, run, verify_tree
+from gumiho.methods import method_spec
+from gumiho.paths import cache_dir
 from gumiho.profiling import timed
-from gumiho.target import Target, cache_dir
+from gumiho.target import Target
 from gumiho.tree import DraftTree
 
 log = logging.getLogger("gumiho")
@@ -151,12 +153,13 @@ def token_range(target: Target) -> tuple[int, int]:
 
 def candidate_shapes(method: str, reference: TreeConfig,
                      widths: tuple[int, ...] = CANDIDATE_WIDTHS) -> list[Shape]:
-    """Sizes up to the reference's; for the dynamic trees also every depth and chains."""
+    """Sizes up to the reference's; for the dynamic trees also every depth (from the
+    method's `auto_min_depth`) and chains."""
     sizes = sorted({w for w in widths if w <= reference.total_tokens}
                    | {reference.total_tokens})
-    if method == "medusa":
+    low = method_spec(method).auto_min_depth
+    if low is None:  # a static tree keeps its depth
         return [Shape(w, reference.depth) for w in sizes]
-    low = 2 if method == "gumiho" else 1
     depths = range(low, reference.depth + 1)
     return [Shape(w, d) for w in sizes for d in depths if w - 1 >= d] + \
         [Shape(d + 1, d, chain=True) for d in depths]
@@ -168,7 +171,7 @@ def draft_seconds(target: Target, model, method: str, shape_tree: TreeConfig, en
     after the prompt)."""
     from gumiho.drafters import MedusaDrafter, SerialDrafter
 
-    cls = MedusaDrafter if method == "medusa" else SerialDrafter
+    cls = SerialDrafter if method_spec(method).serial else MedusaDrafter
     drafter = cls(model, shape_tree, engine=engine)
     runner = TargetRunner(target, "eager")
     cache = runner.cache_for(len(ids) + 8)

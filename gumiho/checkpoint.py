@@ -19,51 +19,57 @@ from torch import Tensor, nn
 
 from gumiho.config import DrafterConfig
 from gumiho.errors import GumihoError
-from gumiho.modeling import DraftHead, build_draft_model
+from gumiho.methods import MethodSpec, method_spec, spec_from_keys
+from gumiho.modeling import DraftHead, build_draft_model, set_draft_vocabulary
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-MLP_KEY = re.compile(r"^mlp\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
-MEDUSA_KEY = re.compile(r"^medusa_head\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
-# The original Medusa layout: head i's own vocab projection after its R residual blocks.
-MEDUSA_LM_KEY = re.compile(r"^medusa_head\.(\d+)\.(\d+)\.weight$")
 # Unused by every drafter here (layer 0 has no input norm), present in some EAGLE files.
 IGNORED_KEYS = ("layers.0.input_layernorm.weight",)
+
+
+def lm_key(spec: MethodSpec) -> re.Pattern:
+    """The original Medusa layout: head i's own vocab projection after its R residual
+    blocks, `{prefix}.{i}.{R}.weight`."""
+    return re.compile(rf"^{re.escape(spec.head_keys)}\.(\d+)\.(\d+)\.weight$")
 
 
 def to_official(model: nn.Module) -> dict[str, Tensor]:
     """The model's weights under the official key names."""
     state = dict(model.state_dict())
-    if model.__class__.__name__ == "MedusaHeads":
+    spec = method_spec(model.config.method)
+    prefix = spec.head_keys
+    if not spec.serial:  # Medusa heads: R residual blocks per head
         out = {}
         for i in range(model.w.shape[0]):
             for j in range(model.w.shape[1]):
-                out[f"medusa_head.{i}.{j}.linear.weight"] = model.w[i, j]
-                out[f"medusa_head.{i}.{j}.linear.bias"] = model.b[i, j]
+                out[f"{prefix}.{i}.{j}.linear.weight"] = model.w[i, j]
+                out[f"{prefix}.{i}.{j}.linear.bias"] = model.b[i, j]
             if model.lm_heads is not None:
-                out[f"medusa_head.{i}.{model.w.shape[1]}.weight"] = model.lm_heads[i]
+                out[f"{prefix}.{i}.{model.w.shape[1]}.weight"] = model.lm_heads[i]
         if model.d2t is not None:
             out["d2t"], out["t2d"] = model.d2t, model.t2d
         return out
     for name in ("mlp.w_in", "mlp.b_in", "mlp.w_res", "mlp.b_res"):
         state.pop(name, None)
-    if model.mlp is not None:
+    if model.mlp is not None:  # Gumiho's heads: the 2H -> H block 0, then residual blocks
         heads = model.mlp
         for i in range(heads.w_in.shape[0]):
-            state[f"mlp.{i}.0.linear.weight"] = heads.w_in[i]
-            state[f"mlp.{i}.0.linear.bias"] = heads.b_in[i]
+            state[f"{prefix}.{i}.0.linear.weight"] = heads.w_in[i]
+            state[f"{prefix}.{i}.0.linear.bias"] = heads.b_in[i]
             for j in range(heads.w_res.shape[1]):
-                state[f"mlp.{i}.{j + 1}.linear.weight"] = heads.w_res[i, j]
-                state[f"mlp.{i}.{j + 1}.linear.bias"] = heads.b_res[i, j]
+                state[f"{prefix}.{i}.{j + 1}.linear.weight"] = heads.w_res[i, j]
+                state[f"{prefix}.{i}.{j + 1}.linear.bias"] = heads.b_res[i, j]
     return state
 
 
 def from_official(state: dict[str, Tensor], config: DrafterConfig) -> dict[str, Tensor]:
     """Official keys -> the model's own (stacked MLP heads); other keys pass through."""
     out, mlp = {}, {}
-    pattern = MEDUSA_KEY if config.method == "medusa" else MLP_KEY
+    spec = method_spec(config.method)
+    pattern, own_lm = spec.head_key, None if spec.serial else lm_key(spec)
     for key, value in state.items():
-        match = pattern.match(key)
-        lm = MEDUSA_LM_KEY.match(key) if config.method == "medusa" else None
+        match = pattern.match(key) if pattern else None
+        lm = own_lm.match(key) if own_lm else None
         if match:
             mlp[(int(match[1]), int(match[2]), match[3])] = value
         elif lm:
@@ -83,7 +89,7 @@ def from_official(state: dict[str, Tensor], config: DrafterConfig) -> dict[str, 
             raise GumihoError(f"checkpoint lacks key {_mlp_name(config, missing.args[0])}") \
                 from None
 
-    if config.method == "medusa":
+    if not spec.serial:
         out["w"] = torch.stack([stack(j, "weight") for j in range(layers)], 1)
         out["b"] = torch.stack([stack(j, "bias") for j in range(layers)], 1)
         if config.medusa_own_lm_head:
@@ -99,8 +105,7 @@ def from_official(state: dict[str, Tensor], config: DrafterConfig) -> dict[str, 
 
 def _mlp_name(config: DrafterConfig, key: tuple) -> str:
     i, j, kind = key
-    prefix = "medusa_head" if config.method == "medusa" else "mlp"
-    return f"{prefix}.{i}.{j}.linear.{kind}"
+    return f"{method_spec(config.method).head_keys}.{i}.{j}.linear.{kind}"
 
 
 def save_drafter(model: nn.Module, out_dir: str | Path, include_embed: bool = False,
@@ -152,25 +157,22 @@ def infer_config(state: dict[str, Tensor], target_config, method: str | None,
             raise GumihoError(f"drafter config.json does not describe a drafter "
                               f"({type(exc).__name__}: {exc}): fix it, or delete it to "
                               "derive the shape from the target") from None
-    if method is None:
-        method = "medusa" if any(k.startswith("medusa_head.") for k in state) else (
-            "gumiho" if any(MLP_KEY.match(k) for k in state) else "eagle2")
+    spec = method_spec(method) if method else spec_from_keys(state)
     layers = {int(k.split(".")[1]) for k in state if k.startswith("layers.")}
-    head_key = MEDUSA_KEY if method == "medusa" else MLP_KEY
-    matches = [m for k in state if (m := head_key.match(k))]
+    matches = [m for k in state if spec.head_key and (m := spec.head_key.match(k))]
     heads = {int(m[1]) for m in matches}
     blocks = {int(m[2]) for m in matches}
     overrides = {}
-    if method != "medusa":
+    if spec.serial:
         overrides["num_hidden_layers"] = len(layers) or 1
-    if heads:
+    if heads:  # Gumiho's heads start with the 2H -> H block, Medusa's are all residual
         overrides["num_mlp_heads"] = len(heads)
-        overrides["num_mlp_layers"] = len(blocks) - (0 if method == "medusa" else 1)
-    if method == "medusa":
-        overrides["medusa_own_lm_head"] = any(MEDUSA_LM_KEY.match(k) for k in state)
+        overrides["num_mlp_layers"] = len(blocks) - (1 if spec.serial else 0)
+    if not spec.serial:
+        overrides["medusa_own_lm_head"] = any(lm_key(spec).match(k) for k in state)
     if "d2t" in state:  # a reduced draft vocabulary (EAGLE-3 convention)
         overrides["draft_vocab_size"] = state["d2t"].shape[0]
-    return DrafterConfig.for_target(target_config, method, **overrides)
+    return DrafterConfig.for_target(target_config, spec.name, **overrides)
 
 
 def load_drafter_model(path: str | Path, target, method: str | None = None) -> nn.Module:
@@ -203,14 +205,28 @@ def load_drafter_model(path: str | Path, target, method: str | None = None) -> n
             f"drafter {path} is for hidden size {config.hidden_size} / vocab "
             f"{config.vocab_size}, but target {target.name} has {target.hidden_size} / "
             f"{vocab}: use a drafter trained for this target")
+    return drafter_network(config, target, from_official(state, config))
+
+
+def drafter_network(config: DrafterConfig, target, state: dict[str, Tensor] | None = None,
+                    draft_ids: Tensor | None = None) -> nn.Module:
+    """The drafter network of `config` for `target`, frozen, on the target's device and
+    dtype: the weights of `state` (the model's own key names, checked strictly), else the
+    fresh ones the current seed gives, with the draft vocabulary `draft_ids` (target ids,
+    modeling/vocab.py). The frozen parts a state leaves out come from the target: the
+    embedding (any scale included) and the start of Medusa's own lm heads."""
     model = build_draft_model(config)
-    own = from_official(state, config)
+    if draft_ids is not None:
+        set_draft_vocabulary(model, draft_ids)
+    own = dict(state or {})
     if "embed_tokens.weight" in model.state_dict() and "embed_tokens.weight" not in own:
-        own["embed_tokens.weight"] = target.input_embeddings()  # any scale included
-    check_keys(model.state_dict(), own, config)
-    model.load_state_dict(own, strict=True)
-    if config.method == "medusa" and config.medusa_own_lm_head and "lm_heads" not in own:
-        model.init_lm_heads(DraftHead.for_model(target, model))
+        model.embed_tokens.weight.data.copy_(target.input_embeddings())
+        own["embed_tokens.weight"] = model.embed_tokens.weight
+    if state is not None:
+        check_keys(model.state_dict(), own, config)
+        model.load_state_dict(own, strict=True)
+    if not method_spec(config.method).serial and "lm_heads" not in own:
+        model.init_lm_heads(DraftHead.for_model(target, model))  # no-op without own heads
     return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
 

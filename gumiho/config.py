@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from gumiho.errors import GumihoError
+from gumiho.methods import BY_NAME, DRAFTER_METHODS, METHODS, drafter_spec, method_spec
 
-METHODS = ("ar", "lookup", "gumiho", "eagle2", "medusa")
 FTA_MODES = ("off", "official", "exact")
 MAX_TREE_SETTING = 1024  # sanity bound on any tree size or width (memory grows with it)
-MODEL_TYPE = {"gumiho": "gumiho", "eagle2": "eagle2", "medusa": "medusa"}
-ARCHITECTURE = {"gumiho": "GumihoLlamaForCausalLM", "eagle2": "EagleLlamaForCausalLM",
-                "medusa": "MedusaModel"}
+# Derived from the method registry (methods.py), for the code that reads them by name.
+MODEL_TYPE = {m: BY_NAME[m].model_type for m in DRAFTER_METHODS}
+ARCHITECTURE = {m: BY_NAME[m].architecture for m in DRAFTER_METHODS}
+TREE_FIELDS = {m: BY_NAME[m].tree_flags for m in METHODS}
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ class DrafterConfig:
     def __post_init__(self):
         """Types and ranges, so a hand-edited config.json fails here in one line, not deep
         inside a model constructor (TypeError/ValueError name the field)."""
-        if self.method not in MODEL_TYPE:
-            raise ValueError(f"method must be one of {', '.join(MODEL_TYPE)}, got "
+        if self.method not in DRAFTER_METHODS:
+            raise ValueError(f"method must be one of {', '.join(DRAFTER_METHODS)}, got "
                              f"{self.method!r}")
         for name in ("hidden_size", "intermediate_size", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
@@ -65,11 +66,7 @@ class DrafterConfig:
         t = target_config.get_text_config() if hasattr(target_config, "get_text_config") \
             else target_config
         heads = t.num_attention_heads
-        defaults = {"gumiho": {}, "eagle2": {"num_hidden_layers": 1, "num_mlp_heads": 0},
-                    "medusa": {"num_hidden_layers": 0, "num_mlp_heads": 4,
-                               "num_mlp_layers": 1}}
-        if method not in defaults:
-            raise GumihoError(f"no drafter for method {method!r}: use gumiho, eagle2 or medusa")
+        spec = drafter_spec(method)
         rope = dict(getattr(t, "rope_parameters", None) or {})
         if isinstance(rope.get("full_attention"), dict):  # per layer type: the drafter's
             rope = dict(rope["full_attention"])  # layers see the whole context
@@ -85,7 +82,7 @@ class DrafterConfig:
             hidden_act=getattr(t, "hidden_act", None) or getattr(t, "hidden_activation", None)
             or "silu",
         )
-        values.update(defaults[method])
+        values.update(spec.shape)
         values.update(overrides)
         return cls(**values)
 
@@ -108,7 +105,8 @@ class DrafterConfig:
         """config.json: Llama fields of the drafter plus the Gumiho/vLLM fields."""
         out = asdict(self)
         out.update(
-            model_type=MODEL_TYPE[self.method], architectures=[ARCHITECTURE[self.method]],
+            model_type=BY_NAME[self.method].model_type,
+            architectures=[BY_NAME[self.method].architecture],
             rope_theta=self.rope_parameters.get("rope_theta"),
             rope_scaling=None if self.rope_parameters.get("rope_type", "default") == "default"
             else dict(self.rope_parameters),
@@ -128,24 +126,18 @@ class DrafterConfig:
         return cls(**values)
 
 
-# The tree flags each method reads; setting another one is refused, not silently ignored.
-TREE_FIELDS = {"ar": (), "gumiho": ("total_tokens", "top_k", "mlp_topk", "pruning", "fta"),
-               "eagle2": ("total_tokens", "top_k", "depth"),
-               "medusa": ("total_tokens", "depth")}
-
-
 def check_tree_options(method: str, options: dict) -> None:
-    """Refuse tree flags that `method` does not use (e.g. --fta with eagle2)."""
-    if method not in METHODS:
-        raise GumihoError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    """Refuse tree flags that `method` does not use (e.g. --fta with eagle2): setting one
+    is refused, not silently ignored."""
+    reads = method_spec(method).tree_flags
     unknown = set(options) - set(TreeConfig.__dataclass_fields__)
     if unknown:
         raise TypeError(f"unknown tree option(s) {', '.join(sorted(unknown))}: use "
                         f"{', '.join(TreeConfig.__dataclass_fields__)}")
-    unused = [k for k, v in options.items() if v is not None and k not in TREE_FIELDS[method]]
+    unused = [k for k, v in options.items() if v is not None and k not in reads]
     if unused:
         flags = ", ".join("--" + k.replace("_", "-") for k in unused)
-        used = ", ".join("--" + k.replace("_", "-") for k in TREE_FIELDS[method]) or "none"
+        used = ", ".join("--" + k.replace("_", "-") for k in reads) or "none"
         raise GumihoError(f"{flags} does not apply to --method {method} (its tree flags: "
                           f"{used})")
 
@@ -195,10 +187,9 @@ class TreeConfig:
 
     @classmethod
     def for_method(cls, method: str, **overrides) -> TreeConfig:
-        base = {"gumiho": cls(depth=7),
-                "eagle2": cls(total_tokens=60, top_k=10, depth=6, fta="off"),
-                "medusa": cls(total_tokens=64, depth=4, fta="off"),
-                "lookup": cls(total_tokens=2, lookup=10)}.get(method, cls())
+        """The method's reference tree (methods.py), with the overrides that are set."""
+        spec = BY_NAME.get(method)
+        base = cls(**spec.tree) if spec else cls()
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -228,8 +219,9 @@ class TrainConfig:
     export_dtype: str = "float16"
 
     def __post_init__(self):
-        if self.method not in ("gumiho", "eagle2", "medusa"):
-            raise GumihoError(f"--method {self.method}: use gumiho, eagle2 or medusa")
+        if self.method not in DRAFTER_METHODS:
+            raise GumihoError(f"--method {self.method}: use {', '.join(DRAFTER_METHODS[:-1])} "
+                              f"or {DRAFTER_METHODS[-1]}")
         positive = {"--batch-size": self.batch_size, "--grad-accum": self.grad_accum,
                     "--epochs": self.epochs, "--num-conversations": self.num_conversations,
                     "--max-len": self.max_len}

@@ -13,6 +13,7 @@ from gumiho.engine import GenerateConfig, run
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
 from gumiho.generate import SpeculativeGenerator, check_context_room, total_tokens_arg
 from gumiho.graphs import ENGINES
+from gumiho.methods import DRAFTER_METHODS
 
 SHIPPED = Path(__file__).parent / "assets" / "smollm2"
 PROMPT = "Explain in a few sentences why the sky is blue."
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="gumiho demo", description=__doc__.split("\n")[0])
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-new-tokens", type=positive_int, default=160)
-    p.add_argument("--method", default="gumiho", choices=("gumiho", "eagle2", "medusa"))
+    p.add_argument("--method", default="gumiho", choices=DRAFTER_METHODS)
     p.add_argument("--total-tokens", type=total_tokens_arg, default="auto",
                    help="verified tokens per cycle, or auto (default): the size that is "
                    "fastest on this device for this drafter, measured once and cached")

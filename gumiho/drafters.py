@@ -19,13 +19,14 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from gumiho.checkpoint import load_drafter_model
-from gumiho.config import METHODS, DrafterConfig, TreeConfig
+from gumiho.checkpoint import drafter_network, load_drafter_model
+from gumiho.config import DrafterConfig, TreeConfig
 from gumiho.errors import GumihoError
 from gumiho.fta import exact_fta_tree, splice_official
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
-from gumiho.modeling import DraftHead, build_draft_model, set_draft_vocabulary
+from gumiho.methods import method_spec
+from gumiho.modeling import DraftHead
 from gumiho.profiling import PhaseTimer
 from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
 
@@ -76,15 +77,16 @@ class SerialDrafter:
 
     def __init__(self, model, tree: TreeConfig, engine: str = "eager"):
         self.model, self.tree, self.engine = model, tree, engine
-        self.method = model.config.method
-        self.name = self.method
+        spec = method_spec(model.config.method)
+        self.method = self.name = spec.name
         self.max_nodes = tree.total_tokens
-        gumiho = self.method == "gumiho"
-        if gumiho and tree.depth < 2:
-            raise GumihoError("--depth for gumiho counts the 2 serial levels: give 2 to "
-                              f"{2 + model.config.num_mlp_heads}")
-        self.serial_depth = 2 if gumiho else tree.depth
-        self.heads = min(model.config.num_mlp_heads, tree.depth - 2) if gumiho else 0
+        levels = spec.serial_levels  # then the MLP heads (Gumiho); None: serial throughout
+        if levels is not None and tree.depth < levels:
+            raise GumihoError(f"--depth for {spec.name} counts the {levels} serial levels: "
+                              f"give {levels} to {levels + model.config.num_mlp_heads}")
+        self.serial_depth = tree.depth if levels is None else levels
+        self.heads = 0 if levels is None else min(model.config.num_mlp_heads,
+                                                  tree.depth - levels)
         self.draft_depth = self.serial_depth + self.heads  # deepest node a tree can have
         # A node ranked W - 1 or lower within its level is outranked by W - 1 nodes, so it
         # can never be among the W - 1 the tree keeps: no level needs more candidates, and
@@ -101,7 +103,7 @@ class SerialDrafter:
         if getattr(self, "head_target", None) is not target:  # once per target
             self.head, self.head_target = DraftHead.for_model(target, self.model), target
         self.pending: list[tuple[Tensor, Tensor]] = []
-        self.cache, new = reuse_or_allocate(
+        self.cache, new = reuse_or_allocate(  # + the uncommitted entries of levels 2..
             self.cache, capacity + (self.serial_depth - 1) * self.beam,
             self.engine != "eager", lambda n: KVCache(self.model.config.llama_config(), n,
                                                       target.device, target.dtype))
@@ -147,8 +149,8 @@ class SerialDrafter:
     def _catch_up(self) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Run the pending pairs (committing them); returns out1 (H,) of the newest and
         its top_k (log-probs, tokens)."""
-        features = torch.cat([f for f, _ in self.pending])
-        tokens = torch.cat([t for _, t in self.pending])
+        features = torch.cat([f for f, _ in self.pending])  # (n, H): f_t
+        tokens = torch.cat([t for _, t in self.pending])  # (n,): x_{t+1}
         self.pending = []
         n, cache, device = tokens.shape[0], self.cache, tokens.device
         width = self.draft_depth + 1  # the longest accept: bonus + every draft level
@@ -159,13 +161,13 @@ class SerialDrafter:
             tokens = torch.cat([tokens, tokens[-1:].expand(width - n)])
             features = torch.cat([features, features[-1:].expand(width - n, -1)])
         cache.begin_step(width)
-        rows = torch.eye(width, dtype=torch.bool, device=device)
+        rows = torch.eye(width, dtype=torch.bool, device=device)  # (width, width) over the step
         rows[:n, :n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        positions = cache.length + torch.arange(width, device=device)
+        positions = cache.length + torch.arange(width, device=device)  # (width,)
         out, values, indices = step(tokens[None], features[None], positions[None],
                                     cache.attention_mask(rows), cache.write_position())
         cache.commit(n)
-        last = -1 if step is self._prompt_step else n - 1
+        last = -1 if step is self._prompt_step else n - 1  # the prompt step keeps one row
         return out[last], (values[last], indices[last])
 
     def _serial_level(self, tokens: Tensor, parent_out: Tensor, seen: Tensor
@@ -177,7 +179,9 @@ class SerialDrafter:
         k, r = seen.shape
         cache = self.cache
         cache.begin_step(k, offset=r)
+        # (k, R + k): its ancestors among the earlier entries, then itself
         rows = torch.cat([seen, torch.eye(k, dtype=torch.bool, device=seen.device)], 1)
+        # the R entries are r // k earlier levels, so this level sits that far past the root
         positions = torch.full((1, k), cache.length + r // max(k, 1), device=seen.device)
         return self._serial_step(tokens[None], parent_out[None], positions,
                                  cache.attention_mask(rows), cache.write_position(r))
@@ -200,11 +204,11 @@ class SerialDrafter:
                 self.out1, self.top1 = self._catch_up()
         root, out1 = self.root, self.out1
         k = self.beam
-        values, indices = self.top1
+        values, indices = self.top1  # (k,) each: level 1, drawn from out1 (H,)
         level = Pool(tokens=indices, parents=torch.full_like(indices, -1),
                      scores=values, depths=torch.ones_like(indices))
         levels, outs = [level], out1.expand(k, -1)  # level 1 was drawn from out1
-        seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)
+        seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)  # (k, 0): none yet
         first = 0  # pool index of the current level's node 0
         for depth in range(2, self.serial_depth + 1):
             parent_tokens, parent_outs = level.tokens, outs
@@ -215,10 +219,10 @@ class SerialDrafter:
             levels.append(level)
             outs = new_outs[row]  # children are drawn from their parent's output
             eye = torch.eye(seen.shape[0], dtype=torch.bool, device=seen.device)
-            seen = torch.cat([seen, eye], 1)[row]  # the parent's view plus the parent
-        serial = Pool.concat(levels)
+            seen = torch.cat([seen, eye], 1)[row]  # (k, R + k): the parent's view + the parent
+        serial = Pool.concat(levels)  # levels 1..serial_depth, k nodes each
         heads = (torch.zeros(0, device=root.device),) * 2
-        if self.method == "gumiho" and self.heads:
+        if self.heads:  # Gumiho: the deeper levels from the MLP heads at once
             # MLP inputs per level-2 node: its own level-1 parent's token and output (d1,
             # out1, by `row`; the released code paired rows with the wrong parent), its token
             # and its own serial output (d2, out2). Level-2 nodes are in score order.
@@ -274,11 +278,10 @@ class MedusaDrafter:
     """Medusa: heads on the newest target feature f_t; head i proposes x_{t+2+i}; a fixed
     tree whose node at depth d takes its head's rank-r token."""
 
-    name = "medusa"
-
     def __init__(self, model, tree: TreeConfig, head_accuracy: list[float] | None = None,
                  engine: str = "eager"):
         self.model, self.tree = model, tree
+        self.name = model.config.method
         n_heads = model.w.shape[0]
         depth = self.draft_depth = min(tree.depth, n_heads)
         acc = head_accuracy or [0.6, 0.4, 0.3, 0.25, 0.2][:depth]
@@ -328,14 +331,7 @@ def random_drafter_model(method: str, target, seed: int = 0,
     if draft_ids is not None:
         config_overrides["draft_vocab_size"] = draft_ids.shape[0]
     config = DrafterConfig.for_target(target.config, method, **config_overrides)
-    model = build_draft_model(config)
-    if draft_ids is not None:
-        set_draft_vocabulary(model, draft_ids)
-    if hasattr(model, "embed_tokens"):
-        model.embed_tokens.weight.data.copy_(target.input_embeddings())  # any scale included
-    if config.method == "medusa":
-        model.init_lm_heads(DraftHead.for_model(target, model))
-    return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    return drafter_network(config, target, draft_ids=draft_ids)
 
 
 def load_drafter(method: str, target, draft: str | None = None,
@@ -347,10 +343,9 @@ def load_drafter(method: str, target, draft: str | None = None,
     decoding with one."""
     from gumiho.lookup import LookupDrafter
 
-    if method not in METHODS:
-        raise GumihoError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    spec = method_spec(method)
     tree = tree or TreeConfig.for_method(method)
-    if method in ("ar", "lookup"):
+    if not spec.drafter:
         if draft is not None:
             raise GumihoError(f"--method {method} takes no --draft: it has no drafter network")
         drafter: Drafter = PlainDrafter()
@@ -361,6 +356,5 @@ def load_drafter(method: str, target, draft: str | None = None,
         model = random_drafter_model(method, target, seed) if draft == "random" else \
             load_drafter_model(draft, target, method)
         engine = resolve_engine(engine, target.device)
-        drafter = MedusaDrafter(model, tree, engine=engine) if method == "medusa" else \
-            SerialDrafter(model, tree, engine=engine)
+        drafter = (SerialDrafter if spec.serial else MedusaDrafter)(model, tree, engine=engine)
     return LookupDrafter(drafter, tree.lookup) if tree.lookup else drafter

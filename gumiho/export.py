@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from gumiho.checkpoint import load_drafter_model, read_state, save_drafter, to_official
 from gumiho.config import DrafterConfig
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors
+from gumiho.methods import DRAFTER_METHODS, method_spec
 
 FORMATS = ("gumiho", "released", "vllm-eagle", "sglang-eagle", "vllm-eagle3",
            "sglang-eagle3")
@@ -62,7 +63,7 @@ def export(draft: str | Path, target, out: str | Path, fmt: str = "gumiho",
     if fmt == "gumiho":
         save_drafter(model, out, dtype=dtype)
         return []
-    if model.config.method == "medusa":
+    if not method_spec(model.config.method).serial:
         raise GumihoError(f"--format {fmt} takes gumiho or eagle2 drafters: Medusa heads have "
                           "no serial part for these loaders")
     if fmt == "released":
@@ -186,7 +187,7 @@ def eagle_config(config: DrafterConfig, dtype: torch.dtype, attention_bias: bool
            "torch_dtype": str(dtype).removeprefix("torch.")}
     out["gumiho_export"] = {"method": config.method, "serial_layers": config.num_hidden_layers,
                             "mlp_heads_left_out": config.num_mlp_heads
-                            if config.method == "gumiho" else 0}
+                            if method_spec(config.method).parallel_heads else 0}
     return out
 
 
@@ -205,7 +206,7 @@ def write_eagle(model: nn.Module, target, out: Path, dtype: torch.dtype, engine:
     (out / "config.json").write_text(json.dumps(eagle_config(config, dtype, fold), indent=2)
                                      + "\n")
     notes = []
-    if config.method == "gumiho":
+    if method_spec(config.method).parallel_heads:
         notes.append(f"the {config.num_mlp_heads} MLP heads are left out: the engine runs the "
                      "serial head for every draft position (it was trained for 2)")
     ids = draft_ids_of(model)
@@ -225,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the dir to write")
     p.add_argument("--format", default="gumiho", choices=FORMATS)
     p.add_argument("--target", default="smollm2", help="the drafter's target (dir or alias)")
-    p.add_argument("--method", choices=("gumiho", "eagle2", "medusa"), default=None)
+    p.add_argument("--method", choices=DRAFTER_METHODS, default=None)
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="default: the dtype the checkpoint was saved in")
     p.add_argument("--overwrite", action="store_true",
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.format.endswith("eagle3"):  # refused before loading anything
         raise GumihoError(EAGLE3_REFUSAL.format(fmt=args.format))
-    from gumiho.target import check_writable_dir
+    from gumiho.paths import check_writable_dir
 
     out = Path(args.out)
     if out.resolve() == Path(args.draft).resolve():

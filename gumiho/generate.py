@@ -36,6 +36,7 @@ from gumiho.errors import (
     positive_int,
 )
 from gumiho.graphs import ENGINES, resolve_engine
+from gumiho.methods import method_spec
 from gumiho.target import Target, load_target, resolve_target_path
 
 Prompt = str | list[dict] | list[int]
@@ -71,14 +72,15 @@ class SpeculativeGenerator:
             tree_options = {**tree_options, "total_tokens": None}
         tree = TreeConfig.for_method(method, **tree_options)  # bad sizes fail before loading
         draft = None if draft is None else str(draft)
-        if auto and draft is None and method not in ("ar", "lookup"):
+        auto = auto and method_spec(method).drafter  # nothing to size without a drafter
+        if auto and draft is None:
             raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
         loaded = load_target(str(target), device=device, dtype=dtype,
                              chat_template=chat_template)
         engine = resolve_engine(engine, loaded.device)
         tree.check_vocab(loaded.lm_head.weight.shape[0])
         report = None
-        if auto and method not in ("ar", "lookup"):
+        if auto:
             report = choose_tree(loaded, method, draft, tree, engine)
             tree = replace(tree, **report["tree"])
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)

@@ -10,9 +10,7 @@ embedding is what a drafter copies (`input_embeddings`).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -20,12 +18,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from gumiho.embedded import EMBEDDED, SMOLLM2_ALIAS
 from gumiho.errors import GumihoError
 from gumiho.kv_cache import attention_kinds
+from gumiho.templates import TEMPLATES, turn_end_token
 
 log = logging.getLogger("gumiho")
 
-SMOLLM2_ALIAS = "smollm2"
 # Chat end markers of common families; whichever exist in a vocabulary stop generation.
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
 # Attention implementations that take an arbitrary 4D mask (the tree mask).
@@ -60,6 +59,9 @@ class Target:
     tokenizer: object | None
     name: str
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # The loop's TargetRunner per engine (engine.target_runner): its KV cache and captured
+    # steps are bound to this model, so they live as long as the target does.
+    runners: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -167,12 +169,6 @@ class Target:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
 
-def cache_dir() -> Path:
-    """Where converted models live: $GUMIHO_CACHE, else ~/.cache/gumiho."""
-    root = os.environ.get("GUMIHO_CACHE") or Path.home() / ".cache" / "gumiho"
-    return Path(root)
-
-
 def choose_device_dtype(
     device: str | None = None, dtype: str | None = None
 ) -> tuple[torch.device, torch.dtype]:
@@ -214,31 +210,7 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def package_dir(package: str, install_hint: str) -> Path:
-    """The folder of an installed data package, found without importing it (some of these
-    packages import plugins we deliberately do not install)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise GumihoError(f"package {package} is not installed: {install_hint}")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def check_writable_dir(path: Path, what: str) -> None:
-    """`path` is, or can be made, a writable directory (else one line naming it)."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if existing.exists() and not existing.is_dir():
-        raise GumihoError(f"{what} {path}: {existing} is a file, not a directory: "
-                          "point it at a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise GumihoError(f"{what} {path}: {existing} is not writable: point it at a "
-                          "writable directory")
-
-
 def resolve_target_path(name_or_path: str) -> Path:
-    from gumiho.embedded import EMBEDDED
-
     if name_or_path in EMBEDDED:
         return EMBEDDED[name_or_path]()
     path = Path(name_or_path).expanduser()
@@ -282,8 +254,6 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
     except Exception as exc:  # noqa: BLE001 - truncated/garbage weight files fail in many ways
         if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
             raise
-        from gumiho.embedded import EMBEDDED
-
         fix = (f"delete {path} to convert it again" if name_or_path in EMBEDDED
                else "are its files complete?")
         raise GumihoError(f"cannot load the weights of target {name_or_path!r} from {path} "
@@ -296,8 +266,6 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
                           "tokenizer files (tokenizer.json, tokenizer_config.json) into it"
                           ) from None
     if chat_template:
-        from gumiho.ge_data.templates import TEMPLATES
-
         tokenizer.chat_template = TEMPLATES.get(chat_template, chat_template)
     target = wrap_target(model.to(dev).eval(), tokenizer, name=name_or_path)
     if chat_template:
@@ -336,27 +304,3 @@ def wrap_target(model: torch.nn.Module, tokenizer=None, name: str = "model") -> 
         if end is not None:
             stops.add(vocab[end])
     return Target(model=model, tokenizer=tokenizer, name=name, stop_token_ids=frozenset(stops))
-
-
-def turn_end_token(tokenizer, template: str | None = None) -> str | None:
-    """The special token a chat template writes right after an assistant reply (the end of a
-    turn: e.g. `<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`), or None.
-
-    Found by rendering a one-exchange chat with a marker reply, not from a list of names."""
-    template = template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        return None
-    marker = "Zq7Xw9Kv"
-    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
-    from jinja2 import TemplateError
-
-    try:
-        text = tokenizer.apply_chat_template(chat, tokenize=False, chat_template=template)
-    except (TemplateError, ValueError, KeyError, TypeError, IndexError):
-        return None  # a template may reject this probe (e.g. one that needs a system turn)
-    after = text.split(marker, 1)[-1].lstrip() if marker in text else ""
-    specials = set(tokenizer.all_special_tokens) | {
-        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
-        if getattr(t, "special", False)}
-    return next((t for t in sorted(specials, key=len, reverse=True)
-                 if t and after.startswith(t)), None)

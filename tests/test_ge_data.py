@@ -7,9 +7,9 @@ import torch
 from gumiho.errors import GumihoError
 from gumiho.ge_data import allocation
 from gumiho.ge_data.shards import load_samples, read_manifest, shard_path
-from gumiho.ge_data.templates import tokenize_conversation
 from gumiho.ge_data.worker import planned_conversations
 from gumiho.target import load_target
+from gumiho.templates import tokenize_conversation
 
 ARGS = ["--end", "6", "--shard-size", "2", "--max-len", "64"]
 

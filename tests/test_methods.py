@@ -46,3 +46,19 @@ def test_cli_gumiho_random_json(smollm2, reference):
          "--prompt", PROMPT, "--max-new-tokens", str(N), "--total-tokens", "16", "--json"],
         capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["token_ids"] == plain.token_ids
+
+
+@pytest.mark.host
+def test_tree_flags_each_method_reads_are_accepted():
+    """--depth for Gumiho (fewer MLP levels) and --lookup for every drafting method are
+    honoured, so they must pass the flag check; flags a method ignores are refused."""
+    from gumiho.config import check_tree_options
+    from gumiho.errors import GumihoError
+
+    for method in ("gumiho", "eagle2", "medusa"):
+        check_tree_options(method, {"depth": 4, "lookup": 6})
+    check_tree_options("lookup", {"lookup": 6})
+    with pytest.raises(GumihoError, match="does not apply"):
+        check_tree_options("ar", {"lookup": 6})
+    with pytest.raises(GumihoError, match="does not apply"):
+        check_tree_options("medusa", {"top_k": 4})

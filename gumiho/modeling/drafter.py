@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from gumiho.config import DrafterConfig
+from gumiho.methods import method_spec
 from gumiho.modeling.vocab import add_vocab_buffers
 
 
@@ -111,7 +112,7 @@ class DraftModel(nn.Module):
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary = LlamaRotaryEmbedding(llama)
         self.mlp = ParallelHeads(h, config.num_mlp_heads, config.num_mlp_layers) \
-            if config.method == "gumiho" and config.num_mlp_heads else None
+            if method_spec(config.method).parallel_heads and config.num_mlp_heads else None
         add_vocab_buffers(self, config.vocab_size, config.draft_vocab_size)
 
     def fuse(self, tokens: Tensor, features: Tensor) -> Tensor:
@@ -175,6 +176,6 @@ class DraftModel(nn.Module):
 
 
 def build_draft_model(config: DrafterConfig) -> nn.Module:
-    if config.method == "medusa":
-        return MedusaHeads(config)
-    return DraftModel(config)
+    """The network of the config's method: a serial head (with Gumiho's parallel heads), or
+    Medusa heads."""
+    return DraftModel(config) if method_spec(config.method).serial else MedusaHeads(config)

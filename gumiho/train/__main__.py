@@ -26,6 +26,7 @@ from gumiho.checkpoint import save_drafter
 from gumiho.config import TrainConfig
 from gumiho.drafters import random_drafter_model
 from gumiho.errors import GumihoError, cli_errors
+from gumiho.methods import DRAFTER_METHODS, method_spec
 from gumiho.modeling import DraftHead, draft_vocabulary
 from gumiho.target import load_target
 from gumiho.train.dataset import (
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", default="sharegpt", help="--online: source file")
     p.add_argument("--num-conversations", type=int, default=2000, help="--online: how many")
     p.add_argument("--max-len", type=int, default=2048, help="--online: tokens per sample")
-    p.add_argument("--method", default="gumiho", choices=("gumiho", "eagle2", "medusa"))
+    p.add_argument("--method", default="gumiho", choices=DRAFTER_METHODS)
     p.add_argument("--output-dir", required=True)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--max-steps", type=int, default=None,
@@ -134,7 +135,7 @@ def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: 
     if features is None:
         features = target.features(batch["input_ids"], valid.long())
     features = features.float()
-    if method == "medusa":
+    if not method_spec(method).serial:  # Medusa heads read the clean target features
         return medusa_loss(model(features), batch["input_ids"], batch["loss_mask"], model,
                            head, p_fraction, generator)
     noised = add_noise(features, valid, noise, generator) if model.training else features
@@ -182,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
     """What can be checked before loading anything: the target, data and output dirs."""
+    from gumiho.embedded import SMOLLM2_ALIAS
     from gumiho.ge_data.shards import MANIFEST
-    from gumiho.target import SMOLLM2_ALIAS, resolve_target_path
+    from gumiho.target import resolve_target_path
 
     if config.target != SMOLLM2_ALIAS:
         resolve_target_path(config.target)

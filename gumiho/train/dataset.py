@@ -9,7 +9,7 @@ from torch import Tensor
 from gumiho.errors import GumihoError
 from gumiho.ge_data.conversations import load_conversations, split
 from gumiho.ge_data.shards import load_samples
-from gumiho.ge_data.templates import tokenize_conversation
+from gumiho.templates import tokenize_conversation
 
 LENGTH_WINDOW = 16  # batches whose samples are sorted by length together (then shuffled)
 

@@ -1,7 +1,9 @@
 """Chat templating with a loss mask exactly on the assistant's tokens.
 
 The target tokenizer's own chat template is used; templates for models without one (e.g.
-Vicuna, the fschat `vicuna_v1.1` format) are written here. The mask covers each assistant
+Vicuna, the fschat `vicuna_v1.1` format) are written here. Loading a target reads them
+(`--chat-template`, and the token that ends a turn is a stop token), and so does data
+generation. The mask covers each assistant
 reply and the token that ends it, and nothing of the template's glue after that token.
 """
 
@@ -48,8 +50,6 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int,
     The template's own end-of-turn token counts as a stop token too, so any layout's mask
     ends where its turns end.
     """
-    from gumiho.target import turn_end_token
-
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise GumihoError("this tokenizer has no chat template: pass --template vicuna "
                           "(or a Jinja template string)")
@@ -69,3 +69,27 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int,
         stops = [j for j in range(start, end) if ids[j] in stop_token_ids]
         mask[start : (stops[0] + 1 if stops else end)] = 1
     return torch.tensor(ids[:max_len]), mask[:max_len]
+
+
+def turn_end_token(tokenizer, template: str | None = None) -> str | None:
+    """The special token a chat template writes right after an assistant reply (the end of a
+    turn: e.g. `<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`), or None.
+
+    Found by rendering a one-exchange chat with a marker reply, not from a list of names."""
+    template = template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        return None
+    marker = "Zq7Xw9Kv"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(chat, tokenize=False, chat_template=template)
+    except (TemplateError, ValueError, KeyError, TypeError, IndexError):
+        return None  # a template may reject this probe (e.g. one that needs a system turn)
+    after = text.split(marker, 1)[-1].lstrip() if marker in text else ""
+    specials = set(tokenizer.all_special_tokens) | {
+        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+        if getattr(t, "special", False)}
+    return next((t for t in sorted(specials, key=len, reverse=True)
+                 if t and after.startswith(t)), None)

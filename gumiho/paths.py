@@ -1,0 +1,37 @@
+"""Where gumiho's files live: its cache dir, installed data packages, folders to write."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from gumiho.errors import GumihoError
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $GUMIHO_CACHE, else ~/.cache/gumiho."""
+    root = os.environ.get("GUMIHO_CACHE") or Path.home() / ".cache" / "gumiho"
+    return Path(root)
+
+
+def package_dir(package: str, install_hint: str) -> Path:
+    """The folder of an installed data package, found without importing it (some of these
+    packages import plugins we deliberately do not install)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise GumihoError(f"package {package} is not installed: {install_hint}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def check_writable_dir(path: Path, what: str) -> None:
+    """`path` is, or can be made, a writable directory (else one line naming it)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise GumihoError(f"{what} {path}: {existing} is a file, not a directory: "
+                          "point it at a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise GumihoError(f"{what} {path}: {existing} is not writable: point it at a "
+                          "writable directory")
