@@ -110,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = target.lm_head.weight.shape[0]
     counts, test = token_counts(counted, vocab), token_counts(tested, vocab)
     always = sorted(target.stop_token_ids)
-    drafters = {size: drafter_for(target, counted, size) for size in sizes}
-    timed = (drafting_seconds(target, drafters, args.new_tokens, args.repeats)
-             if args.new_tokens else {})
+    timed = {}
+    if args.new_tokens:
+        drafters = {size: drafter_for(target, counted, size) for size in sizes}
+        timed = drafting_seconds(target, drafters, args.new_tokens, args.repeats)
     rows = [{"draft_vocab": size or vocab, "coverage": round(coverage(counts, test, size,
                                                                        always), 4),
              **{k: round(v, 4) for k, v in timed.get(size, {}).items()}} for size in sizes]
