@@ -175,12 +175,18 @@ def infer_config(state: dict[str, Tensor], target_config, method: str | None,
     return DrafterConfig.for_target(target_config, spec.name, **overrides)
 
 
-def load_drafter_model(path: str | Path, target, method: str | None = None) -> nn.Module:
-    """Load a drafter checkpoint dir for `target`; strict about keys and shapes."""
+def check_drafter_dir(path: str | Path) -> Path:
+    """The drafter checkpoint dir, or one line saying it is not one (before slow loads)."""
     path = Path(path)
     if not path.is_dir():
         raise GumihoError(f"drafter {str(path)!r}: not a directory (give a checkpoint dir "
                           "with model.safetensors or pytorch_model.bin, or 'random')")
+    return path
+
+
+def load_drafter_model(path: str | Path, target, method: str | None = None) -> nn.Module:
+    """Load a drafter checkpoint dir for `target`; strict about keys and shapes."""
+    path = check_drafter_dir(path)
     state = read_state(path)
     saved = None
     if (path / "config.json").exists():

@@ -18,11 +18,11 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from gumiho.budget import choose_tree
+from gumiho.checkpoint import check_drafter_dir
 from gumiho.config import FTA_MODES, METHODS, TreeConfig, check_tree_options
 from gumiho.drafters import Drafter, load_drafter
 from gumiho.engine import GenerateConfig, GenerationResult, generate
@@ -171,9 +171,8 @@ def check_load_args(target, method, draft, tree_options: dict) -> None:
     if not isinstance(method, str):
         raise TypeError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     check_tree_options(method, tree_options)
-    if draft is not None and str(draft) != "random" and not Path(draft).is_dir():
-        raise GumihoError(f"drafter {str(draft)!r}: not a directory (give a checkpoint dir "
-                          "with model.safetensors or pytorch_model.bin, or 'random')")
+    if draft is not None and str(draft) != "random":
+        check_drafter_dir(draft)
 
 
 def check_messages(messages: list[dict]) -> None:
