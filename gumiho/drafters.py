@@ -105,8 +105,8 @@ class SerialDrafter:
         self.pending: list[tuple[Tensor, Tensor]] = []
         self.cache, new = reuse_or_allocate(  # + the uncommitted entries of levels 2..
             self.cache, capacity + (self.serial_depth - 1) * self.beam,
-            self.engine != "eager", lambda n: KVCache(self.model.config.llama_config(), n,
-                                                      target.device, target.dtype))
+            self.engine != "eager", lambda n, trim: KVCache(self.model.config.llama_config(), n,
+                                                            target.device, target.dtype, trim))
         if not new:
             return  # the captured steps stay bound to this cache
         # Captured: the serial step at the beam width (every level) and at the longest

@@ -154,8 +154,9 @@ class TargetRunner:
         self.accept_step = StaticStep(match_picks, engine)
 
     def cache_for(self, capacity: int) -> KVCache:
+        model = self.target.model
         cache, new = reuse_or_allocate(self.cache, capacity, self.engine != "eager",
-                                       lambda n: KVCache.for_model(self.target.model, n))
+                                       lambda n, trim: KVCache.for_model(model, n, trim))
         if new:
             self.cache = cache
 

@@ -15,6 +15,12 @@ Sliding-window layers (a model whose config has `sliding_window`, for all layers
 holds position j, so compaction and rollback stay the same for every layer. The window lives
 in the mask instead: `attention_mask` returns one mask per kind of layer, and a sliding
 layer's mask hides keys `window` or more positions behind each query's own position.
+
+A trimmed cache (`trim=True`, for eager steps, whose shapes may change every step) lets
+each step attend over the slots in use only, 0..length+U-1, instead of the whole capacity:
+its layers hand attention that prefix and its masks have that many columns. A generation
+sized for 1,024 new tokens that stops after 200 would otherwise attend over ~1,000 stale
+slots every step. Captured steps need one shape, so they keep the whole capacity.
 """
 
 from __future__ import annotations
@@ -46,27 +52,33 @@ def attention_kinds(config) -> tuple[list[str], tuple[str, ...], int | None]:
 
 class _SharedPositionLayer(StaticLayer):
     """A static layer whose keys/values are views of the cache's storage and that writes
-    at the cache's shared position without advancing it."""
+    at the cache's shared position without advancing it; attention reads the first
+    `cache.visible` slots."""
 
-    def __init__(self, capacity: int, position: Tensor):
-        super().__init__(max_cache_len=capacity)
-        self.cumulative_length = position  # () long, shared; also what HF reads as length
+    def __init__(self, cache: KVCache):
+        super().__init__(max_cache_len=cache.capacity)
+        self.cache = cache
+        self.cumulative_length = cache.position  # () long, shared; what HF reads as length
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
         slots = torch.arange(key_states.shape[-2], device=key_states.device) + \
             self.cumulative_length
         self.keys.index_copy_(2, slots, key_states)
         self.values.index_copy_(2, slots, value_states)
-        return self.keys, self.values
+        seen = self.cache.visible
+        return self.keys[:, :, :seen], self.values[:, :, :seen]
 
 
 class KVCache:
     """A target KV cache of fixed capacity with accepted-path compaction."""
 
-    def __init__(self, config, capacity: int, device: torch.device, dtype: torch.dtype):
-        """config: a transformers decoder config (the target's, or the drafter's Llama one)."""
+    def __init__(self, config, capacity: int, device: torch.device, dtype: torch.dtype,
+                 trim: bool = False):
+        """config: a transformers decoder config (the target's, or the drafter's Llama one).
+        trim: each step attends over the slots in use only (module doc); eager steps only."""
         layer_types, self.kinds, self.window = attention_kinds(config)
-        self.capacity = capacity
+        self.capacity, self.trim = capacity, trim
+        self.visible = capacity  # slots the next step attends over (begin_step sets it)
         self.length = 0  # committed tokens; a Python int, known on the host without a sync
         self.device, self.dtype = device, dtype
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -77,7 +89,7 @@ class KVCache:
         self.storage = torch.zeros(len(layer_types), 2, 1, heads, capacity, head_dim,
                                    dtype=dtype, device=device)
         # Full-length static layers for every layer, sliding ones included (module doc).
-        layers = [_SharedPositionLayer(capacity, self.position) for _ in layer_types]
+        layers = [_SharedPositionLayer(self) for _ in layer_types]
         self.hf = Cache(layers=layers)
         for i, layer in enumerate(layers):  # what HF's lazy initialisation would set
             layer.dtype, layer.device = dtype, torch.device(device)
@@ -87,10 +99,10 @@ class KVCache:
             layer.is_initialized = True
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, capacity: int) -> KVCache:
+    def for_model(cls, model: torch.nn.Module, capacity: int, trim: bool = False) -> KVCache:
         weight = model.get_output_embeddings().weight
         return cls(model.config.get_text_config(decoder=True), capacity, weight.device,
-                   weight.dtype)
+                   weight.dtype, trim)
 
     def rewind(self, length: int) -> None:
         """Make the next forward write its K new entries at slots length..length+K-1."""
@@ -114,12 +126,16 @@ class KVCache:
 
         offset > 0 stacks a step on uncommitted entries of earlier steps (the drafter's
         tree levels). Rewinding makes a step independent of what the last one left behind."""
-        if self.length + offset + new_tokens > self.capacity:
+        end = self.length + offset + new_tokens
+        if end > self.capacity:
             raise GumihoError(f"KV cache full ({self.capacity} slots): raise the capacity")
+        if self.trim:
+            self.visible = end
         self.rewind(self.length + offset)
 
     def attention_mask(self, tree_mask: Tensor, positions: Tensor | None = None) -> Tensor:
-        """The (M, 1, K, capacity) bool masks for K new tokens, one per kind of layer
+        """The (M, 1, K, visible) bool masks (visible: the capacity, or the slots in use
+        when trimmed) for K new tokens, one per kind of layer
         (`self.kinds`; M = 1 unless full and sliding layers are mixed).
 
         tree_mask: (K, U) bool over the U uncommitted slots length..length+U-1 (earlier
@@ -130,7 +146,7 @@ class KVCache:
         K new tokens must be all the uncommitted ones, U == K).
         """
         k, u = tree_mask.shape
-        mask = torch.zeros(k, self.capacity, dtype=torch.bool, device=tree_mask.device)
+        mask = torch.zeros(k, self.visible, dtype=torch.bool, device=tree_mask.device)
         mask[:, : self.length] = True
         mask[:, self.length : self.length + u] = tree_mask
         if self.window is None:
@@ -138,7 +154,7 @@ class KVCache:
         if positions is None or u != k:
             raise GumihoError("internal: a sliding-window mask needs the step's positions")
         # Slot j < length holds position j; the new tokens' slots hold their own positions.
-        keys = torch.arange(self.capacity, device=mask.device)
+        keys = torch.arange(self.visible, device=mask.device)
         keys[self.length : self.length + k] = positions
         near = positions[:, None] - keys[None, :] < self.window  # HF: q - kv < window
         return torch.stack([mask & near if kind == SLIDING else mask
@@ -170,10 +186,11 @@ class KVCache:
 
 
 def reuse_or_allocate(current: KVCache | None, capacity: int, captured: bool,
-                      allocate: Callable[[int], KVCache]) -> tuple[KVCache, bool]:
+                      allocate: Callable[[int, bool], KVCache]) -> tuple[KVCache, bool]:
     """The cache for a sequence that needs `capacity` slots, and whether it is new.
+    allocate(capacity, trim) makes one.
 
-    Eager runs get a cache of exactly that size. Captured steps are bound to a cache's
+    Eager runs get a trimmed cache of exactly that size. Captured steps are bound to a cache's
     memory, so captured engines reset and reuse `current` while it is big enough and
     otherwise allocate one rounded up to 512 slots; the caller rebuilds its steps when
     the cache is new."""
@@ -182,4 +199,4 @@ def reuse_or_allocate(current: KVCache | None, capacity: int, captured: bool,
         return current, False
     if captured:
         capacity = -(-capacity // 512) * 512
-    return allocate(capacity), True
+    return allocate(capacity, not captured), True

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from gumiho.attention import SDPA_GQA, use_grouped_sdpa
 from gumiho.embedded import EMBEDDED, SMOLLM2_ALIAS
 from gumiho.errors import GumihoError
 from gumiho.kv_cache import attention_kinds
@@ -28,7 +29,7 @@ log = logging.getLogger("gumiho")
 # Chat end markers of common families; whichever exist in a vocabulary stop generation.
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
 # Attention implementations that take an arbitrary 4D mask (the tree mask).
-MASKED_ATTENTION = ("sdpa", "eager")
+MASKED_ATTENTION = ("sdpa", "eager", SDPA_GQA)
 
 
 class SoftcappedHead(torch.nn.Module):
@@ -288,6 +289,7 @@ def wrap_target(model: torch.nn.Module, tokenizer=None, name: str = "model") -> 
                           f"mask; load it with one of {', '.join(MASKED_ATTENTION)}")
     attention_kinds(model.config.get_text_config(decoder=True))  # refuse unsupported layers
     model.requires_grad_(False)
+    use_grouped_sdpa(model)  # same attention without copying grouped KV heads (attention.py)
     stops: set[int] = set()
     eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(
         model, "generation_config") else None

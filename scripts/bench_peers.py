@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from gumiho.drafters import load_drafter
 from gumiho.generate import SpeculativeGenerator
-from gumiho.target import load_target
+from gumiho.target import load_target, resolve_target_path
 
 # A summary and a list edit (the answer copies the prompt), open-ended text, code.
 ARTICLE = (
@@ -43,12 +43,21 @@ DRAFTS = {"gumiho": "gumiho/assets/smollm2/gumiho", "eagle2": "gumiho/assets/smo
           "medusa": "gumiho/assets/smollm2/medusa"}
 
 
-def hf_runner(target, ids: list[int], new_tokens: int, lookup: int | None):
+def stock_model(name: str):
+    """The target as a user loads it: a stock transformers model in fp32 with sdpa
+    attention, untouched by us (wrap_target switches its own copy's attention function)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(resolve_target_path(name), dtype=torch.float32,
+                                                attn_implementation="sdpa").eval()
+
+
+def hf_runner(model, target, ids: list[int], new_tokens: int, lookup: int | None):
     input_ids = torch.tensor([ids])
     stops = sorted(target.stop_token_ids)
 
     def go() -> int:
-        out = target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                     max_new_tokens=new_tokens, do_sample=False,
                                     eos_token_id=stops, pad_token_id=stops[0],
                                     prompt_lookup_num_tokens=lookup)
@@ -73,10 +82,10 @@ def main() -> None:
                    help="METHOD=DIR: a drafter other than the shipped one")
     args = p.parse_args()
     drafts = {**DRAFTS, **dict(d.split("=", 1) for d in args.draft)}
-    target = load_target("smollm2")
+    target, stock = load_target("smollm2"), stock_model("smollm2")
     prompts = {name: target.chat_ids(text) for name, text in PROMPTS.items()}
-    variants = {"hf": lambda ids: hf_runner(target, ids, args.new_tokens, None),
-                "hf_lookup": lambda ids: hf_runner(target, ids, args.new_tokens, 10)}
+    variants = {"hf": lambda ids: hf_runner(stock, target, ids, args.new_tokens, None),
+                "hf_lookup": lambda ids: hf_runner(stock, target, ids, args.new_tokens, 10)}
     for method in args.methods.split(","):
         gen = SpeculativeGenerator(target, load_drafter(method, target, drafts.get(method)))
         variants[method] = lambda ids, gen=gen: our_runner(gen, ids, args.new_tokens)

@@ -62,15 +62,17 @@ def sequential_logits(target, tokens):
         return target.model(torch.tensor([tokens])).logits[0].float()
 
 
+@pytest.mark.parametrize("trim", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tree_verify_equals_sequential_past_the_window(family_targets, family):
+def test_tree_verify_equals_sequential_past_the_window(family_targets, family, trim):
     """Two cycles on a 40-token context (window 16): tree logits equal the model's own
-    sequential logits for every root-to-leaf path, before and after compaction."""
+    sequential logits for every root-to-leaf path, before and after compaction, with a
+    whole-capacity cache and with a trimmed one (eager steps)."""
     target = family_targets[family]
     vocab = target.config.vocab_size
     rng = torch.Generator().manual_seed(FAMILIES.index(family))
     prompt = torch.randint(vocab, (40,), generator=rng, device="cpu").tolist()
-    cache = KVCache.for_model(target.model, 128)
+    cache = KVCache.for_model(target.model, 128, trim)
     prefill(target, cache, torch.tensor([prompt]))
     committed = list(prompt)
     for _ in range(2):

@@ -17,9 +17,10 @@ def sequential_logits(target, tokens):
     return out.logits[0].float()
 
 
-def check_tree_logits_match(target, prompt, tree_size, vocab, seed, atol):
+def check_tree_logits_match(target, prompt, tree_size, vocab, seed, atol, trim=False,
+                            spare=4):
     rng = torch.Generator().manual_seed(seed)
-    cache = KVCache.for_model(target.model, len(prompt) + tree_size + 4)
+    cache = KVCache.for_model(target.model, len(prompt) + tree_size + spare, trim)
     prefill(target, cache, torch.tensor([prompt]))
     tree = random_tree(torch.tensor([prompt[-1] % vocab]), tree_size, vocab, rng)
     _, logits = verify_tree(target, cache, tree)
@@ -29,21 +30,25 @@ def check_tree_logits_match(target, prompt, tree_size, vocab, seed, atol):
         torch.testing.assert_close(logits[nodes], ref, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("trim", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_tree_verify_equals_sequential_tiny(tiny_target, seed):
-    check_tree_logits_match(tiny_target, [5, 17, 3, 42, 8], 24, 97, seed, atol=1e-5)
+def test_tree_verify_equals_sequential_tiny(tiny_target, seed, trim):
+    """Whole-capacity and trimmed (eager) caches, with far more slots than in use."""
+    check_tree_logits_match(tiny_target, [5, 17, 3, 42, 8], 24, 97, seed, atol=1e-5, trim=trim,
+                            spare=200)
 
 
 def test_tree_verify_equals_sequential_smollm2(smollm2):
     prompt = smollm2.chat_ids("Write a haiku about the sea.")
-    check_tree_logits_match(smollm2, prompt, 16, 49152, seed=0, atol=2e-4)
+    check_tree_logits_match(smollm2, prompt, 16, 49152, seed=0, atol=2e-4, trim=True)
 
 
-def test_second_tree_after_compaction_still_exact(tiny_target):
+@pytest.mark.parametrize("trim", [False, True])
+def test_second_tree_after_compaction_still_exact(tiny_target, trim):
     """Two cycles: compact one path, verify a new tree on top, compare with sequential."""
     prompt = [5, 17, 3, 42, 8]
     rng = torch.Generator().manual_seed(1)
-    cache = KVCache.for_model(tiny_target.model, 64)
+    cache = KVCache.for_model(tiny_target.model, 64, trim)
     prefill(tiny_target, cache, torch.tensor([prompt]))
     tree = random_tree(torch.tensor([9]), 20, 97, rng)
     verify_tree(tiny_target, cache, tree)
@@ -108,3 +113,21 @@ def test_padded_verify_equals_unpadded(tiny_target):
     for a, b in zip(outs[0], outs[1], strict=True):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_trimmed_step_attends_over_the_slots_in_use_only(tiny_target):
+    """A trimmed cache hands attention length + U slots and masks that wide; the whole-
+    capacity one hands it every slot. Their logits agree."""
+    prompt, outs = [1, 2, 3, 9], []
+    tree = random_tree(torch.tensor([4]), 10, 97, torch.Generator().manual_seed(8))
+    for trim in (False, True):
+        cache = KVCache.for_model(tiny_target.model, 300, trim)
+        prefill(tiny_target, cache, torch.tensor([prompt]))
+        cache.begin_step(tree.size)
+        mask = cache.attention_mask(tree.verify_mask, cache.length + tree.depths)
+        keys, _ = cache.hf.layers[0].update(torch.zeros(1, 2, tree.size, 8),
+                                            torch.zeros(1, 2, tree.size, 8))
+        width = len(prompt) + tree.size if trim else 300
+        assert mask.shape[-1] == keys.shape[2] == width
+        outs.append(verify_tree(tiny_target, cache, tree)[1])
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
