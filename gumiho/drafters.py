@@ -355,6 +355,9 @@ def load_drafter(method: str, target, draft: str | None = None,
                               "random")
         model = random_drafter_model(method, target, seed) if draft == "random" else \
             load_drafter_model(draft, target, method)
-        engine = resolve_engine(engine, target.device)
-        drafter = (SerialDrafter if spec.serial else MedusaDrafter)(model, tree, engine=engine)
-    return LookupDrafter(drafter, tree.lookup) if tree.lookup else drafter
+        drafter = (SerialDrafter if spec.serial else MedusaDrafter)(
+            model, tree, engine=resolve_engine(engine, target.device))
+    if not tree.lookup:
+        return drafter
+    return LookupDrafter(drafter, tree.lookup,
+                         static_shape=resolve_engine(engine, target.device) != "eager")

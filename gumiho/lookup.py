@@ -101,10 +101,16 @@ def chain_to_device(tokens: list[int], length: int, device: torch.device
 
 
 class LookupDrafter:
-    """Any drafter plus a prompt-lookup chain of `tokens` candidates under the root."""
+    """Any drafter plus a prompt-lookup chain of up to `tokens` candidates under the root.
 
-    def __init__(self, inner, tokens: int = 10, max_n: int = 3, min_n: int = 1):
-        self.inner, self.tokens = inner, tokens
+    Captured engines (`static_shape`) always attach `tokens` slots, dead where the chain
+    is shorter, so every step has one shape. Eager steps attach only the continuation
+    found, and nothing when there is none: a step then costs what the inner drafter's
+    does (plain decoding: one token), as in transformers' prompt lookup."""
+
+    def __init__(self, inner, tokens: int = 10, max_n: int = 3, min_n: int = 1,
+                 static_shape: bool = False):
+        self.inner, self.tokens, self.static_shape = inner, tokens, static_shape
         self.max_n, self.min_n = max_n, min_n
         self.name = "lookup" if inner.name == "ar" else f"{inner.name}+lookup"
         self.max_nodes = inner.max_nodes + tokens
@@ -133,6 +139,9 @@ class LookupDrafter:
 
     def propose(self) -> DraftTree:
         tree = self.inner.propose()
-        chain, valid = chain_to_device(self.index.continuation(self.tokens), self.tokens,
-                                       self.device)
+        found = self.index.continuation(self.tokens)  # host ints: deciding costs no sync
+        slots = self.tokens if self.static_shape else len(found)
+        if not slots:
+            return tree
+        chain, valid = chain_to_device(found, slots, self.device)
         return attach_chain(replace(tree, spliced_paths=None), chain, valid, self.draft_depth)

@@ -78,3 +78,17 @@ def test_lookup_sampling_matches_target():
         got3[out.token_ids[2]] += 1
     assert not chi_square_rejects(got2, want2)
     assert not chi_square_rejects(got3, want3)
+
+
+@pytest.mark.parametrize("static_shape", [False, True])
+def test_eager_steps_verify_only_the_chain_found(static_shape):
+    """Eager: no continuation -> the inner tree alone (one node for plain decoding), a
+    short one -> that many nodes. Captured engines always get the full, partly dead chain."""
+    drafter = LookupDrafter(PlainDrafter(), tokens=5, static_shape=static_shape)
+    drafter.begin(tiny_llama(), 64)
+    drafter.observe(None, torch.tensor([1, 2, 3, 4]), [1, 2, 3, 4])
+    assert drafter.propose().size == (6 if static_shape else 1)  # nothing recurs yet
+    drafter.observe(None, torch.tensor([2]), [2])  # 2 recurs: 3, 4, 2 followed it
+    tree = drafter.propose()
+    assert tree.size == (6 if static_shape else 4)
+    assert tree.tokens[1:4].tolist() == [3, 4, 2]
