@@ -88,6 +88,11 @@ def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypat
     assert report["tree"]["depth"] == chosen.depth
     for row in shapes.values():
         assert row["accept"] >= 1 and row["cycle_s"] > 0
+    # the speed report labels answers by the tree the report chose (gen_answers stores it)
+    from gumiho.evaluation.speed import method_label
+
+    label = method_label({"method": "gumiho", "draft": "random", "auto_tree": report})
+    assert label == f"gumiho (random, auto tree {chosen.total_tokens})"
 
 
 @pytest.mark.host

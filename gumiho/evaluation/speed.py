@@ -32,8 +32,8 @@ def method_label(settings: dict) -> str:
     spec = BY_NAME.get(settings["method"])
     if fta != "off" and spec is not None and "fta" in spec.tree_flags:
         notes.append(f"fta {fta}")
-    if settings.get("auto_tree"):
-        notes.append(f"auto tree {settings['auto_tree']['total_tokens']}")
+    if settings.get("auto_tree"):  # budget.choose_tree's report: the tree it chose
+        notes.append(f"auto tree {settings['auto_tree']['tree']['total_tokens']}")
     return settings["method"] + (f" ({', '.join(notes)})" if notes else "")
 
 
