@@ -205,6 +205,7 @@ class TrainConfig:
     conversations: str = "sharegpt"  # online: the conversation source
     num_conversations: int = 2000  # online
     max_len: int = 2048  # online: tokens per sample
+    template: str | None = None  # online: chat template for a tokenizer without one
     epochs: int = 20
     max_steps: int | None = None  # optimizer steps of the schedule (default: from epochs)
     batch_size: int = 4  # sequences per process per micro-batch

@@ -229,3 +229,25 @@ def test_accuracy_tool_matches_trainings_evaluation(tiny_target_dir, tiny_data_d
     assert report["samples"] > 0
     for key, value in logged.items():
         assert report[key] == pytest.approx(value, abs=1e-3)
+
+
+def test_online_training_takes_a_template_for_a_base_model(smollm2, tmp_path):
+    """A tokenizer without a chat template (a base model) is refused with a pointer to
+    --template; with --template the online samples mask the assistant turns."""
+    import copy
+    from dataclasses import replace
+
+    from gumiho.errors import GumihoError
+    from gumiho.train.__main__ import build_parser, train_config
+    from gumiho.train.dataset import online_samples
+
+    tokenizer = copy.deepcopy(smollm2.tokenizer)
+    tokenizer.chat_template = None
+    base = replace(smollm2, tokenizer=tokenizer, runners={})
+    with pytest.raises(GumihoError, match="--template"):
+        online_samples(base, "sharegpt", 2, 256)
+    samples = online_samples(base, "sharegpt", 2, 256, "vicuna")
+    assert samples and all(s["loss_mask"].any() for s in samples)
+    args = build_parser().parse_args(["--online", "--output-dir", str(tmp_path),
+                                      "--template", "vicuna"])
+    assert train_config(args).template == "vicuna"

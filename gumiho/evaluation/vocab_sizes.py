@@ -37,12 +37,13 @@ from gumiho.train.dataset import token_counts
 PROMPT = "Explain in a few sentences why the sky is blue."
 
 
-def samples_of(target, conversations: list[dict], max_len: int) -> list[dict]:
+def samples_of(target, conversations: list[dict], max_len: int,
+               template: str | None = None) -> list[dict]:
     """input_ids and loss_mask of each conversation (no target features needed)."""
     out = []
     for conv in tqdm(conversations, desc="tokenize", leave=False):
         ids, mask = tokenize_conversation(target.tokenizer, conv["messages"], max_len,
-                                          target.stop_token_ids)
+                                          target.stop_token_ids, template)
         if mask.any():
             out.append({"input_ids": ids, "loss_mask": mask})
     return out
@@ -92,6 +93,8 @@ def build_parser():
     p.add_argument("--sizes", default="4096,8192,16384,32768,0",
                    help="draft vocabulary sizes (0: the whole vocabulary)")
     p.add_argument("--max-len", type=positive_int, default=2048)
+    p.add_argument("--template", default=None, help="chat template for tokenizers without "
+                   "one (base models): 'vicuna' or a Jinja string")
     p.add_argument("--new-tokens", type=nonnegative_int, default=32,
                    help="tokens generated per timing run (0: coverage only)")
     p.add_argument("--repeats", type=positive_int, default=3)
@@ -105,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     target = load_target(args.target)
     train, held = split(load_conversations("sharegpt"))
-    counted = samples_of(target, train[: args.count], args.max_len)
-    tested = samples_of(target, held[: args.test], args.max_len)
+    counted = samples_of(target, train[: args.count], args.max_len, args.template)
+    tested = samples_of(target, held[: args.test], args.max_len, args.template)
     vocab = target.lm_head.weight.shape[0]
     counts, test = token_counts(counted, vocab), token_counts(tested, vocab)
     always = sorted(target.stop_token_ids)

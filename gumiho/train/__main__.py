@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", default="sharegpt", help="--online: source file")
     p.add_argument("--num-conversations", type=int, default=2000, help="--online: how many")
     p.add_argument("--max-len", type=int, default=2048, help="--online: tokens per sample")
+    p.add_argument("--template", default=None, help="--online: chat template for tokenizers "
+                   "without one (base models): 'vicuna' or a Jinja string")
     p.add_argument("--method", default="gumiho", choices=DRAFTER_METHODS)
     p.add_argument("--output-dir", required=True)
     p.add_argument("--epochs", type=int, default=20)
@@ -222,7 +224,7 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
     target = load_target(config.target, device=str(accelerator.device), dtype=target_dtype)
     if config.online:
         samples = online_samples(target, config.conversations, config.num_conversations,
-                                 config.max_len)
+                                 config.max_len, config.template)
     else:
         samples = stored_samples(config.data, target.hidden_size)
     eval_samples = stored_samples(eval_data, target.hidden_size) if eval_data else []
