@@ -345,6 +345,7 @@ def load_drafter(method: str, target, draft: str | None = None,
 
     spec = method_spec(method)
     tree = tree or TreeConfig.for_method(method)
+    engine = resolve_engine(engine, target.device)
     if not spec.drafter:
         if draft is not None:
             raise GumihoError(f"--method {method} takes no --draft: it has no drafter network")
@@ -355,9 +356,7 @@ def load_drafter(method: str, target, draft: str | None = None,
                               "random")
         model = random_drafter_model(method, target, seed) if draft == "random" else \
             load_drafter_model(draft, target, method)
-        drafter = (SerialDrafter if spec.serial else MedusaDrafter)(
-            model, tree, engine=resolve_engine(engine, target.device))
+        drafter = (SerialDrafter if spec.serial else MedusaDrafter)(model, tree, engine=engine)
     if not tree.lookup:
         return drafter
-    return LookupDrafter(drafter, tree.lookup,
-                         static_shape=resolve_engine(engine, target.device) != "eager")
+    return LookupDrafter(drafter, tree.lookup, static_shape=engine != "eager")
