@@ -9,14 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from gumiho.errors import GumihoError
-from gumiho.methods import BY_NAME, DRAFTER_METHODS, METHODS, drafter_spec, method_spec
+from gumiho.methods import BY_NAME, DRAFTER_METHODS, drafter_spec, method_spec
 
 FTA_MODES = ("off", "official", "exact")
 MAX_TREE_SETTING = 1024  # sanity bound on any tree size or width (memory grows with it)
-# Derived from the method registry (methods.py), for the code that reads them by name.
-MODEL_TYPE = {m: BY_NAME[m].model_type for m in DRAFTER_METHODS}
-ARCHITECTURE = {m: BY_NAME[m].architecture for m in DRAFTER_METHODS}
-TREE_FIELDS = {m: BY_NAME[m].tree_flags for m in METHODS}
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 
 from gumiho.budget import choose_tree
 from gumiho.checkpoint import check_drafter_dir
-from gumiho.config import FTA_MODES, METHODS, TreeConfig, check_tree_options
+from gumiho.config import FTA_MODES, TreeConfig, check_tree_options
 from gumiho.drafters import Drafter, load_drafter
 from gumiho.engine import GenerateConfig, GenerationResult, generate
 from gumiho.errors import (
@@ -36,7 +36,7 @@ from gumiho.errors import (
     positive_int,
 )
 from gumiho.graphs import ENGINES, resolve_engine
-from gumiho.methods import method_spec
+from gumiho.methods import METHODS, method_spec
 from gumiho.target import Target, load_target, resolve_target_path
 
 Prompt = str | list[dict] | list[int]

@@ -58,9 +58,9 @@ def hf_runner(model, target, ids: list[int], new_tokens: int, lookup: int | None
 
     def go() -> int:
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                    max_new_tokens=new_tokens, do_sample=False,
-                                    eos_token_id=stops, pad_token_id=stops[0],
-                                    prompt_lookup_num_tokens=lookup)
+                             max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=stops, pad_token_id=stops[0],
+                             prompt_lookup_num_tokens=lookup)
         return out.shape[1] - input_ids.shape[1]
 
     return go

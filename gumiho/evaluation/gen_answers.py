@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gumiho.config import METHODS
 from gumiho.errors import (
     ArgumentParser,
     GumihoError,
@@ -44,6 +43,7 @@ from gumiho.generate import (
     check_context_room,
     tree_options,
 )
+from gumiho.methods import METHODS
 from gumiho.version import code_version
 
 ENV_KEYS = ("device", "dtype")  # answers timed elsewhere must not share a file

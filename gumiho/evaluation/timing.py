@@ -30,7 +30,7 @@ import sys
 import torch
 
 from gumiho.budget import token_range, verify_step_seconds
-from gumiho.config import MAX_TREE_SETTING, TREE_FIELDS, TreeConfig
+from gumiho.config import MAX_TREE_SETTING, TreeConfig
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import (
     GenerateConfig,
@@ -47,7 +47,7 @@ from gumiho.errors import (
 from gumiho.generate import add_target_args, add_tree_args, tree_options
 from gumiho.graphs import resolve_engine
 from gumiho.hostsync import LaunchCounter
-from gumiho.methods import DRAFTER_METHODS
+from gumiho.methods import DRAFTER_METHODS, method_spec
 from gumiho.target import Target, choose_device_dtype, load_target, wrap_target
 
 # Stock Llama shapes for --shape (SmolLM2-135M's own config; Llama-3-8B's published one).
@@ -231,7 +231,7 @@ def check_room(target: Target, args: argparse.Namespace, methods: list[str]) -> 
 
 def method_options(method: str, options: dict) -> dict:
     """The tree flags that apply to `method` (the rest concern other --methods)."""
-    used = {k: v for k, v in options.items() if k in TREE_FIELDS[method]}
+    used = {k: v for k, v in options.items() if k in method_spec(method).tree_flags}
     if used.get("total_tokens") == "auto":
         raise GumihoError("timing takes a number for --total-tokens, not auto")
     return used
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         raise GumihoError("--draft DIR goes with exactly one --methods entry")
     options = tree_options(args)
     for name, value in options.items():
-        if value is not None and not any(name in TREE_FIELDS[m] for m in methods):
+        if value is not None and not any(name in method_spec(m).tree_flags for m in methods):
             raise GumihoError(f"--{name.replace('_', '-')} applies to none of --methods "
                               f"{','.join(methods) or '(none)'}")
     per_method = {m: method_options(m, options) for m in methods}

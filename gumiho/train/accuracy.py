@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
-
 from gumiho.checkpoint import load_drafter_model
 from gumiho.errors import ArgumentParser, cli_errors, positive_int
 from gumiho.ge_data.shards import load_samples
+from gumiho.methods import DRAFTER_METHODS
 from gumiho.modeling import DraftHead
 from gumiho.target import load_target
 from gumiho.train.__main__ import evaluate
@@ -26,7 +25,7 @@ def build_parser() -> ArgumentParser:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", required=True, help="a drafter checkpoint dir")
     p.add_argument("--data", required=True, help="held-out data made by ge_data.allocation")
-    p.add_argument("--method", choices=("gumiho", "eagle2", "medusa"), default=None,
+    p.add_argument("--method", choices=DRAFTER_METHODS, default=None,
                    help="default: the checkpoint's own")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--batch-size", type=positive_int, default=4)
@@ -37,7 +36,7 @@ def build_parser() -> ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _, samples = load_samples(args.data)
-    target = load_target(args.target, device="cpu" if not torch.cuda.is_available() else None)
+    target = load_target(args.target)  # an accelerator when there is one
     model = load_drafter_model(args.draft, target, args.method).float()
     head = DraftHead.for_model(target, model)
     acc = evaluate(model, target, head, samples, model.config.method, 2, args.batch_size,
