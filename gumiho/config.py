@@ -214,6 +214,9 @@ class TrainConfig:
     draft_vocab: int = 0  # reduced draft vocabulary size (0 = the target's whole vocabulary)
     seed: int = 0
     export_dtype: str = "float16"
+    # "bf16": bfloat16 autocast over fp32 weights, target in bfloat16; "fp32"; None: bf16
+    # on a GPU, fp32 on a CPU (the default before the flag existed, so old runs resume)
+    precision: str | None = None
 
     def __post_init__(self):
         if self.method not in DRAFTER_METHODS:
@@ -233,5 +236,7 @@ class TrainConfig:
                 and self.noise >= 0 and self.draft_vocab >= 0):
             raise GumihoError("--lr and --grad-clip must be positive; --warmup-steps, "
                               "--noise and --draft-vocab at least 0")
+        if self.precision not in (None, "bf16", "fp32"):
+            raise GumihoError(f"--precision {self.precision}: use bf16 or fp32")
         if bool(self.data) == self.online:
             raise GumihoError("give either --data DIR [DIR ...] or --online")

@@ -3,8 +3,10 @@ samples, single-threaded, counted in tokens per CPU-second of the process (stabl
 shared machine, unlike wall time).
 
     python scripts/bench_train_throughput.py --data DIR [--draft-vocab 8192] [--epoch 2]
+        [--precision bf16] [--threads 2]
 
---epoch 2 turns the MLP heads' ploss on (as from the third epoch of a run).
+--epoch 2 turns the MLP heads' ploss on (as from the third epoch of a run). --precision bf16
+is the trainer's `--precision bf16`: bfloat16 autocast over fp32 weights, target in bf16.
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ def main() -> None:
     p.add_argument("--epoch", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--ploss-fraction", type=float, default=0.25)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    target = load_target("smollm2")
+    bf16 = args.precision == "bf16"
+    target = load_target("smollm2", dtype="bfloat16" if bf16 else "float32")
     _, samples = load_samples(args.data)
     config = TrainConfig(online=True, method=args.method, draft_vocab=args.draft_vocab)
     model = new_model(target, config, samples)
@@ -47,8 +52,9 @@ def main() -> None:
     tokens, start, cpu0 = 0, time.perf_counter(), time.process_time()
     for i, idx in enumerate(batches):
         batch = collate([samples[j] for j in idx])
-        loss, _ = batch_loss(model, target, head, batch, args.method, args.epoch, 0.2,
-                             log_acc=False, p_fraction=args.ploss_fraction, seed=i)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = batch_loss(model, target, head, batch, args.method, args.epoch, 0.2,
+                                 log_acc=False, p_fraction=args.ploss_fraction, seed=i)
         loss.backward()
         tokens += int(batch["valid"].sum())
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu0

@@ -58,7 +58,8 @@ class TargetDistributions:
             self.probs = torch.softmax(head(chosen).float(), -1)  # (M, D)
             self.argmax = None
             if lm_head is not None:
-                self.argmax = torch.cat([lm_head(part).argmax(-1) for part in
+                dtype = lm_head.weight.dtype  # a bf16 target outside autocast
+                self.argmax = torch.cat([lm_head(part.to(dtype)).argmax(-1) for part in
                                          chosen.split(ARGMAX_CHUNK)]) if m else \
                     torch.zeros(0, dtype=torch.long, device=chosen.device)
 
