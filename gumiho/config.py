@@ -212,6 +212,9 @@ class TrainConfig:
     noise: float = 0.2  # uniform feature noise scale
     ploss_fraction: float = 1.0  # positions whose ploss is scored (1.0 = the reference)
     draft_vocab: int = 0  # reduced draft vocabulary size (0 = the target's whole vocabulary)
+    # Gumiho's MLP heads train on vloss alone for this many epochs, then ploss joins
+    # (reference: 2, chosen for ~20-epoch runs; a short run needs it lower)
+    mlp_ploss_after_epochs: int = 2
     seed: int = 0
     export_dtype: str = "float16"
     # "bf16": bfloat16 autocast over fp32 weights, target in bfloat16; "fp32"; None: bf16
@@ -233,9 +236,11 @@ class TrainConfig:
         if not 0 < self.ploss_fraction <= 1:
             raise GumihoError("--ploss-fraction must be in (0, 1]")
         if not (self.lr > 0 and self.warmup_steps >= 0 and self.grad_clip > 0
-                and self.noise >= 0 and self.draft_vocab >= 0):
+                and self.noise >= 0 and self.draft_vocab >= 0
+                and self.mlp_ploss_after_epochs >= 0):
             raise GumihoError("--lr and --grad-clip must be positive; --warmup-steps, "
-                              "--noise and --draft-vocab at least 0")
+                              "--noise, --draft-vocab and --mlp-ploss-after-epochs at "
+                              "least 0")
         if self.precision not in (None, "bf16", "fp32"):
             raise GumihoError(f"--precision {self.precision}: use bf16 or fp32")
         if bool(self.data) == self.online:

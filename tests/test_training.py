@@ -15,6 +15,7 @@ from gumiho.kv_cache import KVCache
 from gumiho.modeling import DraftHead
 from gumiho.target import load_target
 from gumiho.train.__main__ import batch_loss, main, new_model
+from gumiho.train.loss import LossWeights
 from gumiho.train.dataset import collate
 
 
@@ -40,6 +41,39 @@ def test_training_steps_lower_the_loss(tiny, tiny_data_dir, method):
         losses.append(float(loss.detach()))
     # every step on the fixed batch lowers it
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+
+
+def test_mlp_ploss_joins_after_the_epochs_asked(tiny, tiny_data_dir):
+    """Gumiho's MLP heads get ploss from epoch `mlp_p_from_epoch` on (the reference: after
+    2 epochs; `--mlp-ploss-after-epochs` moves it for short runs)."""
+    _, samples = load_samples(tiny_data_dir)
+    batch = collate(samples[:4])
+    model = new_model(tiny, TrainConfig(method="gumiho", online=True), seed=0)
+    head = DraftHead.for_model(tiny, model)
+
+    def loss(epoch, after):
+        value, _ = batch_loss(model, tiny, head, batch, "gumiho", epoch=epoch, noise=0.2,
+                              log_acc=False, weights=LossWeights(mlp_p_from_epoch=after))
+        return float(value)
+
+    reference_early, reference_late = loss(1, 2), loss(2, 2)
+    assert reference_late > reference_early  # ploss joined at the third epoch
+    assert loss(0, 0) == pytest.approx(reference_late)  # ...or from the first, if asked
+    assert loss(1, 1) == pytest.approx(reference_late)
+
+
+def test_a_run_saved_before_a_flag_existed_resumes(tiny_target_dir, tiny_data_dir, tmp_path):
+    """A saved run whose settings lack a newer flag resumes when the flag keeps its
+    default (and is refused when it does not)."""
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path, "--stop-after-steps", "1")) == 0
+    progress = tmp_path / "state" / "progress.json"
+    saved = json.loads(progress.read_text())
+    del saved["settings"]["mlp_ploss_after_epochs"]
+    progress.write_text(json.dumps(saved))
+    assert main(train_args(data, tmp_path, "--mlp-ploss-after-epochs", "1")) == 2
+    assert main(train_args(data, tmp_path)) == 0
+    assert json.loads(progress.read_text())["progress"]["step"] == 4
 
 
 def train_args(data, out, *extra):
@@ -193,7 +227,9 @@ def test_periodic_saves_resume_mid_epoch_exactly(tiny_target_dir, tiny_data_dir,
 @pytest.mark.parametrize("change, named", [(["--lr", "0.5"], "lr"),
                                            (["--method", "eagle2"], "method"),
                                            (["--batch-size", "1"], "batch_size"),
-                                           (["--precision", "bf16"], "precision")])
+                                           (["--precision", "bf16"], "precision"),
+                                           (["--mlp-ploss-after-epochs", "0"],
+                                            "mlp_ploss_after_epochs")])
 def test_resume_with_other_settings_is_refused(tiny_target_dir, tiny_data_dir, tmp_path,
                                                capsys, change, named):
     data = (tiny_target_dir, tiny_data_dir)
@@ -214,7 +250,8 @@ def test_resume_with_other_settings_is_refused(tiny_target_dir, tiny_data_dir, t
 
 @pytest.mark.parametrize("bad", [["--max-steps", "0"], ["--max-steps", "-1"],
                                  ["--batch-size", "0"], ["--grad-accum", "0"],
-                                 ["--ploss-fraction", "0"], ["--stop-after-steps", "0"]])
+                                 ["--ploss-fraction", "0"], ["--stop-after-steps", "0"],
+                                 ["--mlp-ploss-after-epochs", "-1"]])
 def test_bad_training_settings_are_one_line(tiny_target_dir, tiny_data_dir, tmp_path, capsys,
                                             bad):
     args = train_args((tiny_target_dir, tiny_data_dir), tmp_path)

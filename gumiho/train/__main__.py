@@ -37,7 +37,7 @@ from gumiho.train.dataset import (
     stored_samples,
     token_counts,
 )
-from gumiho.train.loss import medusa_loss, serial_loss
+from gumiho.train.loss import LossWeights, medusa_loss, serial_loss
 from gumiho.train.state import RunState, load_run_state, save_run_state
 
 EXPORT_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="reduced draft vocabulary: the N most frequent assistant tokens of "
                    "the training data (0 = the target's whole vocabulary)")
+    p.add_argument("--mlp-ploss-after-epochs", type=int, default=2,
+                   help="Gumiho: the MLP heads train on vloss alone for this many epochs, "
+                   "then ploss joins (reference: 2, meant for ~20 epochs; lower it for a "
+                   "short run)")
     p.add_argument("--eval-data", nargs="+", default=None, help="held-out data dirs: "
                    "per-position accuracy at the end (and each epoch with --eval-each-epoch)")
     p.add_argument("--eval-each-epoch", action="store_true")
@@ -132,7 +136,8 @@ def new_model(target, config: TrainConfig, samples: list[dict] | None = None,
 
 
 def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: int,
-               noise: float, log_acc: bool = True, p_fraction: float = 1.0, seed: int = 0):
+               noise: float, log_acc: bool = True, p_fraction: float = 1.0, seed: int = 0,
+               weights: LossWeights = LossWeights()):
     """Forward one batch; returns (loss, logs). `seed` fixes this batch's noise and ploss
     sample, so a resumed (or differently parallelised) run repeats the same computation."""
     generator = torch.Generator().manual_seed(seed)
@@ -147,8 +152,8 @@ def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: 
     noised = add_noise(features, valid, noise, generator) if model.training else features
     outputs = model(batch["input_ids"], noised, valid)
     return serial_loss(outputs, features, batch["loss_mask"], head, epoch,
-                       lm_head=target.lm_head if log_acc else None, p_fraction=p_fraction,
-                       generator=generator)
+                       lm_head=target.lm_head if log_acc else None, weights=weights,
+                       p_fraction=p_fraction, generator=generator)
 
 
 @torch.no_grad()
@@ -263,7 +268,8 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
         optimizer, lambda s: schedule(s, config.warmup_steps, total))
     model, optimizer = accelerator.prepare(model, optimizer)
     settings = {**asdict(config), "processes": procs}
-    state = load_run_state(accelerator, out, settings, scheduler)
+    state = load_run_state(accelerator, out, settings, scheduler,
+                           defaults={f.name: f.default for f in fields(TrainConfig)})
     head = DraftHead.for_model(target, accelerator.unwrap_model(model))
     stop_at = min(total, stop_after or total)
     bar = tqdm(total=total, initial=state.step, desc=f"train {config.method}",
@@ -381,7 +387,9 @@ def step_micro_batch(accelerator, model, target, head, optimizer, params, batch,
         loss, logs = batch_loss(model, target, head, batch, config.method, state.epoch,
                                 config.noise, log_acc=log_now,
                                 p_fraction=config.ploss_fraction,
-                                seed=hash((config.seed, state.epoch, index)) % 2**62)
+                                seed=hash((config.seed, state.epoch, index)) % 2**62,
+                                weights=LossWeights(
+                                    mlp_p_from_epoch=config.mlp_ploss_after_epochs))
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             accelerator.clip_grad_norm_(params, config.grad_clip)

@@ -41,17 +41,21 @@ def state_dir(out: Path) -> Path | None:
     return None
 
 
-def load_run_state(accelerator, out: Path, settings: dict, scheduler) -> RunState:
-    """Resume from OUT's saved state (checking its settings), or start at step 0."""
+def load_run_state(accelerator, out: Path, settings: dict, scheduler,
+                   defaults: dict | None = None) -> RunState:
+    """Resume from OUT's saved state (checking its settings), or start at step 0. A setting
+    the saved run does not record (it predates the flag) counts as its `defaults` value."""
     found = state_dir(out)
     if found is None:
         return RunState()
     saved = json.loads((found / PROGRESS).read_text())
     old = saved.get("settings", {})
+    defaults = defaults or {}
     for key, value in settings.items():
-        if json.dumps(old.get(key)) != json.dumps(value):
+        was = old.get(key, defaults.get(key))
+        if json.dumps(was) != json.dumps(value):
             raise GumihoError(
-                f"{out} holds a run made with {key}={old.get(key)!r}, not {value!r}: rerun "
+                f"{out} holds a run made with {key}={was!r}, not {value!r}: rerun "
                 "with the same settings to resume it, or give another --output-dir")
     accelerator.load_state(str(found))
     scheduler.load_state_dict(torch.load(found / "scheduler.pt", weights_only=True))
