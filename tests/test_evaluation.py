@@ -20,11 +20,23 @@ def test_each_benchmark_has_80_well_formed_questions(bench):
     assert all(len(q["turns"]) == (2 if bench == "mt_bench" else 1) for q in questions)
 
 
-def record(qid, method, tokens, cycles, wall, accept, bench="mt_bench"):
+def record(qid, method, tokens, cycles, wall, accept, bench="mt_bench", text=None,
+           temperature=0.0):
+    turn = {"new_tokens": tokens, "cycles": cycles, "wall_s": wall, "accept_lengths": accept}
+    if text is not None:
+        turn["text"] = text
     return {"question_id": qid, "settings": {"method": method, "bench": bench,
-                                             "temperature": 0.0, "tree": None},
-            "turns": [{"new_tokens": tokens, "cycles": cycles, "wall_s": wall,
-                       "accept_lengths": accept}], "env": {"device": "cpu"}}
+                                             "temperature": temperature, "tree": None},
+            "turns": [turn], "env": {"device": "cpu"}}
+
+
+def write_files(tmp_path, runs):
+    files = []
+    for name, recs in runs.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        files.append(str(path))
+    return files
 
 
 def test_report_arithmetic(tmp_path):
@@ -32,11 +44,7 @@ def test_report_arithmetic(tmp_path):
     # gumiho: q1 = prefill + cycles accepting 4, 2, 3 tokens (3, 1, 2 drafts)
     gm = [record(1, "gumiho", 10, 4, 1.0, [1, 4, 2, 3]),
           record(2, "gumiho", 6, 3, 0.5, [1, 1, 4])]
-    files = []
-    for name, recs in (("ar", ar), ("gm", gm)):
-        path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-        files.append(str(path))
+    files = write_files(tmp_path, {"ar": ar, "gm": gm})
     rep = speed.report(speed.read_answers(files))
     row = rep["0.0"]["mt_bench"]["gumiho"]
     assert row["tau"] == pytest.approx(16 / 7)
@@ -51,6 +59,34 @@ def test_report_arithmetic(tmp_path):
     assert speed.main(["--answers", *files, "--out", str(tmp_path / "r")]) == 0
     assert "| MT-Bench | gumiho |" in (tmp_path / "r.md").read_text()
     assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_report_counts_greedy_answers_equal_to_plain(tmp_path):
+    """At T=0 each method's row says how many answers are plain decoding's text; the mean
+    row sums them; sampled rows and answers without text say nothing."""
+    def run(method, texts, bench="mt_bench", temperature=0.0):
+        return [record(q, method, 4, 2, 1.0, [1, 3], bench, text, temperature)
+                for q, text in enumerate(texts)]
+    files = write_files(tmp_path, {
+        "ar": run("ar", ["a", "b", "c"]) + run("ar", ["x"], "humaneval"),
+        "gm": run("gumiho", ["a", "B", "c"]) + run("gumiho", ["x"], "humaneval"),
+        "md": run("medusa", ["a", "b", "c"]),
+        "ar1": run("ar", ["a"], temperature=1.0), "gm1": run("gumiho", ["z"], temperature=1.0),
+        "ea": [record(0, "eagle2", 4, 2, 1.0, [1, 3])]})
+    rep = speed.report(speed.read_answers(files))
+    t0 = rep["0.0"]
+    assert t0["mt_bench"]["gumiho"]["identical"] == [2, 3]
+    assert t0["humaneval"]["gumiho"]["identical"] == [1, 1]
+    assert t0["mean"]["gumiho"]["identical"] == [3, 4]
+    assert t0["mt_bench"]["medusa"]["identical"] == [3, 3]
+    assert t0["mean"]["medusa"]["identical"] == [3, 3]  # over what it answered
+    assert "identical" not in t0["mt_bench"]["ar"]
+    assert "identical" not in t0["mt_bench"]["eagle2"]  # no text recorded
+    assert "identical" not in rep["1.0"]["mt_bench"]["gumiho"]
+    assert speed.main(["--answers", *files, "--out", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r.md").read_text()
+    assert "| MT-Bench | gumiho | 4.0 | 1.00x | 2.00 | 4.00 | 2/3 |" in text
+    assert "| **mean** | gumiho | 4.0 | 1.00x | 2.00 | 4.00 | 3/4 |" in text
 
 
 def test_answer_file_resume_drops_half_line(tmp_path):

@@ -5,7 +5,8 @@ tokens/s, speedup over plain decoding (`ar`) on the questions both answered, tau
 new tokens / cycles (the prefill counts as a cycle), tau_official = new tokens /
 (cycles - 1) as the released scripts compute it, and per-position acceptance over verify
 cycles: unconditional a_i (fraction of cycles that accept at least i drafts, vLLM's
-figure) and conditional a_i / a_{i-1}. Writes R.md, R.json and R.png.
+figure) and conditional a_i / a_{i-1}; at T=0, how many answers are the same text as plain
+decoding's (every turn). Writes R.md, R.json and R.png.
 """
 
 from __future__ import annotations
@@ -89,6 +90,20 @@ def stats(records: list[dict]) -> dict:
             "acceptance": reach, "acceptance_conditional": conditional}
 
 
+def same_text(a: dict, b: dict) -> bool | None:
+    """Whether two answers to one question say the same in every turn (None: no text)."""
+    texts = [[turn.get("text") for turn in rec["turns"]] for rec in (a, b)]
+    if any(t is None for turns in texts for t in turns):
+        return None
+    return texts[0] == texts[1]
+
+
+def identical_count(answers: dict, base: dict, shared: list) -> list[int] | None:
+    """[answers with the baseline's text, answers compared], or None where any lacks text."""
+    same = [same_text(answers[q], base[q]) for q in shared]
+    return None if None in same else [sum(same), len(same)]
+
+
 def report(groups: dict[tuple, dict], baseline: str = "ar",
            notes: list[str] | None = None) -> dict:
     """{temperature: {bench: {label: stats + speedup}}, with a "mean" bench}. Rows without
@@ -111,6 +126,11 @@ def report(groups: dict[tuple, dict], baseline: str = "ar",
             base_row = stats([base[q] for q in shared])
             if base_row["tokens_per_s"] > 0:
                 row["speedup"] = row["tokens_per_s"] / base_row["tokens_per_s"]
+            # Greedy output must equal plain decoding's (SPEC: lossless); sampled need not.
+            if float(temp) == 0.0 and label != baseline:
+                same = identical_count(answers, base, shared)
+                if same is not None:
+                    row["identical"] = same
         out[temp][bench][label] = row
     for benches in out.values():
         labels = {label for rows in benches.values() for label in rows}
@@ -122,6 +142,9 @@ def report(groups: dict[tuple, dict], baseline: str = "ar",
                            if all(k in r for r in rows)}
             mean[label]["acceptance"] = [sum(v) / len(rows) for v in
                                          zip(*(r["acceptance"] for r in rows), strict=True)]
+            if all("identical" in r for r in rows):
+                mean[label]["identical"] = [sum(r["identical"][i] for r in rows)
+                                            for i in (0, 1)]
         benches["mean"] = mean
     return json.loads(json.dumps(out))
 
@@ -134,15 +157,18 @@ def markdown(rep: dict, env: dict, engine: str = "eager") -> str:
     for temp, benches in rep.items():
         lines += [f"### T = {temp}", "",
                   "| benchmark | method | tokens/s | speedup | tau | tau (official formula) | "
-                  "acceptance a1..a7 (unconditional) |", "|---|---|---|---|---|---|---|"]
+                  "same text as plain | acceptance a1..a7 (unconditional) |",
+                  "|---|---|---|---|---|---|---|---|"]
         order = [b for b in LABELS if b in benches] + ["mean"]
         for bench in order:
             for label, row in sorted(benches[bench].items()):
                 acc = " ".join(f"{a:.2f}" for a in row.get("acceptance", []))
                 speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
+                same = "{}/{}".format(*row["identical"]) if "identical" in row else "-"
                 name = LABELS.get(bench, "**mean**")
                 lines.append(f"| {name} | {label} | {row['tokens_per_s']:.1f} | {speedup} | "
-                             f"{row['tau']:.2f} | {row['tau_official']:.2f} | {acc} |")
+                             f"{row['tau']:.2f} | {row['tau_official']:.2f} | {same} | "
+                             f"{acc} |")
         lines.append("")
     return "\n".join(lines)
 
