@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import gumiho.train.__main__ as trainer
 from gumiho.config import TrainConfig, TreeConfig
 from gumiho.drafters import PlainDrafter, SerialDrafter, load_drafter
 from gumiho.engine import GenerateConfig, prefill, run
@@ -14,9 +15,16 @@ from gumiho.ge_data.shards import load_samples
 from gumiho.kv_cache import KVCache
 from gumiho.modeling import DraftHead
 from gumiho.target import load_target
-from gumiho.train.__main__ import batch_loss, main, new_model
-from gumiho.train.loss import LossWeights
+from gumiho.train.__main__ import batch_loss, bf16_slowdown, main, new_model
 from gumiho.train.dataset import collate
+from gumiho.train.loss import LossWeights
+
+
+@pytest.fixture(autouse=True)
+def bf16_is_fast(monkeypatch):
+    """These tests are about what bf16 training computes, not whether this CPU does it
+    quickly: the refusal on a slow CPU has its own test."""
+    monkeypatch.setattr(trainer, "bf16_slowdown", lambda: 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +130,24 @@ def test_bf16_precision_trains_resumes_exactly_and_decodes_like_plain(
     assert run(tiny, drafter, prompt, config).token_ids == plain.token_ids
 
 
+def test_bf16_on_a_cpu_with_slow_bf16_products_is_refused(tiny_target_dir, tiny_data_dir,
+                                                           tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(trainer, "bf16_slowdown", lambda: 12.0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = train_args((tiny_target_dir, tiny_data_dir), tmp_path / "run", "--precision", "bf16")
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --precision bf16: ")
+    assert "12x slower" in err[0] and "--precision fp32" in err[0]
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+@pytest.mark.host
+def test_bf16_slowdown_is_a_measured_ratio():
+    ratio = bf16_slowdown(rows=16, width=32, out=48)
+    assert 0 < ratio < float("inf")
+
+
 def test_trained_checkpoint_decodes_like_plain(tiny, tiny_target_dir, tiny_data_dir,
                                                tmp_path):
     assert main(train_args((tiny_target_dir, tiny_data_dir), tmp_path)) == 0
@@ -201,8 +227,6 @@ def test_a_kill_inside_the_save_resumes_exactly(tiny_target_dir, tiny_data_dir, 
 
 def test_periodic_saves_resume_mid_epoch_exactly(tiny_target_dir, tiny_data_dir, tmp_path,
                                                   monkeypatch):
-    import gumiho.train.__main__ as trainer
-
     data = (tiny_target_dir, tiny_data_dir)
     assert main(train_args(data, tmp_path / "whole")) == 0
     real_save, saves = trainer.save, []

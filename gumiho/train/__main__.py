@@ -37,10 +37,12 @@ from gumiho.train.dataset import (
     stored_samples,
     token_counts,
 )
-from gumiho.train.loss import LossWeights, medusa_loss, serial_loss
+from gumiho.train.loss import REFERENCE_WEIGHTS, LossWeights, medusa_loss, serial_loss
 from gumiho.train.state import RunState, load_run_state, save_run_state
 
 EXPORT_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# --precision bf16 on a CPU is refused where bf16 products are this many times slower.
+SLOW_BF16 = 2.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dtype", default="float16", choices=list(EXPORT_DTYPE))
     p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
                    help="bf16: bfloat16 autocast over fp32 weights and the target in "
-                   "bfloat16 (about 2x the tokens/s of fp32 on an AVX2 CPU, see README); "
-                   "default: bf16 on a GPU, fp32 on a CPU")
+                   "bfloat16 (1.55x the tokens/s of fp32 on one AVX2 CPU; refused on a CPU "
+                   "whose bf16 products are slower than fp32's, see README); default: bf16 "
+                   "on a GPU, fp32 on a CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=0,
@@ -137,7 +140,7 @@ def new_model(target, config: TrainConfig, samples: list[dict] | None = None,
 
 def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: int,
                noise: float, log_acc: bool = True, p_fraction: float = 1.0, seed: int = 0,
-               weights: LossWeights = LossWeights()):
+               weights: LossWeights = REFERENCE_WEIGHTS):
     """Forward one batch; returns (loss, logs). `seed` fixes this batch's noise and ploss
     sample, so a resumed (or differently parallelised) run repeats the same computation."""
     generator = torch.Generator().manual_seed(seed)
@@ -216,7 +219,36 @@ def precision(config: TrainConfig) -> tuple[str, str]:
     over fp32 weights (optimizer and master weights stay fp32) with the target in bf16; by
     default on a GPU only."""
     chosen = config.precision or ("bf16" if torch.cuda.is_available() else "fp32")
+    if chosen == "bf16" and not torch.cuda.is_available():
+        slowdown = bf16_slowdown()
+        if slowdown > SLOW_BF16:
+            raise GumihoError(f"--precision bf16: bfloat16 matrix products run {slowdown:.0f}x "
+                              "slower than float32 on this CPU (no fast bf16 kernels for it): "
+                              "train with --precision fp32")
     return ("bf16", "bfloat16") if chosen == "bf16" else ("no", "float32")
+
+
+def bf16_slowdown(rows: int = 512, width: int = 576, out: int = 1536) -> float:
+    """How many times longer bfloat16 matrix products take than float32 ones here, over the
+    three layouts of a training step (x W^T forward, g W and g^T x backward), at SmolLM2's
+    width. CPUs differ by an order of magnitude: one AVX2 machine here ran bf16 about 2x as
+    fast as fp32, another (AMD EPYC, AVX2) fell back to a scalar loop, 7x slower for x W^T
+    and 76x for g W (at 512 rows, as measured here, this returns about 9 there). Takes a few
+    milliseconds, or about a second on such a CPU."""
+    gen = torch.Generator().manual_seed(0)
+    x, g, w = (torch.randn(shape, generator=gen)
+               for shape in ((rows, width), (rows, out), (out, width)))
+
+    def best_of_two(dtype: torch.dtype) -> float:
+        a, b, c = x.to(dtype), g.to(dtype), w.to(dtype)
+        times = []
+        for _ in range(3):  # the first is a warm-up
+            start = time.perf_counter()
+            a @ c.t(), b @ c, b.t() @ a
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+
+    return best_of_two(torch.bfloat16) / best_of_two(torch.float32)
 
 
 def fresh_accelerator_state(mixed: str) -> None:

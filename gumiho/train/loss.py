@@ -38,6 +38,9 @@ class LossWeights:
     mlp_p_from_epoch: int = 2
 
 
+REFERENCE_WEIGHTS = LossWeights()
+
+
 class TargetDistributions:
     """The target's draft-vocabulary distribution (and, for accuracy, its full-vocabulary
     argmax) at every scored position of a batch, computed once.
@@ -98,7 +101,7 @@ def feature_losses(out: Tensor, features: Tensor, shift: int, targets: TargetDis
 
 
 def serial_loss(outputs: dict, features: Tensor, loss_mask: Tensor, head: DraftHead,
-                epoch: int, lm_head=None, weights: LossWeights = LossWeights(),
+                epoch: int, lm_head=None, weights: LossWeights = REFERENCE_WEIGHTS,
                 p_fraction: float = 1.0, generator: torch.Generator | None = None
                 ) -> tuple[Tensor, dict[str, float]]:
     """Total loss and logs for Gumiho / EAGLE-2 outputs of DraftModel.forward.

