@@ -138,7 +138,7 @@ class Target:
         features = out.last_hidden_state[0]  # (K, H)
         return features, self.lm_head(features).float()
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: online training keeps them for backward
     def features(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Post-norm last hidden states (B, L, H) of whole sequences, no cache."""
         out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,

@@ -51,6 +51,22 @@ def test_training_steps_lower_the_loss(tiny, tiny_data_dir, method):
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
 
 
+@pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])
+def test_online_batches_backpropagate_in_fp32(tiny, tiny_data_dir, method):
+    """An online batch has no stored features: the target computes them, and they must be
+    tensors the drafter's backward can keep (Medusa's heads read them as they are, and
+    PyTorch refuses an inference-mode tensor there)."""
+    _, samples = load_samples(tiny_data_dir)
+    batch = collate(samples[:2])
+    batch.pop("hidden_state")
+    model = new_model(tiny, TrainConfig(method=method, online=True), seed=0)
+    loss, _ = batch_loss(model, tiny, DraftHead.for_model(tiny, model), batch, method,
+                         epoch=3, noise=0.2)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None for g in grads) and any(bool(g.abs().sum()) for g in grads)
+
+
 def test_mlp_ploss_joins_after_the_epochs_asked(tiny, tiny_data_dir):
     """Gumiho's MLP heads get ploss from epoch `mlp_p_from_epoch` on (the reference: after
     2 epochs; `--mlp-ploss-after-epochs` moves it for short runs)."""
