@@ -157,10 +157,11 @@ campaign() {  # the three drafters on the whole training split, in the backgroun
     local extra=""
     [[ $m == gumiho ]] && extra="--mlp-ploss-after-epochs 1"
     # Resumes from its last save when run again (same flags).
-    setsid nohup python3 -m gumiho.train --online --max-len "${MAX_LEN:-1024}" --method "$m" \
+    setsid nohup python3 -m gumiho.train --online --num-conversations "${CONVERSATIONS:-17671}" \
+      --max-len "${MAX_LEN:-1024}" --method "$m" \
       --output-dir "$LEASE_ROOT/runs/$m" --epochs "${EPOCHS:-3}" --batch-size 8 \
       --grad-accum 4 --lr "${LR:-5e-4}" --warmup-steps 50 --draft-vocab 8192 \
-      --precision bf16 --eval-data "$held" --eval-every 100 --save-every 50 --log-every 10 \
+      --precision "${PRECISION:-bf16}" --eval-data "$held" --eval-every 100 --save-every 50 --log-every 10 \
       $extra >> "$LEASE_ROOT/runs/$m.log" 2>&1 < /dev/null &
   done
   sleep "${SETTLE:-60}"
@@ -170,18 +171,21 @@ campaign() {  # the three drafters on the whole training split, in the backgroun
 progress() {
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv 2>/dev/null || true
   for m in "${METHODS[@]}"; do
-    echo "== $m"; tr '\r' '\n' < "$LEASE_ROOT/runs/$m.log" 2>/dev/null | grep -v '^$' | tail -3
+    echo "== $m"
+    tr '\r' '\n' < "$LEASE_ROOT/runs/$m.log" 2>/dev/null | grep -v '^$' | tail -3 || true
   done
 }
 
 wait_runs() {  # until the campaign's trainings end (or WAIT_LIMIT seconds)
   local end=$((SECONDS + ${WAIT_LIMIT:-480}))
-  while pgrep -f "gumiho.train --online" > /dev/null && ((SECONDS < end)); do sleep 15; done
+  while pgrep -f "output-dir $LEASE_ROOT/runs/" > /dev/null && ((SECONDS < end)); do
+    sleep 15
+  done
   progress
 }
 
 fetch() {  # stop the campaign (each run keeps its last save) and send its drafters back
-  pkill -f "gumiho.train --online" && sleep 5 || true
+  pkill -f "output-dir $LEASE_ROOT/runs/" && sleep 5 || true
   local m files=()
   for m in "${METHODS[@]}"; do
     for f in model.safetensors config.json train_summary.json train_log.jsonl; do
@@ -190,7 +194,11 @@ fetch() {  # stop the campaign (each run keeps its last save) and send its draft
   done
   ((${#files[@]})) || die "no campaign drafters on this machine: run the campaign phase"
   tar -czf - -C "$LEASE_ROOT/runs" "${files[@]}" | split -b 15000000 - "$RESULTS/drafters.tgz.part-"
-  python3 -m gumiho.train.plot "${METHODS[@]/#/$LEASE_ROOT/runs/}" \
+  local logged=()
+  for m in "${METHODS[@]}"; do
+    [[ -f $LEASE_ROOT/runs/$m/train_log.jsonl ]] && logged+=("$LEASE_ROOT/runs/$m")
+  done
+  ((${#logged[@]} == 0)) || python3 -m gumiho.train.plot "${logged[@]}" \
     --out "$RESULTS/campaign.png" --title "held-out top-1, GPU campaign" || true
   ls -la "$RESULTS"
 }
