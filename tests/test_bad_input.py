@@ -410,3 +410,18 @@ def test_train_script_passes_the_trainers_one_line(config, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: --lr") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("spec, words", [("gumiho", "NAME:METHOD:DRAFT_DIR"),
+                                         ("g:gumiho:no/such/dir", "does not exist")])
+def test_tau_script_refuses_bad_drafter_specs_before_generating(spec, words, tmp_path):
+    """scripts/tau_heldout.sh checks every NAME:METHOD:DRAFT_DIR before its first answer."""
+    import subprocess
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "tau"
+    proc = subprocess.run(["bash", "scripts/tau_heldout.sh", str(out), spec], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr
+    assert lines[0].startswith("error: ") and not out.exists()
