@@ -89,6 +89,20 @@ def test_report_counts_greedy_answers_equal_to_plain(tmp_path):
     assert "| **mean** | gumiho | 4.0 | 1.00x | 2.00 | 4.00 | 3/4 |" in text
 
 
+def test_a_lookup_chain_beside_a_drafter_gets_its_own_row(tmp_path):
+    """`--lookup N` beside a drafter's tree is another run: its own row, not a clash with
+    the same drafter without it (the lookup method's own chain is not a note)."""
+    def run(method, lookup):
+        rec = record(1, method, 4, 2, 1.0, [1, 3])
+        rec["settings"]["tree"] = {"total_tokens": 8, "fta": "off", "lookup": lookup}
+        return [rec]
+    files = write_files(tmp_path, {"ar": [record(1, "ar", 4, 4, 2.0, [1] * 4)],
+                                   "gm": run("gumiho", 0), "gml": run("gumiho", 10),
+                                   "lk": run("lookup", 10)})
+    rows = speed.report(speed.read_answers(files))["0.0"]["mt_bench"]
+    assert set(rows) == {"ar", "gumiho", "gumiho (lookup 10)", "lookup"}
+
+
 def test_answer_file_resume_drops_half_line(tmp_path):
     path = tmp_path / "a.jsonl"
     first = json.dumps(record(81, "ar", 1, 1, 0.1, [1])) + "\n"

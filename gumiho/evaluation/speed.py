@@ -27,14 +27,18 @@ GROUP_KEYS = ("target", "draft", "max_new_tokens", "seed", "tree", "engine")
 
 
 def method_label(settings: dict) -> str:
-    """The method, plus what sets this run apart: a random drafter, a non-default FTA."""
+    """The method, plus what sets this run apart: a random drafter, a non-default FTA, a
+    prompt-lookup chain beside a drafter's tree."""
     notes = ["random"] if settings.get("draft") == "random" else []
-    fta = (settings.get("tree") or {}).get("fta", "off")
+    tree = settings.get("tree") or {}
+    fta = tree.get("fta", "off")
     spec = BY_NAME.get(settings["method"])
     if fta != "off" and spec is not None and "fta" in spec.tree_flags:
         notes.append(f"fta {fta}")
     if settings.get("auto_tree"):  # budget.choose_tree's report: the tree it chose
         notes.append(f"auto tree {settings['auto_tree']['tree']['total_tokens']}")
+    if tree.get("lookup") and settings["method"] != "lookup":
+        notes.append(f"lookup {tree['lookup']}")
     return settings["method"] + (f" ({', '.join(notes)})" if notes else "")
 
 
