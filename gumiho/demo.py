@@ -10,7 +10,7 @@ from pathlib import Path
 
 from gumiho.drafters import PlainDrafter
 from gumiho.engine import GenerateConfig, run
-from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int, positive_int
 from gumiho.generate import SpeculativeGenerator, check_context_room, total_tokens_arg
 from gumiho.graphs import ENGINES
 from gumiho.methods import DRAFTER_METHODS
@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total-tokens", type=total_tokens_arg, default="auto",
                    help="verified tokens per cycle, or auto (default): the size that is "
                    "fastest on this device for this drafter, measured once and cached")
+    p.add_argument("--lookup", type=nonnegative_int, default=10,
+                   help="prompt-lookup candidates beside the drafter's tree (default 10: "
+                   "n-gram continuations of the text so far, verified like any node; "
+                   "0 = the drafter alone)")
     p.add_argument("--device", default=None)
     p.add_argument("--engine", default=None, choices=ENGINES, help="default: graphs on a "
                    "GPU, eager on a CPU")
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="gumiho: %(message)s")
     gen = SpeculativeGenerator.load("smollm2", args.method,
                                     str(shipped_drafter(args.method)), device=args.device,
-                                    engine=args.engine, total_tokens=args.total_tokens)
+                                    engine=args.engine, total_tokens=args.total_tokens,
+                                    lookup=args.lookup)
     target, drafter, tree = gen.target, gen.drafter, gen.drafter.tree
     if gen.auto_report:
         best = max(gen.auto_report["shapes"].values(), key=lambda row: row["tokens_per_s"])
@@ -64,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     run(target, PlainDrafter(), ids, GenerateConfig(max_new_tokens=8, engine=gen.engine))
     plain = run(target, PlainDrafter(), ids, config)
     same = "identical" if plain.token_ids == fast.token_ids else "DIFFERENT (a bug!)"
-    print(f"\n{args.method} ({tree.total_tokens}-token tree of depth {tree.depth}, fta "
-          f"{tree.fta}) on "
+    extra = f" + a prompt-lookup chain of up to {tree.lookup}" if tree.lookup else ""
+    print(f"\n{args.method} ({tree.total_tokens}-token tree of depth {tree.depth}{extra}, "
+          f"fta {tree.fta}) on "
           f"{target.device}: {fast.new_tokens} tokens, tau {fast.tau:.2f}, "
           f"{fast.tokens_per_s:.1f} tokens/s")
     print(f"plain decoding: {plain.tokens_per_s:.1f} tokens/s -> speedup "

@@ -106,9 +106,14 @@ class LookupDrafter:
     Captured engines (`static_shape`) always attach `tokens` slots, dead where the chain
     is shorter, so every step has one shape. Eager steps attach only the continuation
     found, and nothing when there is none: a step then costs what the inner drafter's
-    does (plain decoding: one token), as in transformers' prompt lookup."""
+    does (plain decoding: one token), as in transformers' prompt lookup.
 
-    def __init__(self, inner, tokens: int = 10, max_n: int = 3, min_n: int = 1,
+    A continuation needs a recurring n-gram of at least `min_n` = 2 tokens: a single
+    recurring token is a poor guess that still costs its chain's verify width (SmolLM2 on
+    10 held-out ShareGPT prompts, 2-core CPU: lookup 1.24x -> 1.43x plain, Gumiho +
+    lookup 1.33x -> 1.44x; README, The shipped testbed drafters)."""
+
+    def __init__(self, inner, tokens: int = 10, max_n: int = 3, min_n: int = 2,
                  static_shape: bool = False):
         self.inner, self.tokens, self.static_shape = inner, tokens, static_shape
         self.max_n, self.min_n = max_n, min_n

@@ -11,3 +11,11 @@ def test_shipped_drafters_load_and_decode_like_plain(smollm2, method, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "outputs identical" in out and "speedup" in out
+    assert "prompt-lookup chain of up to 10" in out  # the demo's default beside the drafter
+
+
+def test_demo_runs_the_drafter_alone_with_lookup_0(smollm2, capsys):
+    code = demo.main(["--max-new-tokens", "24", "--total-tokens", "8", "--lookup", "0"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "outputs identical" in out and "prompt-lookup" not in out

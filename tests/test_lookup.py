@@ -88,7 +88,9 @@ def test_eager_steps_verify_only_the_chain_found(static_shape):
     drafter.begin(tiny_llama(), 64)
     drafter.observe(None, torch.tensor([1, 2, 3, 4]), [1, 2, 3, 4])
     assert drafter.propose().size == (6 if static_shape else 1)  # nothing recurs yet
-    drafter.observe(None, torch.tensor([2]), [2])  # 2 recurs: 3, 4, 2 followed it
+    drafter.observe(None, torch.tensor([2]), [2])  # one recurring token is not enough
+    assert drafter.propose().size == (6 if static_shape else 1)
+    drafter.observe(None, torch.tensor([3]), [3])  # (2, 3) recurs: 4, 2, 3 followed it
     tree = drafter.propose()
     assert tree.size == (6 if static_shape else 4)
-    assert tree.tokens[1:4].tolist() == [3, 4, 2]
+    assert tree.tokens[1:4].tolist() == [4, 2, 3]
