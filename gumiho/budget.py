@@ -193,7 +193,10 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     stamp = weights.stat().st_mtime_ns if weights else 0
     device = target.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    key = json.dumps([2, target.name, method, str(draft_path), stamp, asdict(tree),
+    # The lookup chain is not part of the choice (calibration runs without it; the caller
+    # keeps its own), so runs with and without it share one measurement.
+    key = json.dumps([2, target.name, method, str(draft_path), stamp,
+                      asdict(replace(tree, lookup=0)),
                       device_name, str(target.dtype), engine, torch.__version__], default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 

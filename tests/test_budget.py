@@ -111,3 +111,20 @@ def test_auto_through_the_generator_needs_a_drafter(tiny_target_dir):
 
     with pytest.raises(GumihoError, match="auto needs --draft"):
         SpeculativeGenerator.load(tiny_target_dir, "gumiho", None, total_tokens="auto")
+
+
+def test_the_cached_choice_is_shared_with_and_without_a_lookup_chain(tiny_target_dir,
+                                                                    tmp_path, monkeypatch):
+    """Calibration ignores the lookup chain, so --lookup N reads the same cached shape (one
+    calibration, not one per N); other tree settings still get their own."""
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
+    target = load_target(tiny_target_dir)
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "model.safetensors").write_bytes(b"")
+    tree = TreeConfig.for_method("gumiho", total_tokens=8)
+    path = budget._cache_file(target, "gumiho", str(draft), tree, "eager")
+    assert path == budget._cache_file(target, "gumiho", str(draft),
+                                      replace(tree, lookup=10), "eager")
+    assert path != budget._cache_file(target, "gumiho", str(draft),
+                                      replace(tree, top_k=3), "eager")
