@@ -28,7 +28,7 @@ GROUP_KEYS = ("target", "draft", "max_new_tokens", "seed", "tree", "engine")
 
 def method_label(settings: dict) -> str:
     """The method, plus what sets this run apart: a random drafter, a non-default FTA, a
-    prompt-lookup chain beside a drafter's tree."""
+    prompt-lookup chain other than the method's own (beside a drafter's tree)."""
     notes = ["random"] if settings.get("draft") == "random" else []
     tree = settings.get("tree") or {}
     fta = tree.get("fta", "off")
@@ -37,7 +37,8 @@ def method_label(settings: dict) -> str:
         notes.append(f"fta {fta}")
     if settings.get("auto_tree"):  # budget.choose_tree's report: the tree it chose
         notes.append(f"auto tree {settings['auto_tree']['tree']['total_tokens']}")
-    if tree.get("lookup") and settings["method"] != "lookup":
+    reference_lookup = spec.tree.get("lookup", 0) if spec is not None else 0
+    if tree.get("lookup", reference_lookup) != reference_lookup:
         notes.append(f"lookup {tree['lookup']}")
     return settings["method"] + (f" ({', '.join(notes)})" if notes else "")
 
