@@ -200,6 +200,7 @@ class TrainConfig:
     online: bool = False  # compute the target's features inside the loop
     conversations: str = "sharegpt"  # online: the conversation source
     num_conversations: int = 2000  # online
+    skip_conversations: int = 0  # online: start this far into the training split
     max_len: int = 2048  # online: tokens per sample
     template: str | None = None  # online: chat template for a tokenizer without one
     epochs: int = 20
@@ -215,6 +216,9 @@ class TrainConfig:
     # Gumiho's MLP heads train on vloss alone for this many epochs, then ploss joins
     # (reference: 2, chosen for ~20-epoch runs; a short run needs it lower)
     mlp_ploss_after_epochs: int = 2
+    # a drafter checkpoint dir to start from (its weights and draft vocabulary) instead of
+    # fresh weights; the optimizer and schedule start fresh
+    init_from: str | None = None
     seed: int = 0
     export_dtype: str = "float16"
     # "bf16": bfloat16 autocast over fp32 weights, target in bfloat16; "fp32"; None: bf16
@@ -237,10 +241,10 @@ class TrainConfig:
             raise GumihoError("--ploss-fraction must be in (0, 1]")
         if not (self.lr > 0 and self.warmup_steps >= 0 and self.grad_clip > 0
                 and self.noise >= 0 and self.draft_vocab >= 0
-                and self.mlp_ploss_after_epochs >= 0):
+                and self.mlp_ploss_after_epochs >= 0 and self.skip_conversations >= 0):
             raise GumihoError("--lr and --grad-clip must be positive; --warmup-steps, "
-                              "--noise, --draft-vocab and --mlp-ploss-after-epochs at "
-                              "least 0")
+                              "--noise, --draft-vocab, --mlp-ploss-after-epochs and "
+                              "--skip-conversations at least 0")
         if self.precision not in (None, "bf16", "fp32"):
             raise GumihoError(f"--precision {self.precision}: use bf16 or fp32")
         if bool(self.data) == self.online:

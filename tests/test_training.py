@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import gumiho.train.__main__ as trainer
+from gumiho.checkpoint import to_official
 from gumiho.config import TrainConfig, TreeConfig
 from gumiho.drafters import PlainDrafter, SerialDrafter, load_drafter
 from gumiho.engine import GenerateConfig, prefill, run
@@ -355,3 +356,58 @@ def test_online_training_takes_a_template_for_a_base_model(smollm2, tmp_path):
     args = build_parser().parse_args(["--online", "--output-dir", str(tmp_path),
                                       "--template", "vicuna"])
     assert train_config(args).template == "vicuna"
+
+
+def test_a_warm_start_begins_at_the_checkpoint_and_keeps_its_vocabulary(
+        tiny, tiny_target_dir, tiny_data_dir, tmp_path):
+    """--init-from: training starts from the checkpoint's weights (not the seed's fresh
+    ones), keeps its draft vocabulary without --draft-vocab, and trains on from there."""
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path / "first", "--draft-vocab", "300")) == 0
+    first = load_file(str(tmp_path / "first" / "model.safetensors"))
+    config = TrainConfig(method="gumiho", target=tiny_target_dir, data=(tiny_data_dir,),
+                         init_from=str(tmp_path / "first"))
+    start = to_official(new_model(tiny, config))
+    fresh = to_official(new_model(tiny, TrainConfig(method="gumiho", target=tiny_target_dir,
+                                                    data=(tiny_data_dir,))))
+    for key, value in first.items():
+        torch.testing.assert_close(start[key], value.to(start[key].dtype), atol=0, rtol=0)
+    assert any(not torch.equal(start[k], fresh[k]) for k in first if k in fresh
+               and start[k].shape == fresh[k].shape)
+    assert main(train_args(data, tmp_path / "second", "--init-from",
+                           str(tmp_path / "first"))) == 0
+    second = load_file(str(tmp_path / "second" / "model.safetensors"))
+    assert torch.equal(second["d2t"], first["d2t"]) and torch.equal(second["t2d"], first["t2d"])
+    assert any(not torch.equal(second[k], first[k]) for k in first)  # it trained on
+    saved = json.loads((tmp_path / "second" / "config.json").read_text())
+    assert saved["training"]["init_from"] == str(tmp_path / "first")
+
+
+@pytest.mark.parametrize("case", ["missing", "vocab", "method"])
+def test_a_bad_warm_start_is_one_line(tiny_target_dir, tiny_data_dir, tmp_path, capsys, case):
+    data = (tiny_target_dir, tiny_data_dir)
+    source = tmp_path / "first"
+    if case != "missing":
+        assert main(train_args(data, source, "--draft-vocab", "300")) == 0
+        capsys.readouterr()
+    extra = {"missing": [], "vocab": ["--draft-vocab", "200"],
+             "method": ["--method", "medusa"]}[case]
+    args = train_args(data, tmp_path / "second", "--init-from", str(source), *extra)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:")
+    assert {"missing": "not a directory", "vocab": "--draft-vocab 300",
+            "method": "medusa"}[case] in err[0]
+    assert not (tmp_path / "second" / "model.safetensors").exists()
+
+
+def test_skipped_conversations_continue_the_training_split(smollm2):
+    from gumiho.errors import GumihoError
+    from gumiho.train.dataset import online_samples
+
+    three = online_samples(smollm2, "sharegpt", 3, 128)
+    later = online_samples(smollm2, "sharegpt", 2, 128, skip=1)
+    assert [s["input_ids"].tolist() for s in later] == \
+        [s["input_ids"].tolist() for s in three[1:]]
+    with pytest.raises(GumihoError, match="--skip-conversations"):
+        online_samples(smollm2, "sharegpt", 2, 128, skip=10**7)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gumiho.checkpoint import save_drafter
+from gumiho.checkpoint import check_drafter_dir, load_drafter_model, save_drafter
 from gumiho.config import TrainConfig
 from gumiho.drafters import random_drafter_model
 from gumiho.errors import GumihoError, cli_errors
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compute the target's features on the fly (no stored data)")
     p.add_argument("--conversations", default="sharegpt", help="--online: source file")
     p.add_argument("--num-conversations", type=int, default=2000, help="--online: how many")
+    p.add_argument("--skip-conversations", type=int, default=0,
+                   help="--online: start this many conversations into the training split "
+                   "(to continue an --init-from drafter on conversations it has not seen)")
     p.add_argument("--max-len", type=int, default=2048, help="--online: tokens per sample")
     p.add_argument("--template", default=None, help="--online: chat template for tokenizers "
                    "without one (base models): 'vicuna' or a Jinja string")
@@ -82,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Gumiho: the MLP heads train on vloss alone for this many epochs, "
                    "then ploss joins (reference: 2, meant for ~20 epochs; lower it for a "
                    "short run)")
+    p.add_argument("--init-from", default=None, metavar="DRAFT_DIR",
+                   help="start from this drafter checkpoint (its weights and draft "
+                   "vocabulary; the same --method) instead of fresh weights; the optimizer "
+                   "and learning-rate schedule start fresh")
     p.add_argument("--eval-data", nargs="+", default=None, help="held-out data dirs: "
                    "per-position accuracy at the end (and each epoch with --eval-each-epoch)")
     p.add_argument("--eval-each-epoch", action="store_true")
@@ -121,6 +128,8 @@ def new_model(target, config: TrainConfig, samples: list[dict] | None = None,
               seed: int | None = None):
     """A fresh trainable drafter (fp32 master weights); a reduced draft vocabulary is
     chosen from the samples' assistant-token counts (stop tokens always included)."""
+    if config.init_from:
+        return start_from(target, config)
     draft_ids = None
     vocab = target.lm_head.weight.shape[0]
     if config.draft_vocab > vocab:
@@ -131,8 +140,25 @@ def new_model(target, config: TrainConfig, samples: list[dict] | None = None,
             raise GumihoError("--draft-vocab needs training samples to count tokens in")
         draft_ids = draft_vocabulary(token_counts(samples, vocab), config.draft_vocab,
                                      sorted(t for t in target.stop_token_ids if t < vocab))
-    model = random_drafter_model(config.method, target, config.seed if seed is None else seed,
-                                 draft_ids).float().train().requires_grad_(True)
+    return trainable(random_drafter_model(config.method, target,
+                                          config.seed if seed is None else seed, draft_ids))
+
+
+def start_from(target, config: TrainConfig):
+    """The trainable drafter of checkpoint `config.init_from` (a warm start): its weights
+    and draft vocabulary, which a --draft-vocab other than its own size contradicts."""
+    model = load_drafter_model(config.init_from, target, config.method)
+    have = model.config.draft_vocab_size or target.lm_head.weight.shape[0]
+    if config.draft_vocab and config.draft_vocab != have:
+        raise GumihoError(f"--draft-vocab {config.draft_vocab}: --init-from "
+                          f"{config.init_from} drafts over {have} tokens; give --draft-vocab "
+                          f"{have} or leave it out (the checkpoint's vocabulary is kept)")
+    return trainable(model)
+
+
+def trainable(model):
+    """fp32 master weights in training mode, the frozen embedding copy excepted."""
+    model = model.float().train().requires_grad_(True)
     if hasattr(model, "embed_tokens"):
         model.embed_tokens.weight.requires_grad_(False)  # a frozen copy of the target's
     return model
@@ -207,6 +233,8 @@ def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
         if not (Path(data_dir) / MANIFEST).is_file():
             raise GumihoError(f"{data_dir}: no {MANIFEST}; make data with "
                               "python -m gumiho.ge_data.allocation --outdir DIR")
+    if config.init_from:
+        check_drafter_dir(config.init_from)
     if out.exists() and not out.is_dir():
         raise GumihoError(f"--output-dir {out} is a file: give a directory")
     parent = next(p for p in [out, *out.parents] if p.exists())
@@ -279,7 +307,7 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
     target = load_target(config.target, device=str(accelerator.device), dtype=target_dtype)
     if config.online:
         samples = online_samples(target, config.conversations, config.num_conversations,
-                                 config.max_len, config.template)
+                                 config.max_len, config.template, config.skip_conversations)
     else:
         samples = stored_samples(config.data, target.hidden_size)
     eval_samples = stored_samples(eval_data, target.hidden_size) if eval_data else []

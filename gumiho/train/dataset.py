@@ -27,11 +27,15 @@ def stored_samples(data_dirs: tuple[str, ...] | list[str], hidden_size: int) -> 
 
 
 def online_samples(target, source: str, count: int, max_len: int,
-                   template: str | None = None) -> list[dict]:
-    """Tokenised conversations without features; the loop adds them with the target."""
+                   template: str | None = None, skip: int = 0) -> list[dict]:
+    """Tokenised conversations `skip` .. `skip + count` of the training split, without
+    features; the loop adds them with the target."""
     train, _ = split(load_conversations(source))
+    if skip >= len(train):
+        raise GumihoError(f"--skip-conversations {skip}: the training split of {source!r} "
+                          f"has {len(train)} conversations")
     out = []
-    for conv in train[:count]:
+    for conv in train[skip : skip + count]:
         ids, mask = tokenize_conversation(target.tokenizer, conv["messages"], max_len,
                                           target.stop_token_ids, template)
         if int(mask.sum()):
