@@ -196,7 +196,7 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # The lookup chain is not part of the choice (calibration runs without it; the caller
     # keeps its own), so runs with and without it share one measurement.
     key = json.dumps([2, target.name, method, str(draft_path), stamp,
-                      asdict(replace(tree, lookup=0)),
+                      asdict(replace(tree, lookup=0, lookup_first=False)),
                       device_name, str(target.dtype), engine, torch.__version__], default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
@@ -242,7 +242,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     log.warning("choosing the tree shape for this device (once per drafter and device; "
                 "about a minute on a CPU) ...")
     # Calibrate on the plain dynamic tree: its subtrees are what smaller shapes give.
-    reference = replace(tree, fta="off", lookup=0)
+    reference = replace(tree, fta="off", lookup=0, lookup_first=False)
     drafter = load_drafter(method, target, draft, tree=reference, engine=engine)
     trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens)
     shapes = candidate_shapes(method, reference, widths)

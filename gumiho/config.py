@@ -154,6 +154,9 @@ class TreeConfig:
     # Prompt-lookup candidates (lookup.py): a chain of this many n-gram continuation tokens
     # under the root, beside the drafter's tree (0 = none; the `lookup` method: 10).
     lookup: int = 0
+    # With a lookup chain, a cycle where the n-gram index finds a continuation verifies
+    # that chain alone and skips the drafter (eager steps; captured ones keep one shape).
+    lookup_first: bool = False
 
     def __post_init__(self):
         if self.fta not in FTA_MODES:
@@ -173,6 +176,10 @@ class TreeConfig:
                 0 <= self.lookup <= MAX_TREE_SETTING):
             raise GumihoError(f"--lookup must be an integer from 0 to {MAX_TREE_SETTING}, "
                               f"got {self.lookup!r}")
+        if not isinstance(self.lookup_first, bool):
+            raise GumihoError(f"lookup_first must be True or False, got {self.lookup_first!r}")
+        if self.lookup_first and not self.lookup:
+            raise GumihoError("--lookup-first needs a lookup chain: add --lookup N")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Beam and candidate widths cannot exceed the vocabulary they pick from."""

@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="verified tokens per cycle, or auto (default): the size that is "
                    "fastest on this device for this drafter, measured once and cached")
     p.add_argument("--lookup", type=nonnegative_int, default=10,
-                   help="prompt-lookup candidates beside the drafter's tree (default 10: "
-                   "n-gram continuations of the text so far, verified like any node; "
-                   "0 = the drafter alone)")
+                   help="prompt-lookup candidates (default 10: n-gram continuations of "
+                   "the text so far, verified like any node; a cycle that finds one verifies "
+                   "it instead of drafting on the eager engine; 0 = the drafter alone)")
     p.add_argument("--device", default=None)
     p.add_argument("--engine", default=None, choices=ENGINES, help="default: graphs on a "
                    "GPU, eager on a CPU")
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = SpeculativeGenerator.load("smollm2", args.method,
                                     str(shipped_drafter(args.method)), device=args.device,
                                     engine=args.engine, total_tokens=args.total_tokens,
-                                    lookup=args.lookup)
+                                    lookup=args.lookup,
+                                    lookup_first=True if args.lookup else None)
     target, drafter, tree = gen.target, gen.drafter, gen.drafter.tree
     if gen.auto_report:
         best = max(gen.auto_report["shapes"].values(), key=lambda row: row["tokens_per_s"])

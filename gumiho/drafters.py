@@ -359,4 +359,5 @@ def load_drafter(method: str, target, draft: str | None = None,
         drafter = (SerialDrafter if spec.serial else MedusaDrafter)(model, tree, engine=engine)
     if not tree.lookup:
         return drafter
-    return LookupDrafter(drafter, tree.lookup, static_shape=engine != "eager")
+    return LookupDrafter(drafter, tree.lookup, static_shape=engine != "eager",
+                         first=tree.lookup_first)

@@ -62,7 +62,7 @@ class SpeculativeGenerator:
              chat_template: str | None = None, verify_width: int | None = None,
              engine: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
-        fta, lookup); unset ones take the method's reference defaults. total_tokens="auto"
+        fta, lookup, lookup_first); unset ones take the method's reference defaults. total_tokens="auto"
         times this device and the drafter and picks the fastest tree shape (budget.py)."""
         check_load_args(target, method, draft, tree_options)
         if verify_width is not None:
@@ -229,6 +229,9 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                        "MLP levels (7), eagle2 serial levels (6), medusa tree depth (4)")
     group.add_argument("--lookup", type=nonnegative_int, help="add a prompt-lookup chain of this "
                        "many n-gram continuation tokens under the root (method lookup: 10)")
+    group.add_argument("--lookup-first", action="store_const", const=True, default=None,
+                       help="with --lookup: when the n-gram index finds a continuation, verify "
+                       "it alone and skip the drafter that cycle (eager engine)")
     group.add_argument("--fta", choices=FTA_MODES, help="Full Tree Attention (gumiho): off "
                        "(plain dynamic tree, default), exact (lossless path completion), or "
                        "official (the released splice: APPROXIMATE, not lossless)")
@@ -249,7 +252,7 @@ def total_tokens_arg(value: str) -> int | str:
 
 def tree_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("total_tokens", "top_k", "mlp_topk", "pruning",
-                                          "depth", "fta", "lookup")}
+                                          "depth", "fta", "lookup", "lookup_first")}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -88,6 +88,13 @@ BAD = {
     "generate_fta_with_eagle2": ("generate", ["--target", "{tiny}", "--prompt", "hi",
                                               "--method", "eagle2", "--draft", "random",
                                               "--fta", "exact"]),
+    "generate_lookup_first_without_lookup": ("generate", [
+        "--target", "{tiny}", "--prompt", "hi", "--method", "gumiho", "--draft", "random",
+        "--lookup-first"]),
+    "generate_lookup_first_with_plain_lookup": ("generate", [
+        "--target", "{tiny}", "--prompt", "hi", "--method", "lookup", "--lookup-first"]),
+    "train_init_from_missing": ("train", ["--target", "{tiny}", "--online", "--output-dir",
+                                          "{dir}/never", "--init-from", "{dir}/nowhere"]),
     "generate_broken_chat_template": ("generate", ["--target", "{tiny}", "--prompt", "hi",
                                                    "--chat-template", "{{ oops("]),
     "generate_truncated_weights": ("generate", ["--target", "{dir}/truncated", "--prompt",
@@ -207,7 +214,9 @@ def test_error_lines_say_what_is_wrong(tmp_path, tiny_target_dir, capsys):
              "generate_huge_max_new_tokens": "context of 1024 tokens",
              "generate_prompt_plus_max_new_tokens_past_context": "exceeds",
              "alloc_start_beyond_data": "--start 100000 is beyond the data",
-             "generate_fta_with_eagle2": "--fta does not apply to --method eagle2"}
+             "generate_fta_with_eagle2": "--fta does not apply to --method eagle2",
+             "generate_lookup_first_without_lookup": "--lookup-first needs a lookup chain",
+             "generate_lookup_first_with_plain_lookup": "--lookup-first does not apply"}
     for case, words in cases.items():
         module, argv = BAD[case]
         argv = [a.replace("{tiny}", tiny_target_dir).replace("{dir}", str(tmp_path))

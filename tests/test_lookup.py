@@ -64,12 +64,14 @@ def test_lookup_equals_plain(smollm2, method):
     assert out.tau > 1.5, out.accept_lengths  # the repetition is found
 
 
-def test_lookup_sampling_matches_target():
+@pytest.mark.parametrize("first", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_lookup_sampling_matches_target(first):
     vocab = 16
     target = tiny_llama(vocab_size=vocab, seed=1, logit_scale=25.0)
     prompt = [3, 9, 1, 12, 5, 3, 9, 1, 12, 5, 3, 9]
     want2, want3 = exact_marginals(target, prompt, 1.0, vocab)
-    drafter = LookupDrafter(RandomDrafter(vocab, size=4, seed=0), tokens=4, min_n=1)
+    drafter = LookupDrafter(RandomDrafter(vocab, size=4, seed=0), tokens=4, min_n=1,
+                            first=first)
     got2, got3 = torch.zeros(vocab), torch.zeros(vocab)
     for seed in range(1500):
         out = run(target, drafter, prompt, GenerateConfig(max_new_tokens=3, temperature=1.0,
@@ -83,7 +85,8 @@ def test_lookup_sampling_matches_target():
 @pytest.mark.parametrize("static_shape", [False, True])
 def test_eager_steps_verify_only_the_chain_found(static_shape):
     """Eager: no continuation -> the inner tree alone (one node for plain decoding), a
-    short one -> that many nodes. Captured engines always get the full, partly dead chain."""
+    short one -> that many nodes, and a match shorter than max_n (3) -> only its first
+    `short` (2) tokens. Captured engines always get the full, partly dead chain."""
     drafter = LookupDrafter(PlainDrafter(), tokens=5, static_shape=static_shape)
     drafter.begin(tiny_llama(), 64)
     drafter.observe(None, torch.tensor([1, 2, 3, 4]), [1, 2, 3, 4])
@@ -92,5 +95,50 @@ def test_eager_steps_verify_only_the_chain_found(static_shape):
     assert drafter.propose().size == (6 if static_shape else 1)
     drafter.observe(None, torch.tensor([3]), [3])  # (2, 3) recurs: 4, 2, 3 followed it
     tree = drafter.propose()
+    assert tree.size == (6 if static_shape else 3)  # a 2-gram: its first two tokens
+    assert tree.tokens[1:3].tolist() == [4, 2]
+    assert tree.dead is None or tree.dead.tolist() == [False] * 3 + [True] * (tree.size - 3)
+    drafter.observe(None, torch.tensor([4]), [4])  # (2, 3, 4) recurs: 2, 3, 4 followed it
+    tree = drafter.propose()
     assert tree.size == (6 if static_shape else 4)
-    assert tree.tokens[1:4].tolist() == [4, 2, 3]
+    assert tree.tokens[1:4].tolist() == [2, 3, 4]
+
+
+@pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])
+def test_lookup_first_equals_plain(smollm2, method):
+    """Cycles that verify the chain alone leave the drafter's features pending; it catches
+    up on all of them at its next draft, and the output stays the target's."""
+    ids = smollm2.chat_ids(REPEATING)
+    config = GenerateConfig(max_new_tokens=48)
+    plain = run(smollm2, PlainDrafter(), ids, config)
+    tree = TreeConfig.for_method(method, lookup=8, lookup_first=True, total_tokens=12)
+    drafter = load_drafter(method, smollm2, "random", tree=tree)
+    calls = []
+    propose = drafter.inner.propose
+    drafter.inner.propose = lambda: calls.append(1) or propose()
+    out = run(smollm2, drafter, ids, config)
+    assert out.token_ids == plain.token_ids
+    assert out.tau > 1.5, out.accept_lengths  # the repetition is found
+    assert 0 < len(calls) < len(out.accept_lengths)  # some cycles skipped the drafter
+
+
+def test_lookup_first_skips_the_drafter_only_where_a_chain_is_found():
+    inner = RandomDrafter(64, size=4, seed=0)
+    drafter = LookupDrafter(inner, tokens=5, first=True)
+    drafter.begin(tiny_llama(), 64)
+    drafter.observe(torch.zeros(4, 8), torch.tensor([1, 2, 3, 4]), [1, 2, 3, 4])
+    assert drafter.propose().size == 4  # nothing recurs: the drafter's tree
+    drafter.observe(torch.zeros(1, 8), torch.tensor([2]), [2])
+    drafter.observe(torch.zeros(1, 8), torch.tensor([3]), [3])  # (2, 3) recurs
+    tree = drafter.propose()  # the chain alone: the 2-gram's first two tokens
+    assert tree.tokens.tolist() == [3, 4, 2] and tree.parents.tolist() == [-1, 0, 1]
+    captured = LookupDrafter(RandomDrafter(64, size=4, seed=0), tokens=5, first=True,
+                             static_shape=True)
+    assert not captured.first  # one shape every step: the chain stays beside the tree
+
+
+def test_lookup_first_needs_a_chain():
+    from gumiho.errors import GumihoError
+
+    with pytest.raises(GumihoError, match="--lookup-first needs"):
+        TreeConfig.for_method("gumiho", lookup_first=True)

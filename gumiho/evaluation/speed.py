@@ -40,6 +40,8 @@ def method_label(settings: dict) -> str:
     reference_lookup = spec.tree.get("lookup", 0) if spec is not None else 0
     if tree.get("lookup", reference_lookup) != reference_lookup:
         notes.append(f"lookup {tree['lookup']}")
+    if tree.get("lookup_first") and spec is not None and spec.drafter:
+        notes.append("lookup first")
     return settings["method"] + (f" ({', '.join(notes)})" if notes else "")
 
 
