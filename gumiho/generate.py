@@ -62,8 +62,9 @@ class SpeculativeGenerator:
              chat_template: str | None = None, verify_width: int | None = None,
              engine: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
-        fta, lookup, lookup_first); unset ones take the method's reference defaults. total_tokens="auto"
-        times this device and the drafter and picks the fastest tree shape (budget.py)."""
+        fta, lookup, lookup_first); unset ones take the method's reference defaults.
+        total_tokens="auto" times this device and the drafter and picks the fastest tree
+        shape (budget.py)."""
         check_load_args(target, method, draft, tree_options)
         if verify_width is not None:
             check_positive_int("verify_width", verify_width)

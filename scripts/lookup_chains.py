@@ -35,7 +35,7 @@ def answers(paths: list[str], tokenizer):
             question = next(q for q in pick_questions(bench, 0, None)
                             if q["question_id"] == record["question_id"])
             messages = []
-            for turn, answer in zip(question["turns"], record["turns"]):
+            for turn, answer in zip(question["turns"], record["turns"], strict=True):
                 messages.append({"role": "user", "content": turn})
                 prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                        tokenize=True, return_dict=False)
