@@ -64,7 +64,7 @@ def test_lookup_equals_plain(smollm2, method):
     assert out.tau > 1.5, out.accept_lengths  # the repetition is found
 
 
-@pytest.mark.parametrize("first", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("first", [False, True])
 def test_lookup_sampling_matches_target(first):
     vocab = 16
     target = tiny_llama(vocab_size=vocab, seed=1, logit_scale=25.0)
