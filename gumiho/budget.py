@@ -183,6 +183,12 @@ def draft_seconds(target: Target, model, method: str, shape_tree: TreeConfig, en
     return timed(drafter.propose, target.device, repeats)
 
 
+def without_lookup(tree: TreeConfig) -> TreeConfig:
+    """The tree without its prompt-lookup settings: calibration runs without the chain and
+    the caller keeps its own, so they are not part of the choice or its cache key."""
+    return replace(tree, lookup=0, lookup_first=False)
+
+
 def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engine: str
                 ) -> Path | None:
     if draft == "random":
@@ -193,10 +199,8 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     stamp = weights.stat().st_mtime_ns if weights else 0
     device = target.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    # The lookup chain is not part of the choice (calibration runs without it; the caller
-    # keeps its own), so runs with and without it share one measurement.
     key = json.dumps([2, target.name, method, str(draft_path), stamp,
-                      asdict(replace(tree, lookup=0, lookup_first=False)),
+                      asdict(without_lookup(tree)),
                       device_name, str(target.dtype), engine, torch.__version__], default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
@@ -242,7 +246,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     log.warning("choosing the tree shape for this device (once per drafter and device; "
                 "about a minute on a CPU) ...")
     # Calibrate on the plain dynamic tree: its subtrees are what smaller shapes give.
-    reference = replace(tree, fta="off", lookup=0, lookup_first=False)
+    reference = replace(without_lookup(tree), fta="off")
     drafter = load_drafter(method, target, draft, tree=reference, engine=engine)
     trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens)
     shapes = candidate_shapes(method, reference, widths)

@@ -46,20 +46,22 @@ class NgramIndex:
                     self.previous[key] = self.last[key]
                 self.last[key] = end
 
-    def continuation(self, length: int) -> list[int]:
-        """Up to `length` tokens that followed the latest earlier occurrence of the longest
-        suffix n-gram (longest first, down to min_n); empty when none recurs."""
-        return self.find(length)[1]
-
     def find(self, length: int) -> tuple[int, list[int]]:
-        """(n, continuation): the length of the suffix n-gram that matched (0: none) and up
-        to `length` tokens that followed its latest earlier occurrence."""
+        """(n, continuation): the length of the longest suffix n-gram that occurred before
+        (longest first, down to min_n; 0: none recurs) and up to `length` tokens that
+        followed its latest earlier occurrence (empty when none recurs)."""
         end = len(self.tokens)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
             start = self.previous.get(tuple(self.tokens[end - n :]))
             if start is not None:
                 return n, self.tokens[start : start + length]
         return 0, []
+
+    def chain(self, length: int, short: int) -> tuple[int, list[int]]:
+        """`find`, except that a match shorter than max_n keeps only its first `short`
+        tokens (LookupDrafter's rule; scripts/lookup_chains.py replays it)."""
+        n, found = self.find(length)
+        return n, found if n == self.max_n else found[:short]
 
 
 def attach_chain(tree: DraftTree, chain: Tensor, valid: Tensor, max_depth: int) -> DraftTree:
@@ -160,9 +162,8 @@ class LookupDrafter:
         self.index.extend(tokens)
 
     def propose(self) -> DraftTree:
-        n, found = self.index.find(self.tokens)  # host ints: deciding costs no sync
-        if n < self.max_n:  # a shorter match is a weaker guess: only its first tokens
-            found = found[: self.short]
+        # host ints: deciding costs no sync; a shorter match is a weaker guess
+        found = self.index.chain(self.tokens, self.short)[1]
         if self.first and found:  # the chain alone; the drafter catches up next time
             chain, valid = chain_to_device(found, len(found), self.device)
             return attach_chain(DraftTree.chain(self.root), chain, valid, self.draft_depth)

@@ -26,22 +26,21 @@ POLICIES = {"chain 10": (10, 10), "chain 10, 2-gram 2": (10, 2), "chain 6, 2-gra
             "chain 4": (4, 4), "chain 2": (2, 2)}  # (3-gram chain, 2-gram chain)
 
 
-def answers(paths: list[str], tokenizer):
+def answers(paths: list[str], target):
     """(bench, prompt ids, answer ids) per turn of every record."""
+    questions: dict[str, dict] = {}  # bench -> {question_id: question}
     for path in paths:
         for line in open(path):
             record = json.loads(line)
             bench = record["settings"]["bench"]
-            question = next(q for q in pick_questions(bench, 0, None)
-                            if q["question_id"] == record["question_id"])
+            if bench not in questions:
+                questions[bench] = {q["question_id"]: q for q in pick_questions(bench, 0, None)}
+            question = questions[bench][record["question_id"]]
             messages = []
             for turn, answer in zip(question["turns"], record["turns"], strict=True):
                 messages.append({"role": "user", "content": turn})
-                prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                       tokenize=True, return_dict=False)
-                prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
-                text = tokenizer(answer["text"], add_special_tokens=False)["input_ids"]
-                yield bench, prompt, text
+                text = target.tokenizer(answer["text"], add_special_tokens=False)["input_ids"]
+                yield bench, target.chat_ids(messages), text
                 messages.append({"role": "assistant", "content": answer["text"]})
 
 
@@ -51,8 +50,7 @@ def replay(prompt: list[int], answer: list[int], chains: tuple[int, int]):
     index.extend(prompt + answer[:1])  # prefill gives the first token
     done = 1
     while done < len(answer):
-        n, found = index.find(chains[0])
-        found = found[: chains[0] if n == index.max_n else chains[1]]
+        n, found = index.chain(*chains)
         accepted = 0
         while (accepted < len(found) and done + accepted < len(answer)
                and found[accepted] == answer[done + accepted]):
@@ -71,7 +69,7 @@ def main() -> None:
     from gumiho.target import load_target
 
     target = load_target("smollm2")
-    data = list(answers(args.answers, target.tokenizer))
+    data = list(answers(args.answers, target))
     stats = defaultdict(lambda: [0, 0, 0])  # (bench, n) -> cycles, first accepted, tokens
     for bench, prompt, answer in data:
         for n, _, accepted in replay(prompt, answer, (10, 10)):

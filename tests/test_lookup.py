@@ -20,12 +20,12 @@ def test_ngram_index_continues_the_latest_earlier_occurrence():
     index = NgramIndex(max_n=3)
     index.extend([1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3])
     # suffix (1, 2, 3) occurred at the start: what followed it then
-    assert index.continuation(3) == [4, 9, 2]
+    assert index.find(3) == (3, [4, 9, 2])
     index.extend([8])  # (3, 8), (8) never occurred before; ...
-    assert index.continuation(4) == []
+    assert index.find(4) == (0, [])
     index.extend([2])  # suffix (2) last occurred before at position 10 -> 3, 8, 2
-    assert index.continuation(2) == [3, 8]
-    assert NgramIndex(min_n=2).continuation(5) == []
+    assert index.find(2) == (1, [3, 8])
+    assert NgramIndex(min_n=2).find(5) == (0, [])
 
 
 @pytest.mark.host
