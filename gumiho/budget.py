@@ -19,6 +19,12 @@ GPU it is nearly flat) and on how good the drafter is. We measure all three and 
 
 expected tokens/s (shape) = accepted per cycle / (draft + verify(W) + accept and commit)
 
+4. The chosen shape's break-even (gate.py): its whole cycle in plain steps, from unprofiled
+   greedy runs of it and of plain decoding on the calibration prompts (the phase timings
+   above carry a sync per phase and overstate a small cycle: a chain of 2 was predicted
+   at 1.45 plain steps on a 2-core CPU and measured at 1.24-1.33). On the eager engine
+   the loop drafts only while the drafter's cycles emit at least that many tokens.
+
 The choice is cached per target, drafter, device, dtype and engine in the gumiho cache dir.
 """
 
@@ -165,14 +171,19 @@ def candidate_shapes(method: str, reference: TreeConfig,
         [Shape(d + 1, d, chain=True) for d in depths]
 
 
+def shape_drafter(model, method: str, tree: TreeConfig, engine: str):
+    """The calibration drafter's network drafting at another tree shape."""
+    from gumiho.drafters import MedusaDrafter, SerialDrafter
+
+    cls = SerialDrafter if method_spec(method).serial else MedusaDrafter
+    return cls(model, tree, engine=engine)
+
+
 def draft_seconds(target: Target, model, method: str, shape_tree: TreeConfig, engine: str,
                   ids: list[int], repeats: int = 5) -> float:
     """Median seconds of one proposal at a shape (no catch-up: re-proposals from the state
     after the prompt)."""
-    from gumiho.drafters import MedusaDrafter, SerialDrafter
-
-    cls = SerialDrafter if method_spec(method).serial else MedusaDrafter
-    drafter = cls(model, shape_tree, engine=engine)
+    drafter = shape_drafter(model, method, shape_tree, engine)
     runner = TargetRunner(target, "eager")
     cache = runner.cache_for(len(ids) + 8)
     prompt = torch.tensor([ids], device=target.device)
@@ -184,9 +195,30 @@ def draft_seconds(target: Target, model, method: str, shape_tree: TreeConfig, en
 
 
 def without_lookup(tree: TreeConfig) -> TreeConfig:
-    """The tree without its prompt-lookup settings: calibration runs without the chain and
-    the caller keeps its own, so they are not part of the choice or its cache key."""
-    return replace(tree, lookup=0, lookup_first=False)
+    """The tree without its prompt-lookup and gate settings: calibration runs without
+    them and the caller keeps its own, so they are not part of the choice or its key."""
+    return replace(tree, lookup=0, lookup_first=False, draft_gate=0.0)
+
+
+def break_even(target: Target, model, method: str, tree: TreeConfig, engine: str,
+               max_new_tokens: int = 48, repeats: int = 2) -> float:
+    """The cycle of drafter `model` at `tree` in plain steps: unprofiled greedy runs of
+    both on the calibration prompts, alternated, whole cycles after the prefill."""
+    from gumiho.drafters import PlainDrafter
+
+    drafter = shape_drafter(model, method, tree, engine)
+    config = GenerateConfig(max_new_tokens=max_new_tokens, engine=engine)
+    seconds = {"plain": [0.0, 0], "drafter": [0.0, 0]}
+    run(target, drafter, target.chat_ids(CALIBRATION_PROMPTS[0]), replace(config,
+        max_new_tokens=8))  # warm-up
+    for _ in range(repeats):
+        for prompt in CALIBRATION_PROMPTS:
+            for name, which in (("plain", PlainDrafter()), ("drafter", drafter)):
+                result = run(target, which, target.chat_ids(prompt), config)
+                seconds[name][0] += sum(result.cycle_s[1:])
+                seconds[name][1] += len(result.cycle_s) - 1
+    per_cycle = {k: total / max(n, 1) for k, (total, n) in seconds.items()}
+    return per_cycle["drafter"] / per_cycle["plain"] if per_cycle["plain"] else 1.0
 
 
 def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engine: str
@@ -199,7 +231,7 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     stamp = weights.stat().st_mtime_ns if weights else 0
     device = target.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    key = json.dumps([2, target.name, method, str(draft_path), stamp,
+    key = json.dumps([3, target.name, method, str(draft_path), stamp,
                       asdict(without_lookup(tree)),
                       device_name, str(target.dtype), engine, torch.__version__], default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
@@ -267,10 +299,13 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
             "tokens_per_s": accept[shape] / cycle, "speedup": accept[shape] / cycle * verify[1]}
     best = max(rows.values(), key=lambda row: row["tokens_per_s"])
     chosen = Shape(best["total_tokens"], best["depth"], best["chain"]).tree(tree)
-    report = {"tree": {k: getattr(chosen, k) for k in
-                       ("total_tokens", "depth", "top_k", "mlp_topk", "pruning", "fta")},
+    gate = break_even(target, drafter.model, method, without_lookup(chosen), engine)
+    report = {"tree": {**{k: getattr(chosen, k) for k in
+                          ("total_tokens", "depth", "top_k", "mlp_topk", "pruning", "fta")},
+                       "draft_gate": round(gate, 3) if engine == "eager" else 0.0},
               "method": method, "draft": str(draft), "device": str(target.device),
-              "engine": engine, "plain_step_s": verify[1], "cycles": len(trees),
+              "engine": engine, "plain_step_s": verify[1], "break_even": gate,
+              "cycles": len(trees),
               "fixed_s": fixed, "shapes": rows}
     if path is not None:
         try:

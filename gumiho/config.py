@@ -157,6 +157,10 @@ class TreeConfig:
     # With a lookup chain, a cycle where the n-gram index finds a continuation verifies
     # that chain alone and skips the drafter (eager steps; captured ones keep one shape).
     lookup_first: bool = False
+    # Draft only while it pays (gate.py): the break-even tokens per drafter cycle, in plain
+    # steps; while this sequence's drafter cycles emit fewer, cycles take plain steps
+    # (eager steps; 0 = always draft). `--total-tokens auto` measures it.
+    draft_gate: float = 0.0
 
     def __post_init__(self):
         if self.fta not in FTA_MODES:
@@ -180,6 +184,11 @@ class TreeConfig:
             raise GumihoError(f"lookup_first must be True or False, got {self.lookup_first!r}")
         if self.lookup_first and not self.lookup:
             raise GumihoError("--lookup-first needs a lookup chain: add --lookup N")
+        gate = self.draft_gate
+        if isinstance(gate, bool) or not isinstance(gate, int | float) or not (
+                0 <= gate <= MAX_TREE_SETTING):
+            raise GumihoError(f"--draft-gate must be a number from 0 to {MAX_TREE_SETTING} "
+                              f"(tokens per drafter cycle), got {gate!r}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Beam and candidate widths cannot exceed the vocabulary they pick from."""

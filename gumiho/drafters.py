@@ -339,8 +339,10 @@ def load_drafter(method: str, target, draft: str | None = None,
                  engine: str | None = None) -> Drafter:
     """The drafter for `method` on `target`: a checkpoint dir, or `random` weights.
     engine: how its steps run (graphs.py); None picks by the target's device.
-    A tree with `lookup` > 0 adds a prompt-lookup chain (lookup.py); `lookup` is plain
+    A tree with `draft_gate` > 0 drafts only while drafting pays (gate.py, eager engine);
+    one with `lookup` > 0 adds a prompt-lookup chain (lookup.py); `lookup` is plain
     decoding with one."""
+    from gumiho.gate import GatedDrafter
     from gumiho.lookup import LookupDrafter
 
     spec = method_spec(method)
@@ -357,6 +359,8 @@ def load_drafter(method: str, target, draft: str | None = None,
         model = random_drafter_model(method, target, seed) if draft == "random" else \
             load_drafter_model(draft, target, method)
         drafter = (SerialDrafter if spec.serial else MedusaDrafter)(model, tree, engine=engine)
+        if tree.draft_gate and engine == "eager":
+            drafter = GatedDrafter(drafter, tree.draft_gate)
     if not tree.lookup:
         return drafter
     return LookupDrafter(drafter, tree.lookup, static_shape=engine != "eager",

@@ -62,9 +62,10 @@ class SpeculativeGenerator:
              chat_template: str | None = None, verify_width: int | None = None,
              engine: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
-        fta, lookup, lookup_first); unset ones take the method's reference defaults.
-        total_tokens="auto" times this device and the drafter and picks the fastest tree
-        shape (budget.py)."""
+        fta, lookup, lookup_first, draft_gate); unset ones take the method's reference
+        defaults. total_tokens="auto" times this device and the drafter, picks the fastest
+        tree shape and, on the eager engine, drafts only while drafting pays (budget.py,
+        gate.py; draft_gate=0 turns that off)."""
         check_load_args(target, method, draft, tree_options)
         if verify_width is not None:
             check_positive_int("verify_width", verify_width)
@@ -83,7 +84,10 @@ class SpeculativeGenerator:
         report = None
         if auto:
             report = choose_tree(loaded, method, draft, tree, engine)
-            tree = replace(tree, **report["tree"])
+            chosen = dict(report["tree"])
+            if tree_options.get("draft_gate") is not None:  # the caller's own gate wins
+                chosen.pop("draft_gate", None)
+            tree = replace(tree, **chosen)
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
         gen = cls(loaded, drafter, verify_width, engine)
         gen.auto_report = report  # how `auto` chose the tree size, or None
@@ -233,6 +237,10 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lookup-first", action="store_const", const=True, default=None,
                        help="with --lookup: when the n-gram index finds a continuation, verify "
                        "it alone and skip the drafter that cycle (eager engine)")
+    group.add_argument("--draft-gate", type=nonnegative_float, help="take a plain step instead "
+                       "of drafting while this sequence's drafter cycles emit fewer tokens than "
+                       "this (the break-even, in plain steps; eager engine); --total-tokens "
+                       "auto measures it, 0 turns it off")
     group.add_argument("--fta", choices=FTA_MODES, help="Full Tree Attention (gumiho): off "
                        "(plain dynamic tree, default), exact (lossless path completion), or "
                        "official (the released splice: APPROXIMATE, not lossless)")
@@ -253,7 +261,8 @@ def total_tokens_arg(value: str) -> int | str:
 
 def tree_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("total_tokens", "top_k", "mlp_topk", "pruning",
-                                          "depth", "fta", "lookup", "lookup_first")}
+                                          "depth", "fta", "lookup", "lookup_first",
+                                          "draft_gate")}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -93,6 +93,11 @@ BAD = {
         "--lookup-first"]),
     "generate_lookup_first_with_plain_lookup": ("generate", [
         "--target", "{tiny}", "--prompt", "hi", "--method", "lookup", "--lookup-first"]),
+    "generate_negative_draft_gate": ("generate", [
+        "--target", "{tiny}", "--prompt", "hi", "--method", "gumiho", "--draft", "random",
+        "--draft-gate", "-1"]),
+    "generate_draft_gate_without_drafter": ("generate", [
+        "--target", "{tiny}", "--prompt", "hi", "--method", "ar", "--draft-gate", "1.3"]),
     "train_init_from_missing": ("train", ["--target", "{tiny}", "--online", "--output-dir",
                                           "{dir}/never", "--init-from", "{dir}/nowhere"]),
     "generate_broken_chat_template": ("generate", ["--target", "{tiny}", "--prompt", "hi",
@@ -216,7 +221,8 @@ def test_error_lines_say_what_is_wrong(tmp_path, tiny_target_dir, capsys):
              "alloc_start_beyond_data": "--start 100000 is beyond the data",
              "generate_fta_with_eagle2": "--fta does not apply to --method eagle2",
              "generate_lookup_first_without_lookup": "--lookup-first needs a lookup chain",
-             "generate_lookup_first_with_plain_lookup": "--lookup-first does not apply"}
+             "generate_lookup_first_with_plain_lookup": "--lookup-first does not apply",
+             "generate_draft_gate_without_drafter": "--draft-gate does not apply"}
     for case, words in cases.items():
         module, argv = BAD[case]
         argv = [a.replace("{tiny}", tiny_target_dir).replace("{dir}", str(tmp_path))

@@ -93,18 +93,20 @@ def test_a_lookup_chain_beside_a_drafter_gets_its_own_row(tmp_path):
     """`--lookup N` beside a drafter's tree is another run: its own row, not a clash with
     the same drafter without it (the lookup method's own 10-token chain is not a note;
     another length is)."""
-    def run(method, lookup, first=False):
+    def run(method, lookup, first=False, gate=0.0):
         rec = record(1, method, 4, 2, 1.0, [1, 3])
         rec["settings"]["tree"] = {"total_tokens": 8, "fta": "off", "lookup": lookup,
-                                   "lookup_first": first}
+                                   "lookup_first": first, "draft_gate": gate}
         return [rec]
     files = write_files(tmp_path, {"ar": [record(1, "ar", 4, 4, 2.0, [1] * 4)],
                                    "gm": run("gumiho", 0), "gml": run("gumiho", 10),
                                    "gmf": run("gumiho", 10, True),
+                                   "gmg": run("gumiho", 10, True, 1.3),
                                    "lk": run("lookup", 10), "lk5": run("lookup", 5)})
     rows = speed.report(speed.read_answers(files))["0.0"]["mt_bench"]
     assert set(rows) == {"ar", "gumiho", "gumiho (lookup 10)", "gumiho (lookup 10, lookup first)",
-                         "lookup", "lookup (lookup 5)"}
+                         "gumiho (lookup 10, lookup first, gated)", "lookup",
+                         "lookup (lookup 5)"}
 
 
 def test_answer_file_resume_drops_half_line(tmp_path):

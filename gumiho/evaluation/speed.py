@@ -42,6 +42,9 @@ def method_label(settings: dict) -> str:
         notes.append(f"lookup {tree['lookup']}")
     if tree.get("lookup_first") and spec is not None and spec.drafter:
         notes.append("lookup first")
+    if tree.get("draft_gate") and spec is not None and spec.drafter and \
+            settings.get("engine", "eager") == "eager":
+        notes.append("gated")
     return settings["method"] + (f" ({', '.join(notes)})" if notes else "")
 
 
