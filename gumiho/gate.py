@@ -82,3 +82,10 @@ class GatedDrafter:
         self.plain_steps += 1
         self.counts["plain"] += 1
         return DraftTree.chain(self.root)  # the root alone: one plain step
+
+
+def find_gate(drafter) -> GatedDrafter | None:
+    """The gate inside a drafter's wrappers (a lookup chain's, say), or None."""
+    while drafter is not None and not isinstance(drafter, GatedDrafter):
+        drafter = getattr(drafter, "inner", None)
+    return drafter
