@@ -19,11 +19,11 @@ GPU it is nearly flat) and on how good the drafter is. We measure all three and 
 
 expected tokens/s (shape) = accepted per cycle / (draft + verify(W) + accept and commit)
 
-4. The chosen shape's break-even (gate.py): its whole cycle in plain steps, from unprofiled
-   greedy runs of it and of plain decoding on the calibration prompts (the phase timings
-   above carry a sync per phase and overstate a small cycle: a chain of 2 was predicted
-   at 1.45 plain steps on a 2-core CPU and measured at 1.24-1.33). On the eager engine
-   the loop drafts only while the drafter's cycles emit at least that many tokens.
+4. The chosen shape's break-even (`break_even` in the report; `--draft-gate`, gate.py): its
+   whole cycle in plain steps, from unprofiled greedy runs of it and of plain decoding on
+   the calibration prompts (the phase timings above carry a sync per phase and overstate
+   a small cycle: a chain of 2 was predicted at 1.45 plain steps on a 2-core CPU and
+   measured at 1.28-1.29). The drafter pays where its cycles emit more tokens than that.
 
 The choice is cached per target, drafter, device, dtype and engine in the gumiho cache dir.
 """
@@ -231,7 +231,7 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     stamp = weights.stat().st_mtime_ns if weights else 0
     device = target.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    key = json.dumps([3, target.name, method, str(draft_path), stamp,
+    key = json.dumps([4, target.name, method, str(draft_path), stamp,
                       asdict(without_lookup(tree)),
                       device_name, str(target.dtype), engine, torch.__version__], default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
@@ -300,9 +300,8 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     best = max(rows.values(), key=lambda row: row["tokens_per_s"])
     chosen = Shape(best["total_tokens"], best["depth"], best["chain"]).tree(tree)
     gate = break_even(target, drafter.model, method, without_lookup(chosen), engine)
-    report = {"tree": {**{k: getattr(chosen, k) for k in
-                          ("total_tokens", "depth", "top_k", "mlp_topk", "pruning", "fta")},
-                       "draft_gate": round(gate, 3) if engine == "eager" else 0.0},
+    report = {"tree": {k: getattr(chosen, k) for k in
+                       ("total_tokens", "depth", "top_k", "mlp_topk", "pruning", "fta")},
               "method": method, "draft": str(draft), "device": str(target.device),
               "engine": engine, "plain_step_s": verify[1], "break_even": gate,
               "cycles": len(trees),

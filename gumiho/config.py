@@ -159,7 +159,7 @@ class TreeConfig:
     lookup_first: bool = False
     # Draft only while it pays (gate.py): the break-even tokens per drafter cycle, in plain
     # steps; while this sequence's drafter cycles emit fewer, cycles take plain steps
-    # (eager steps; 0 = always draft). `--total-tokens auto` measures it.
+    # (eager steps; 0 = always draft). `--total-tokens auto` measures it for its shape.
     draft_gate: float = 0.0
 
     def __post_init__(self):

@@ -11,7 +11,6 @@ from pathlib import Path
 from gumiho.drafters import PlainDrafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int, positive_int
-from gumiho.gate import find_gate
 from gumiho.generate import SpeculativeGenerator, check_context_room, total_tokens_arg
 from gumiho.graphs import ENGINES
 from gumiho.methods import DRAFTER_METHODS
@@ -76,11 +75,6 @@ def main(argv: list[str] | None = None) -> int:
           f"fta {tree.fta}) on "
           f"{target.device}: {fast.new_tokens} tokens, tau {fast.tau:.2f}, "
           f"{fast.tokens_per_s:.1f} tokens/s")
-    gate = find_gate(drafter)
-    if gate is not None:  # counts of the streamed generation (the plain run used no gate)
-        print(f"the drafter drafted {gate.counts['drafted']} cycles and left "
-              f"{gate.counts['plain']} to plain steps (it drafts while its cycles emit at "
-              f"least {gate.break_even:.2f} tokens, the break-even measured here)")
     print(f"plain decoding: {plain.tokens_per_s:.1f} tokens/s -> speedup "
           f"{fast.tokens_per_s / plain.tokens_per_s:.2f}x; outputs {same}")
     return 0 if plain.token_ids == fast.token_ids else 1

@@ -14,8 +14,14 @@ break-even, answers with the root alone (a plain step); every `probe`-th cycle i
 state drafts anyway, so the mean follows the text. The decision reads host counts only (no
 timing, no sync): acceptance counts are far less noisy than per-cycle timings of a few
 milliseconds (an earlier pacer that compared timed rates mostly chose plain steps and lost
-the drafter's gains, see the issue 12 notes). The break-even itself is measured once per
-device and drafter by `--total-tokens auto` (budget.py) from whole unprofiled cycles.
+the drafter's gains, see the issue 12 notes). `--total-tokens auto` measures the
+break-even of the shape it picks from whole unprofiled cycles (budget.py) and logs it.
+
+Off by default (`--draft-gate X` turns it on): the running mean is too noisy to tell a
+drafter at 1.15-1.2 tokens per cycle from one at 1.35-1.4 within one answer, and with the
+12,288-conversation SmolLM2 drafter it cost more where the drafter pays than it saved
+where it does not (six benchmarks, 2-core CPU: 1.33x plain gated, 1.36x ungated; README,
+"Drafting only where it pays").
 
 Skipped cycles cost the drafter nothing: its `observe` queue holds their tokens and the
 next drafting cycle catches up on them. Verification is unchanged, so the output is
@@ -82,10 +88,3 @@ class GatedDrafter:
         self.plain_steps += 1
         self.counts["plain"] += 1
         return DraftTree.chain(self.root)  # the root alone: one plain step
-
-
-def find_gate(drafter) -> GatedDrafter | None:
-    """The gate inside a drafter's wrappers (a lookup chain's, say), or None."""
-    while drafter is not None and not isinstance(drafter, GatedDrafter):
-        drafter = getattr(drafter, "inner", None)
-    return drafter

@@ -39,6 +39,7 @@ from gumiho.graphs import ENGINES, resolve_engine
 from gumiho.methods import METHODS, method_spec
 from gumiho.target import Target, load_target, resolve_target_path
 
+log = logging.getLogger("gumiho")
 Prompt = str | list[dict] | list[int]
 ROLES = ("system", "user", "assistant")
 
@@ -63,9 +64,9 @@ class SpeculativeGenerator:
              engine: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
         fta, lookup, lookup_first, draft_gate); unset ones take the method's reference
-        defaults. total_tokens="auto" times this device and the drafter, picks the fastest
-        tree shape and, on the eager engine, drafts only while drafting pays (budget.py,
-        gate.py; draft_gate=0 turns that off)."""
+        defaults. total_tokens="auto" times this device and the drafter and picks the
+        fastest tree shape (budget.py); its report (`auto_report`) holds the shape's
+        break-even, a value for draft_gate (gate.py)."""
         check_load_args(target, method, draft, tree_options)
         if verify_width is not None:
             check_positive_int("verify_width", verify_width)
@@ -84,10 +85,12 @@ class SpeculativeGenerator:
         report = None
         if auto:
             report = choose_tree(loaded, method, draft, tree, engine)
-            chosen = dict(report["tree"])
-            if tree_options.get("draft_gate") is not None:  # the caller's own gate wins
-                chosen.pop("draft_gate", None)
-            tree = replace(tree, **chosen)
+            tree = replace(tree, **report["tree"])
+            if "break_even" in report:
+                log.info("auto tree: %s tokens, depth %s; its cycle costs %.2f plain steps "
+                         "here (--draft-gate %.2f drafts only while that pays)",
+                         tree.total_tokens, tree.depth, report["break_even"],
+                         report["break_even"])
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
         gen = cls(loaded, drafter, verify_width, engine)
         gen.auto_report = report  # how `auto` chose the tree size, or None
@@ -239,8 +242,8 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                        "it alone and skip the drafter that cycle (eager engine)")
     group.add_argument("--draft-gate", type=nonnegative_float, help="take a plain step instead "
                        "of drafting while this sequence's drafter cycles emit fewer tokens than "
-                       "this (the break-even, in plain steps; eager engine); --total-tokens "
-                       "auto measures it, 0 turns it off")
+                       "this (the break-even: a drafter cycle's cost in plain steps; eager "
+                       "engine; --total-tokens auto logs it for its shape; 0 = off, default)")
     group.add_argument("--fta", choices=FTA_MODES, help="Full Tree Attention (gumiho): off "
                        "(plain dynamic tree, default), exact (lossless path completion), or "
                        "official (the released splice: APPROXIMATE, not lossless)")
