@@ -44,6 +44,22 @@ class Drafter(Protocol):
     def propose(self) -> DraftTree: ...
 
 
+class DrafterWrapper:
+    """A drafter around another one (`inner`), e.g. a prompt-lookup chain or a gate: the
+    same tree settings, and the loop's profiler reaches the inner drafter's phases."""
+
+    def __init__(self, inner):
+        self.inner, self.tree = inner, getattr(inner, "tree", None)
+
+    @property
+    def timer(self):
+        return getattr(self.inner, "timer", None)
+
+    @timer.setter
+    def timer(self, timer) -> None:
+        self.inner.timer = timer
+
+
 class PlainDrafter:
     """Plain autoregressive decoding: the tree is the root alone, so each cycle is one step."""
 

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from gumiho.drafters import DrafterWrapper
 from gumiho.tree import DraftTree
 
 
-class GatedDrafter:
+class GatedDrafter(DrafterWrapper):
     """`inner` drafts while its running tokens per cycle reach `break_even` (in plain
     steps); below it, plain steps, with a drafting probe every `probe` cycles.
 
@@ -46,19 +47,12 @@ class GatedDrafter:
 
     def __init__(self, inner, break_even: float, prior: float | None = None,
                  weight: float = 0.1, probe: int = 8):
-        self.inner, self.break_even = inner, break_even
+        super().__init__(inner)
+        self.break_even = break_even
         self.prior = break_even + 0.25 if prior is None else prior
         self.weight, self.probe = weight, probe
-        self.name, self.tree = inner.name, getattr(inner, "tree", None)
+        self.name = inner.name
         self.max_nodes, self.draft_depth = inner.max_nodes, inner.draft_depth
-
-    @property
-    def timer(self):
-        return getattr(self.inner, "timer", None)
-
-    @timer.setter
-    def timer(self, timer) -> None:  # the loop's profiler reaches the inner drafter's phases
-        self.inner.timer = timer
 
     def begin(self, target, capacity: int) -> None:
         self.inner.begin(target, capacity)

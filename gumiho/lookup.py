@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gumiho.drafters import DrafterWrapper
 from gumiho.hostsync import upload
 from gumiho.tree import DraftTree
 
@@ -107,7 +108,7 @@ def chain_to_device(tokens: list[int], length: int, device: torch.device
     return on_device[:length], on_device[length:].bool()
 
 
-class LookupDrafter:
+class LookupDrafter(DrafterWrapper):
     """Any drafter plus a prompt-lookup chain of up to `tokens` candidates under the root.
 
     Captured engines (`static_shape`) always attach `tokens` slots, dead where the chain
@@ -132,21 +133,13 @@ class LookupDrafter:
 
     def __init__(self, inner, tokens: int = 10, max_n: int = 3, min_n: int = 2,
                  static_shape: bool = False, first: bool = False, short: int = 2):
-        self.inner, self.tokens, self.static_shape = inner, tokens, static_shape
+        super().__init__(inner)
+        self.tokens, self.static_shape = tokens, static_shape
         self.max_n, self.min_n, self.short = max_n, min_n, short
         self.first = first and not static_shape
         self.name = "lookup" if inner.name == "ar" else f"{inner.name}+lookup"
         self.max_nodes = inner.max_nodes + tokens
         self.draft_depth = inner.draft_depth + tokens
-        self.tree = getattr(inner, "tree", None)
-
-    @property
-    def timer(self):
-        return getattr(self.inner, "timer", None)
-
-    @timer.setter
-    def timer(self, timer) -> None:  # the loop's profiler reaches the inner drafter's phases
-        self.inner.timer = timer
 
     def begin(self, target, capacity: int) -> None:
         self.inner.begin(target, capacity)

@@ -66,24 +66,32 @@ def exact_marginals(target, prompt, temperature, vocab):
     return joint12.sum(0), (joint12[:, :, None] * p3).sum((0, 1))
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_speculative_sampling_end_to_end_matches_target(temperature):
-    vocab = 16
-    target = tiny_llama(vocab_size=vocab, seed=1, logit_scale=25.0)
-    prompt = [3, 9, 1, 12]
+def assert_samples_match_target(target, drafter, prompt, vocab, temperature=1.0,
+                                runs=1500) -> int:
+    """Sample 3 tokens `runs` times through the loop with `drafter`; the 2nd and 3rd
+    tokens' counts must fit the target's exact marginals. Returns the drafts accepted in
+    the first cycles (a test where none are accepted checks nothing)."""
     want2, want3 = exact_marginals(target, prompt, temperature, vocab)
-    drafter = RandomDrafter(vocab, size=24, seed=0)
     got2, got3 = torch.zeros(vocab), torch.zeros(vocab)
     drafted = 0
-    for seed in range(1500):
+    for seed in range(runs):
         out = run(target, drafter, prompt, GenerateConfig(max_new_tokens=3,
                                                           temperature=temperature, seed=seed))
         got2[out.token_ids[1]] += 1
         got3[out.token_ids[2]] += 1
         drafted += out.accept_lengths[1] - 1
-    assert drafted > 200, "too few accepted drafts for the test to mean anything"
     assert not chi_square_rejects(got2, want2)
     assert not chi_square_rejects(got3, want3)
+    return drafted
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_speculative_sampling_end_to_end_matches_target(temperature):
+    vocab = 16
+    target = tiny_llama(vocab_size=vocab, seed=1, logit_scale=25.0)
+    drafted = assert_samples_match_target(target, RandomDrafter(vocab, size=24, seed=0),
+                                          [3, 9, 1, 12], vocab, temperature)
+    assert drafted > 200, "too few accepted drafts for the test to mean anything"
 
 
 @pytest.mark.host
