@@ -194,9 +194,10 @@ def draft_seconds(target: Target, model, method: str, shape_tree: TreeConfig, en
     return timed(drafter.propose, target.device, repeats)
 
 
-def without_lookup(tree: TreeConfig) -> TreeConfig:
-    """The tree without its prompt-lookup and gate settings: calibration runs without
-    them and the caller keeps its own, so they are not part of the choice or its key."""
+def without_wrappers(tree: TreeConfig) -> TreeConfig:
+    """The tree without the settings of the drafter's wrappers (the prompt-lookup chain,
+    the gate): calibration runs without them and the caller keeps its own, so they are not
+    part of the choice or its cache key."""
     return replace(tree, lookup=0, lookup_first=False, draft_gate=0.0)
 
 
@@ -232,7 +233,7 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     device = target.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     key = json.dumps([4, target.name, method, str(draft_path), stamp,
-                      asdict(without_lookup(tree)),
+                      asdict(without_wrappers(tree)),
                       device_name, str(target.dtype), engine, torch.__version__], default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
@@ -278,7 +279,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     log.warning("choosing the tree shape for this device (once per drafter and device; "
                 "about a minute on a CPU) ...")
     # Calibrate on the plain dynamic tree: its subtrees are what smaller shapes give.
-    reference = replace(without_lookup(tree), fta="off")
+    reference = replace(without_wrappers(tree), fta="off")
     drafter = load_drafter(method, target, draft, tree=reference, engine=engine)
     trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens)
     shapes = candidate_shapes(method, reference, widths)
@@ -299,7 +300,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
             "tokens_per_s": accept[shape] / cycle, "speedup": accept[shape] / cycle * verify[1]}
     best = max(rows.values(), key=lambda row: row["tokens_per_s"])
     chosen = Shape(best["total_tokens"], best["depth"], best["chain"]).tree(tree)
-    gate = break_even(target, drafter.model, method, without_lookup(chosen), engine)
+    gate = break_even(target, drafter.model, method, without_wrappers(chosen), engine)
     report = {"tree": {k: getattr(chosen, k) for k in
                        ("total_tokens", "depth", "top_k", "mlp_topk", "pruning", "fta")},
               "method": method, "draft": str(draft), "device": str(target.device),

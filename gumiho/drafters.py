@@ -46,10 +46,13 @@ class Drafter(Protocol):
 
 class DrafterWrapper:
     """A drafter around another one (`inner`), e.g. a prompt-lookup chain or a gate: the
-    same tree settings, and the loop's profiler reaches the inner drafter's phases."""
+    inner one's name, sizes and tree settings unless the wrapper says otherwise, and the
+    loop's profiler reaches the inner drafter's phases."""
 
     def __init__(self, inner):
         self.inner, self.tree = inner, getattr(inner, "tree", None)
+        self.name, self.max_nodes, self.draft_depth = (inner.name, inner.max_nodes,
+                                                       inner.draft_depth)
 
     @property
     def timer(self):

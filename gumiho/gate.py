@@ -51,8 +51,6 @@ class GatedDrafter(DrafterWrapper):
         self.break_even = break_even
         self.prior = break_even + 0.25 if prior is None else prior
         self.weight, self.probe = weight, probe
-        self.name = inner.name
-        self.max_nodes, self.draft_depth = inner.max_nodes, inner.draft_depth
 
     def begin(self, target, capacity: int) -> None:
         self.inner.begin(target, capacity)

@@ -86,11 +86,9 @@ class SpeculativeGenerator:
         if auto:
             report = choose_tree(loaded, method, draft, tree, engine)
             tree = replace(tree, **report["tree"])
-            if "break_even" in report:
-                log.info("auto tree: %s tokens, depth %s; its cycle costs %.2f plain steps "
-                         "here (--draft-gate %.2f drafts only while that pays)",
-                         tree.total_tokens, tree.depth, report["break_even"],
-                         report["break_even"])
+            log.info("auto tree: %s tokens, depth %s; its cycle costs %.2f plain steps here "
+                     "(--draft-gate %.2f drafts only while that pays)", tree.total_tokens,
+                     tree.depth, report["break_even"], report["break_even"])
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
         gen = cls(loaded, drafter, verify_width, engine)
         gen.auto_report = report  # how `auto` chose the tree size, or None

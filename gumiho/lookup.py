@@ -138,8 +138,8 @@ class LookupDrafter(DrafterWrapper):
         self.max_n, self.min_n, self.short = max_n, min_n, short
         self.first = first and not static_shape
         self.name = "lookup" if inner.name == "ar" else f"{inner.name}+lookup"
-        self.max_nodes = inner.max_nodes + tokens
-        self.draft_depth = inner.draft_depth + tokens
+        self.max_nodes += tokens
+        self.draft_depth += tokens
 
     def begin(self, target, capacity: int) -> None:
         self.inner.begin(target, capacity)
