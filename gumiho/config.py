@@ -161,6 +161,10 @@ class TreeConfig:
     # steps; while this sequence's drafter cycles emit fewer, cycles take plain steps
     # (eager steps; 0 = always draft). `--total-tokens auto` measures it for its shape.
     draft_gate: float = 0.0
+    # Verify only draft nodes whose path probability under the drafter (the product of its
+    # probabilities from the root) is at least this, and stop drafting deeper once no node
+    # of a level reaches it (drafters.py; eager steps; 0 = off, default).
+    min_confidence: float = 0.0
 
     def __post_init__(self):
         if self.fta not in FTA_MODES:
@@ -189,6 +193,10 @@ class TreeConfig:
                 0 <= gate <= MAX_TREE_SETTING):
             raise GumihoError(f"--draft-gate must be a number from 0 to {MAX_TREE_SETTING} "
                               f"(tokens per drafter cycle), got {gate!r}")
+        conf = self.min_confidence
+        if isinstance(conf, bool) or not isinstance(conf, int | float) or not 0 <= conf < 1:
+            raise GumihoError("--min-confidence must be a probability from 0 (off) up to but "
+                              f"not including 1, got {conf!r}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Beam and candidate widths cannot exceed the vocabulary they pick from."""

@@ -13,6 +13,7 @@ The loop (generate.py) talks to a drafter through three calls:
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Protocol
 
@@ -92,6 +93,11 @@ class SerialDrafter:
     The drafter's pair t is (f_t, x_{t+1}) at position t. Committed pairs live in its cache;
     draft levels are written after them, uncommitted, and each level's entries see the
     context, their own ancestors' entries and themselves (never their siblings).
+
+    With `tree.min_confidence` (eager steps), nodes whose path score falls below its log
+    are not verified, a level is drafted only below a node that reaches it, and a cycle
+    whose best first draft falls short is a plain step. A child never scores above its
+    parent, so the kept nodes are the best ones and stay ancestor-closed.
     """
 
     def __init__(self, model, tree: TreeConfig, engine: str = "eager"):
@@ -115,6 +121,10 @@ class SerialDrafter:
         self.beam = min(tree.top_k, budget)
         self.mlp_rows = min(self.beam, budget - 1)
         self.mlp_topk, self.pruning = min(tree.mlp_topk, budget), min(tree.pruning, budget)
+        # --min-confidence as a log-prob floor on path scores; eager steps only (it reads
+        # scores on the host and changes the tree's size, which captured steps cannot)
+        self.floor = math.log(tree.min_confidence) if tree.min_confidence > 0 and \
+            engine == "eager" else None
         self.cache: KVCache | None = None
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)  # the loop's, to profile
 
@@ -222,14 +232,18 @@ class SerialDrafter:
             with self.timer("draft_catchup"):
                 self.out1, self.top1 = self._catch_up()
         root, out1 = self.root, self.out1
-        k = self.beam
+        k, floor = self.beam, self.floor
         values, indices = self.top1  # (k,) each: level 1, drawn from out1 (H,)
+        if floor is not None and float(values[0]) < floor:
+            return DraftTree.chain(root.view(1))  # no draft is likely enough: a plain step
         level = Pool(tokens=indices, parents=torch.full_like(indices, -1),
                      scores=values, depths=torch.ones_like(indices))
         levels, outs = [level], out1.expand(k, -1)  # level 1 was drawn from out1
         seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)  # (k, 0): none yet
         first = 0  # pool index of the current level's node 0
         for depth in range(2, self.serial_depth + 1):
+            if floor is not None and float(level.scores[0]) < floor:
+                break  # a child scores at most its parent: none would be verified
             parent_tokens, parent_outs = level.tokens, outs
             with self.timer("draft_serial"):  # the level's own outputs (k, H), top-k each
                 new_outs, top_values, top_indices = self._serial_level(level.tokens, outs, seen)
@@ -241,7 +255,9 @@ class SerialDrafter:
             seen = torch.cat([seen, eye], 1)[row]  # (k, R + k): the parent's view + the parent
         serial = Pool.concat(levels)  # levels 1..serial_depth, k nodes each
         heads = (torch.zeros(0, device=root.device),) * 2
-        if self.heads:  # Gumiho: the deeper levels from the MLP heads at once
+        if self.heads and len(levels) == self.serial_depth and (
+                floor is None or float(level.scores[0]) >= floor):
+            # Gumiho: the deeper levels from the MLP heads at once
             # MLP inputs per level-2 node: its own level-1 parent's token and output (d1,
             # out1, by `row`; the released code paired rows with the wrong parent), its token
             # and its own serial output (d2, out2). Level-2 nodes are in score order.
@@ -249,16 +265,19 @@ class SerialDrafter:
             with self.timer("draft_heads"):  # (R, heads, m)
                 heads = self._heads_step(parent_tokens[row][:rows], parent_outs[row][:rows],
                                          level.tokens[:rows], outs[:rows])
-        if self.tree.fta == "off":
+        if self.tree.fta == "off" and floor is None:
             fields = self._tree_step(root.view(1), serial.tokens, serial.parents, serial.scores,
                                      serial.depths, *heads)
             return DraftTree(*fields[:4], priority=fields[4])
         pool, branches = self._mlp_pool(serial, *heads)
         budget = self.tree.total_tokens - 1
-        if self.tree.fta == "exact":
+        if floor is not None:  # the best nodes are the likeliest: keep those above the floor
+            budget = min(budget, int((pool.scores >= floor).sum()))
+        if self.tree.fta == "exact" and heads[1].dim() == 3:  # MLP levels to complete
             return exact_fta_tree(root, pool, budget, branches, heads[1][:, :, 0],
                                   first_mlp_depth=3)
-        return splice_official(select_tree(root, pool, budget, self.draft_depth)[0])
+        tree = select_tree(root, pool, budget, self.draft_depth)[0]
+        return splice_official(tree) if self.tree.fta == "official" else tree
 
     def _mlp_pool(self, serial: Pool, top_values: Tensor, top_indices: Tensor
                   ) -> tuple[Pool, Tensor]:

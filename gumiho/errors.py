@@ -144,6 +144,14 @@ def nonnegative_float(value: str) -> float:
     return number
 
 
+def probability_arg(value: str) -> float:
+    """argparse type: a probability from 0 up to but not including 1 (0 = off)."""
+    number = nonnegative_float(value)
+    if number >= 1:
+        raise argparse.ArgumentTypeError(f"expected a probability below 1, got {value!r}")
+    return number
+
+
 def _int(value: str) -> int:
     try:
         return int(value)

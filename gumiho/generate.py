@@ -34,6 +34,7 @@ from gumiho.errors import (
     nonnegative_float,
     nonnegative_int,
     positive_int,
+    probability_arg,
 )
 from gumiho.graphs import ENGINES, resolve_engine
 from gumiho.methods import METHODS, method_spec
@@ -63,8 +64,8 @@ class SpeculativeGenerator:
              chat_template: str | None = None, verify_width: int | None = None,
              engine: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
-        fta, lookup, lookup_first, draft_gate); unset ones take the method's reference
-        defaults. total_tokens="auto" times this device and the drafter and picks the
+        fta, lookup, lookup_first, draft_gate, min_confidence); unset ones take the method's
+        reference defaults. total_tokens="auto" times this device and the drafter and picks the
         fastest tree shape (budget.py); its report (`auto_report`) holds the shape's
         break-even, a value for draft_gate (gate.py)."""
         check_load_args(target, method, draft, tree_options)
@@ -242,6 +243,11 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                        "of drafting while this sequence's drafter cycles emit fewer tokens than "
                        "this (the break-even: a drafter cycle's cost in plain steps; eager "
                        "engine; --total-tokens auto logs it for its shape; 0 = off, default)")
+    group.add_argument("--min-confidence", type=probability_arg,
+                       help="gumiho, eagle2: verify only draft nodes whose path probability "
+                       "under the drafter reaches this, and draft no deeper once none does; "
+                       "a cycle whose first draft token falls short is a plain step (eager "
+                       "engine; 0 = off, default)")
     group.add_argument("--fta", choices=FTA_MODES, help="Full Tree Attention (gumiho): off "
                        "(plain dynamic tree, default), exact (lossless path completion), or "
                        "official (the released splice: APPROXIMATE, not lossless)")
@@ -263,7 +269,7 @@ def total_tokens_arg(value: str) -> int | str:
 def tree_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("total_tokens", "top_k", "mlp_topk", "pruning",
                                           "depth", "fta", "lookup", "lookup_first",
-                                          "draft_gate")}
+                                          "draft_gate", "min_confidence")}
 
 
 def build_parser() -> argparse.ArgumentParser:

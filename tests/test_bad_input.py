@@ -98,6 +98,12 @@ BAD = {
         "--draft-gate", "-1"]),
     "generate_draft_gate_without_drafter": ("generate", [
         "--target", "{tiny}", "--prompt", "hi", "--method", "ar", "--draft-gate", "1.3"]),
+    "generate_min_confidence_one": ("generate", [
+        "--target", "{tiny}", "--prompt", "hi", "--method", "gumiho", "--draft", "random",
+        "--min-confidence", "1"]),
+    "generate_min_confidence_with_medusa": ("generate", [
+        "--target", "{tiny}", "--prompt", "hi", "--method", "medusa", "--draft", "random",
+        "--min-confidence", "0.2"]),
     "train_init_from_missing": ("train", ["--target", "{tiny}", "--online", "--output-dir",
                                           "{dir}/never", "--init-from", "{dir}/nowhere"]),
     "generate_broken_chat_template": ("generate", ["--target", "{tiny}", "--prompt", "hi",
@@ -222,7 +228,9 @@ def test_error_lines_say_what_is_wrong(tmp_path, tiny_target_dir, capsys):
              "generate_fta_with_eagle2": "--fta does not apply to --method eagle2",
              "generate_lookup_first_without_lookup": "--lookup-first needs a lookup chain",
              "generate_lookup_first_with_plain_lookup": "--lookup-first does not apply",
-             "generate_draft_gate_without_drafter": "--draft-gate does not apply"}
+             "generate_draft_gate_without_drafter": "--draft-gate does not apply",
+             "generate_min_confidence_one": "expected a probability below 1",
+             "generate_min_confidence_with_medusa": "--min-confidence does not apply"}
     for case, words in cases.items():
         module, argv = BAD[case]
         argv = [a.replace("{tiny}", tiny_target_dir).replace("{dir}", str(tmp_path))

@@ -131,6 +131,8 @@ def test_the_cached_choice_is_shared_with_and_without_a_lookup_chain(tiny_target
                                       replace(tree, lookup=10), "eager")
     assert path == budget._cache_file(target, "gumiho", str(draft),
                                       replace(tree, draft_gate=1.3), "eager")
+    assert path == budget._cache_file(target, "gumiho", str(draft),
+                                      replace(tree, min_confidence=0.1), "eager")
     assert path != budget._cache_file(target, "gumiho", str(draft),
                                       replace(tree, top_k=3), "eager")
 
@@ -149,3 +151,6 @@ def test_auto_leaves_the_gate_to_the_caller(tiny_target_dir, monkeypatch):
                                       total_tokens="auto", draft_gate=1.3)
     assert isinstance(gated.drafter, GatedDrafter) and gated.drafter.break_even == 1.3
     assert gated.drafter.tree.total_tokens == 3
+    floored = SpeculativeGenerator.load(tiny_target_dir, "gumiho", "random",
+                                        total_tokens="auto", min_confidence=0.1)
+    assert floored.drafter.tree.min_confidence == 0.1 and floored.drafter.floor is not None
