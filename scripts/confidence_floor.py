@@ -19,6 +19,8 @@ import math
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+
 FLOORS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
 
 

@@ -2,7 +2,10 @@
 # Expects: TARGET, OUT, TEMPS, QEND, MAXNEW, and per method a draft path (empty = skip):
 # GUMIHO_DRAFT, EAGLE_DRAFT, MEDUSA_DRAFT; extra flags: GUMIHO_ARGS, EAGLE_ARGS,
 # MEDUSA_ARGS, LOOKUP_ARGS, COMMON_ARGS. Prompt lookup (no drafter) runs too unless
-# LOOKUP=0: it is the zero-cost peer every drafter has to beat.
+# LOOKUP=0: it is the zero-cost peer every drafter has to beat. GUMIHO_VARIANTS: more
+# Gumiho runs beside it, '|'-separated flag sets added to GUMIHO_ARGS (e.g.
+# "--min-confidence 0.1|--min-confidence 0.2"), each in its own answer files, run right
+# after it on every benchmark so their speeds compare side by side.
 BENCHES=${BENCHES:-"mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like"}
 
 answer() {  # method draft temperature bench extra-args...
@@ -11,7 +14,7 @@ answer() {  # method draft temperature bench extra-args...
   [[ -n "$draft" ]] && draft_args=(--draft "$draft")
   python3 -m gumiho.evaluation.gen_answers --target "$TARGET" --method "$method" \
     "${draft_args[@]}" --bench "$bench" --temperature "$temp" --question-end "$QEND" \
-    --max-new-tokens "$MAXNEW" --answer-file "$OUT/T$temp/${bench}_${method}.jsonl" \
+    --max-new-tokens "$MAXNEW" --answer-file "$OUT/T$temp/${bench}_${method}${SUFFIX:-}.jsonl" \
     ${COMMON_ARGS:-} "$@"
 }
 
@@ -21,6 +24,14 @@ run_all() {
       answer ar "" "$temp" "$bench"
       [[ "${LOOKUP:-1}" == "1" ]] && answer lookup "" "$temp" "$bench" ${LOOKUP_ARGS:-}
       [[ -n "${GUMIHO_DRAFT:-}" ]] && answer gumiho "$GUMIHO_DRAFT" "$temp" "$bench" ${GUMIHO_ARGS:-}
+      if [[ -n "${GUMIHO_DRAFT:-}" && -n "${GUMIHO_VARIANTS:-}" ]]; then
+        IFS='|' read -ra variants <<< "$GUMIHO_VARIANTS"
+        for i in "${!variants[@]}"; do
+          # shellcheck disable=SC2086  # each variant is a set of flags
+          SUFFIX="_v$((i + 1))" answer gumiho "$GUMIHO_DRAFT" "$temp" "$bench" \
+            ${GUMIHO_ARGS:-} ${variants[$i]}
+        done
+      fi
       [[ -n "${EAGLE_DRAFT:-}" ]] && answer eagle2 "$EAGLE_DRAFT" "$temp" "$bench" ${EAGLE_ARGS:-}
       [[ -n "${MEDUSA_DRAFT:-}" ]] && answer medusa "$MEDUSA_DRAFT" "$temp" "$bench" ${MEDUSA_ARGS:-}
     done

@@ -12,6 +12,8 @@ def test_shipped_drafters_load_and_decode_like_plain(smollm2, method, capsys):
     assert code == 0, out
     assert "outputs identical" in out and "speedup" in out
     assert "prompt-lookup chain of up to 10" in out  # the demo's default beside the drafter
+    # its confidence floor, for the methods that take one
+    assert ("path probability >= 0.1" in out) == (method != "medusa")
 
 
 def test_demo_runs_the_drafter_alone_with_lookup_0(smollm2, capsys):
@@ -19,3 +21,9 @@ def test_demo_runs_the_drafter_alone_with_lookup_0(smollm2, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "outputs identical" in out and "prompt-lookup" not in out
+
+
+def test_demo_floor_can_be_turned_off(smollm2, capsys):
+    code = demo.main(["--max-new-tokens", "16", "--total-tokens", "8", "--min-confidence", "0"])
+    out = capsys.readouterr().out
+    assert code == 0 and "outputs identical" in out and "path probability" not in out
