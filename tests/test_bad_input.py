@@ -229,7 +229,6 @@ def test_error_lines_say_what_is_wrong(tmp_path, tiny_target_dir, capsys):
              "generate_lookup_first_without_lookup": "--lookup-first needs a lookup chain",
              "generate_lookup_first_with_plain_lookup": "--lookup-first does not apply",
              "generate_draft_gate_without_drafter": "--draft-gate does not apply",
-             "generate_min_confidence_one": "expected a probability below 1",
              "generate_min_confidence_with_medusa": "--min-confidence does not apply"}
     for case, words in cases.items():
         module, argv = BAD[case]
