@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     plain = run(target, PlainDrafter(), ids, config)
     same = "identical" if plain.token_ids == fast.token_ids else "DIFFERENT (a bug!)"
     extra = f" + a prompt-lookup chain of up to {tree.lookup}" if tree.lookup else ""
-    if getattr(tree, "min_confidence", 0):
+    if tree.min_confidence and gen.engine == "eager":  # captured steps keep one shape
         extra += f", drafts of path probability >= {tree.min_confidence:g}"
     print(f"\n{args.method} ({tree.total_tokens}-token tree of depth {tree.depth}{extra}, "
           f"fta {tree.fta}) on "
