@@ -234,15 +234,15 @@ class SerialDrafter:
         root, out1 = self.root, self.out1
         k, floor = self.beam, self.floor
         values, indices = self.top1  # (k,) each: level 1, drawn from out1 (H,)
-        if floor is not None and float(values[0]) < floor:
-            return DraftTree.chain(root.view(1))  # no draft is likely enough: a plain step
         level = Pool(tokens=indices, parents=torch.full_like(indices, -1),
                      scores=values, depths=torch.ones_like(indices))
+        if not self._reaches_floor(level):
+            return DraftTree.chain(root.view(1))  # no draft is likely enough: a plain step
         levels, outs = [level], out1.expand(k, -1)  # level 1 was drawn from out1
         seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)  # (k, 0): none yet
         first = 0  # pool index of the current level's node 0
         for depth in range(2, self.serial_depth + 1):
-            if floor is not None and float(level.scores[0]) < floor:
+            if not self._reaches_floor(level):
                 break  # a child scores at most its parent: none would be verified
             parent_tokens, parent_outs = level.tokens, outs
             with self.timer("draft_serial"):  # the level's own outputs (k, H), top-k each
@@ -255,8 +255,7 @@ class SerialDrafter:
             seen = torch.cat([seen, eye], 1)[row]  # (k, R + k): the parent's view + the parent
         serial = Pool.concat(levels)  # levels 1..serial_depth, k nodes each
         heads = (torch.zeros(0, device=root.device),) * 2
-        if self.heads and len(levels) == self.serial_depth and (
-                floor is None or float(level.scores[0]) >= floor):
+        if self.heads and self._reaches_floor(level):  # (a level cut short does not)
             # Gumiho: the deeper levels from the MLP heads at once
             # MLP inputs per level-2 node: its own level-1 parent's token and output (d1,
             # out1, by `row`; the released code paired rows with the wrong parent), its token
@@ -278,6 +277,11 @@ class SerialDrafter:
                                   first_mlp_depth=3)
         tree = select_tree(root, pool, budget, self.draft_depth)[0]
         return splice_official(tree) if self.tree.fta == "official" else tree
+
+    def _reaches_floor(self, level: Pool) -> bool:
+        """Whether the level's best node (levels are in score order) reaches the
+        confidence floor, so that its nodes, or their children, can be verified."""
+        return self.floor is None or float(level.scores[0]) >= self.floor
 
     def _mlp_pool(self, serial: Pool, top_values: Tensor, top_indices: Tensor
                   ) -> tuple[Pool, Tensor]:
