@@ -99,13 +99,15 @@ class GenerationResult:
 
 
 def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Run the prompt (1, P) through the target; commit it to the cache."""
+    """Run the prompt (1, P) through the target; commit it to the cache. Returns features
+    (P, H) and the last token's logits (1, V)."""
     p = input_ids.shape[1]
     cache.begin_step(p)
     causal = torch.ones(p, p, dtype=torch.bool, device=input_ids.device).tril()
     positions = torch.arange(p, device=input_ids.device)[None]
     features, logits = target.forward(input_ids, positions, cache.hf,
-                                      cache.attention_mask(causal, positions[0]))
+                                      cache.attention_mask(causal, positions[0]),
+                                      last_logits=True)
     cache.commit(p)
     return features, logits
 

@@ -22,6 +22,7 @@ from gumiho.attention import SDPA_GQA, use_grouped_sdpa
 from gumiho.embedded import EMBEDDED, SMOLLM2_ALIAS
 from gumiho.errors import GumihoError
 from gumiho.kv_cache import attention_kinds
+from gumiho.linear import vocab_linear
 from gumiho.templates import TEMPLATES, turn_end_token
 
 log = logging.getLogger("gumiho")
@@ -117,14 +118,17 @@ class Target:
 
     @torch.no_grad()  # not inference_mode: compiled steps reject inference tensors
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor, cache, attention_mask: Tensor | None = None
+        self, input_ids: Tensor, position_ids: Tensor, cache, attention_mask: Tensor | None = None,
+        last_logits: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """Run the target on new tokens on top of `cache`.
 
         input_ids, position_ids: (1, K). attention_mask: (M, 1, K, cache capacity) bool, one
         mask per kind of layer (`KVCache.attention_mask`), or None (causal). Returns features
         (K, H), the last-layer hidden states after the final norm (what the lm_head reads,
-        `f_t` in the paper), and logits (K, V) in float32.
+        `f_t` in the paper), and logits (K, V) in float32; with `last_logits`, those of the
+        last token only (1, V): a prompt needs no more, and the whole prompt's would cost a
+        vocabulary-sized product per token (as Hugging Face `generate` avoids too).
         """
         if attention_mask is not None:
             attention_mask = self._decoder_masks(attention_mask)
@@ -136,7 +140,17 @@ class Target:
             use_cache=True,
         )
         features = out.last_hidden_state[0]  # (K, H)
-        return features, self.lm_head(features).float()
+        return features, self.logits(features[-1:] if last_logits else features)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """lm_head(hidden) in float32, the softcap included; a plain linear head goes
+        through `vocab_linear` (fast at every row count on the CPU, linear.py)."""
+        head = self.model.get_output_embeddings()
+        if type(head) is not torch.nn.Linear:
+            return self.lm_head(hidden).float()
+        logits = vocab_linear(hidden, head.weight, head.bias)
+        cap = getattr(self.config.get_text_config(), "final_logit_softcapping", None)
+        return (torch.tanh(logits / cap) * cap if cap else logits).float()
 
     @torch.no_grad()  # not inference_mode: online training keeps them for backward
     def features(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:

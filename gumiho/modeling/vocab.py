@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from gumiho.linear import vocab_linear
+
 
 def draft_vocabulary(counts: Tensor, size: int, always: list[int] | tuple[int, ...] = ()
                      ) -> Tensor:
@@ -92,7 +94,7 @@ class DraftHead:
         return self.weight.shape[0]
 
     def __call__(self, hidden: Tensor) -> Tensor:
-        logits = nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+        logits = vocab_linear(hidden.to(self.weight.dtype), self.weight, self.bias)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -1,0 +1,55 @@
+"""Vocabulary-sized projections (hidden -> logits) at the speed the CPU allows.
+
+On the CPU, torch's float32 GEMM (MKL) handles a vocabulary-sized weight (tens of
+thousands of rows) well for one to three input rows and for sixteen or more, but from four
+to fifteen rows it is up to 2.6 times slower than for sixteen: SmolLM2's lm_head (49,152 x
+576) takes 4.9 ms for 2 rows, 7.5 ms for 4, 13.7 ms for 9, 21.4 ms for 15 and 9.0 ms for 16
+on the 2-core dev machine (scripts/linear_rows.py). oneDNN's GEMM takes 6.6, 7.3, 8.3 and
+8.7 ms for 4, 9, 15 and 16 rows. A tree verify has that many rows (a prompt-lookup chain is
+up to 11), so there the head alone cost as much as half a plain step more than it needs to.
+
+`vocab_linear` sends 4 or more rows of a large float32 CPU projection to oneDNN and
+everything else to `torch.nn.functional.linear`. Both compute the same product; only the
+order of the float additions differs (about 1e-6 relative), as it does between any two
+batch shapes, so verification stays exactly as lossless as before (the greedy-equality
+tests run such verifies). Smaller weights (a drafter's 8,192-token head, the layers) and
+other devices keep torch's default, which is as fast or faster there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import functional
+
+MIN_ROWS = 4  # from here on MKL is slower than oneDNN for a vocabulary-sized weight
+MIN_OUTPUTS = 16384  # below this MKL is as fast at every row count (scripts/linear_rows.py)
+
+
+def _onednn_linear():
+    """oneDNN's linear (the op torch's own CPU compiler emits), or None without oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+
+
+ONEDNN_LINEAR = _onednn_linear()
+
+
+def uses_onednn(hidden: Tensor, weight: Tensor) -> bool:
+    """Whether `vocab_linear` sends this product to oneDNN."""
+    return (ONEDNN_LINEAR is not None and hidden.device.type == "cpu"
+            and hidden.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.shape[0] >= MIN_OUTPUTS and hidden.numel() >= MIN_ROWS * hidden.shape[-1]
+            and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)))
+
+
+def vocab_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """hidden (..., H) @ weight (V, H).T (+ bias): `functional.linear`, faster where MKL is
+    slow (see the module doc)."""
+    if uses_onednn(hidden, weight):
+        return ONEDNN_LINEAR(hidden, weight, bias, "none", [], "")
+    return functional.linear(hidden, weight, bias)
