@@ -2,10 +2,10 @@
 
 On the CPU, torch's float32 GEMM (MKL) handles a vocabulary-sized weight (tens of
 thousands of rows) well for one to three input rows and for sixteen or more, but from four
-to fifteen rows it is up to 2.6 times slower than for sixteen: SmolLM2's lm_head (49,152 x
-576) takes 4.9 ms for 2 rows, 7.5 ms for 4, 13.7 ms for 9, 21.4 ms for 15 and 9.0 ms for 16
-on the 2-core dev machine (scripts/linear_rows.py). oneDNN's GEMM takes 6.6, 7.3, 8.3 and
-8.7 ms for 4, 9, 15 and 16 rows. A tree verify has that many rows (a prompt-lookup chain is
+to fifteen rows it is up to 2.3 times slower than for sixteen: SmolLM2's lm_head (49,152 x
+576, out of cache) takes 4.3 ms for 1 row, 8.1 for 4, 12.9 for 9, 20.3 for 15 and 8.9 for
+16 on the 2-core dev machine (scripts/linear_rows.py). oneDNN's GEMM takes 6.3, 7.1, 8.2
+and 8.6 ms for 4, 9, 15 and 16 rows. A tree verify has that many rows (a prompt-lookup chain is
 up to 11), so there the head alone cost as much as half a plain step more than it needs to.
 
 `vocab_linear` sends 4 or more rows of a large float32 CPU projection to oneDNN and
