@@ -198,7 +198,8 @@ def without_wrappers(tree: TreeConfig) -> TreeConfig:
     """The tree without the settings applied on top of its shape (the prompt-lookup chain,
     the gate, the confidence floor): calibration runs without them and the caller keeps its
     own, so they are not part of the choice or its cache key."""
-    return replace(tree, lookup=0, lookup_first=False, draft_gate=0.0, min_confidence=0.0)
+    return replace(tree, lookup=0, lookup_first=False, draft_gate=0.0, min_confidence=0.0,
+                   extend_confidence=0.0)
 
 
 def break_even(target: Target, model, method: str, tree: TreeConfig, engine: str,

@@ -165,6 +165,11 @@ class TreeConfig:
     # probabilities from the root) is at least this, and stop drafting deeper once no node
     # of a level reaches it (drafters.py; eager steps; 0 = off, default).
     min_confidence: float = 0.0
+    # Draft a deeper level (a drafter step: a serial level or the MLP heads) only below a
+    # node whose path probability reaches this (drafters.py; eager steps; 0 = the
+    # min_confidence floor). A level costs a drafter step and a wider verify, the first
+    # draft only a slightly wider verify, so the two floors differ (README, Methods).
+    extend_confidence: float = 0.0
 
     def __post_init__(self):
         if self.fta not in FTA_MODES:
@@ -193,10 +198,11 @@ class TreeConfig:
                 0 <= gate <= MAX_TREE_SETTING):
             raise GumihoError(f"--draft-gate must be a number from 0 to {MAX_TREE_SETTING} "
                               f"(tokens per drafter cycle), got {gate!r}")
-        conf = self.min_confidence
-        if isinstance(conf, bool) or not isinstance(conf, int | float) or not 0 <= conf < 1:
-            raise GumihoError("--min-confidence must be a probability from 0 (off) up to but "
-                              f"not including 1, got {conf!r}")
+        for name in ("min_confidence", "extend_confidence"):
+            conf = getattr(self, name)
+            if isinstance(conf, bool) or not isinstance(conf, int | float) or not 0 <= conf < 1:
+                raise GumihoError(f"--{name.replace('_', '-')} must be a probability from 0 "
+                                  f"(off) up to but not including 1, got {conf!r}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Beam and candidate widths cannot exceed the vocabulary they pick from."""

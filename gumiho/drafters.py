@@ -97,7 +97,10 @@ class SerialDrafter:
     With `tree.min_confidence` (eager steps), nodes whose path score falls below its log
     are not verified, a level is drafted only below a node that reaches it, and a cycle
     whose best first draft falls short is a plain step. A child never scores above its
-    parent, so the kept nodes are the best ones and stay ancestor-closed.
+    parent, so the kept nodes are the best ones and stay ancestor-closed. With
+    `tree.extend_confidence` above that floor, a deeper level (a serial step, the MLP heads)
+    is drafted only below a node that reaches it instead: a level costs a drafter step and a
+    wider verify, while verifying the first draft costs only the wider verify.
     """
 
     def __init__(self, model, tree: TreeConfig, engine: str = "eager"):
@@ -123,8 +126,11 @@ class SerialDrafter:
         self.mlp_topk, self.pruning = min(tree.mlp_topk, budget), min(tree.pruning, budget)
         # --min-confidence as a log-prob floor on path scores; eager steps only (it reads
         # scores on the host and changes the tree's size, which captured steps cannot)
-        self.floor = math.log(tree.min_confidence) if tree.min_confidence > 0 and \
-            engine == "eager" else None
+        eager = engine == "eager"
+        self.floor = math.log(tree.min_confidence) if tree.min_confidence > 0 and eager \
+            else None
+        extend = max(tree.min_confidence, tree.extend_confidence)
+        self.extend_floor = math.log(extend) if extend > 0 and eager else None
         self.cache: KVCache | None = None
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)  # the loop's, to profile
 
@@ -242,7 +248,7 @@ class SerialDrafter:
         seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)  # (k, 0): none yet
         first = 0  # pool index of the current level's node 0
         for depth in range(2, self.serial_depth + 1):
-            if not self._reaches_floor(level):
+            if not self._reaches_floor(level, self.extend_floor):
                 break  # a child scores at most its parent: none would be verified
             parent_tokens, parent_outs = level.tokens, outs
             with self.timer("draft_serial"):  # the level's own outputs (k, H), top-k each
@@ -255,7 +261,7 @@ class SerialDrafter:
             seen = torch.cat([seen, eye], 1)[row]  # (k, R + k): the parent's view + the parent
         serial = Pool.concat(levels)  # levels 1..serial_depth, k nodes each
         heads = (torch.zeros(0, device=root.device),) * 2
-        if self.heads and self._reaches_floor(level):  # (a level cut short does not)
+        if self.heads and self._reaches_floor(level, self.extend_floor):  # (nor a cut level)
             # Gumiho: the deeper levels from the MLP heads at once
             # MLP inputs per level-2 node: its own level-1 parent's token and output (d1,
             # out1, by `row`; the released code paired rows with the wrong parent), its token
@@ -264,7 +270,7 @@ class SerialDrafter:
             with self.timer("draft_heads"):  # (R, heads, m)
                 heads = self._heads_step(parent_tokens[row][:rows], parent_outs[row][:rows],
                                          level.tokens[:rows], outs[:rows])
-        if self.tree.fta == "off" and floor is None:
+        if self.tree.fta == "off" and floor is None and self.extend_floor is None:
             fields = self._tree_step(root.view(1), serial.tokens, serial.parents, serial.scores,
                                      serial.depths, *heads)
             return DraftTree(*fields[:4], priority=fields[4])
@@ -278,10 +284,12 @@ class SerialDrafter:
         tree = select_tree(root, pool, budget, self.draft_depth)[0]
         return splice_official(tree) if self.tree.fta == "official" else tree
 
-    def _reaches_floor(self, level: Pool) -> bool:
+    def _reaches_floor(self, level: Pool, floor: float | None = None) -> bool:
         """Whether the level's best node (levels are in score order) reaches the
-        confidence floor, so that its nodes, or their children, can be verified."""
-        return self.floor is None or float(level.scores[0]) >= self.floor
+        confidence floor (or `floor`, a log-prob), so that its nodes, or their children,
+        can be verified (or drafted)."""
+        floor = self.floor if floor is None else floor
+        return floor is None or float(level.scores[0]) >= floor
 
     def _mlp_pool(self, serial: Pool, top_values: Tensor, top_indices: Tensor
                   ) -> tuple[Pool, Tensor]:

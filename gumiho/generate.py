@@ -64,10 +64,10 @@ class SpeculativeGenerator:
              chat_template: str | None = None, verify_width: int | None = None,
              engine: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
-        fta, lookup, lookup_first, draft_gate, min_confidence); unset ones take the method's
-        reference defaults. total_tokens="auto" times this device and the drafter and picks the
-        fastest tree shape (budget.py); its report (`auto_report`) holds the shape's
-        break-even, a value for draft_gate (gate.py)."""
+        fta, lookup, lookup_first, draft_gate, min_confidence, extend_confidence); unset ones
+        take the method's reference defaults. total_tokens="auto" times this device and the
+        drafter and picks the fastest tree shape (budget.py); its report (`auto_report`)
+        holds the shape's break-even, a value for draft_gate (gate.py)."""
         check_load_args(target, method, draft, tree_options)
         if verify_width is not None:
             check_positive_int("verify_width", verify_width)
@@ -248,6 +248,11 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                        "under the drafter reaches this, and draft no deeper once none does; "
                        "a cycle whose first draft token falls short is a plain step (eager "
                        "engine; 0 = off, default)")
+    group.add_argument("--extend-confidence", type=probability_arg,
+                       help="gumiho, eagle2: run a deeper drafter level (a serial step, the "
+                       "MLP heads) only below a node whose path probability reaches this; "
+                       "the first draft token still takes --min-confidence (eager engine; "
+                       "0 = the --min-confidence floor, default)")
     group.add_argument("--fta", choices=FTA_MODES, help="Full Tree Attention (gumiho): off "
                        "(plain dynamic tree, default), exact (lossless path completion), or "
                        "official (the released splice: APPROXIMATE, not lossless)")
@@ -269,7 +274,8 @@ def total_tokens_arg(value: str) -> int | str:
 def tree_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("total_tokens", "top_k", "mlp_topk", "pruning",
                                           "depth", "fta", "lookup", "lookup_first",
-                                          "draft_gate", "min_confidence")}
+                                          "draft_gate", "min_confidence",
+                                          "extend_confidence")}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -104,6 +104,12 @@ BAD = {
     "generate_min_confidence_with_medusa": ("generate", [
         "--target", "{tiny}", "--prompt", "hi", "--method", "medusa", "--draft", "random",
         "--min-confidence", "0.2"]),
+    "generate_extend_confidence_one": ("generate", [
+        "--target", "{tiny}", "--prompt", "hi", "--method", "gumiho", "--draft", "random",
+        "--extend-confidence", "1"]),
+    "generate_extend_confidence_with_medusa": ("generate", [
+        "--target", "{tiny}", "--prompt", "hi", "--method", "medusa", "--draft", "random",
+        "--extend-confidence", "0.4"]),
     "train_init_from_missing": ("train", ["--target", "{tiny}", "--online", "--output-dir",
                                           "{dir}/never", "--init-from", "{dir}/nowhere"]),
     "generate_broken_chat_template": ("generate", ["--target", "{tiny}", "--prompt", "hi",
@@ -229,7 +235,8 @@ def test_error_lines_say_what_is_wrong(tmp_path, tiny_target_dir, capsys):
              "generate_lookup_first_without_lookup": "--lookup-first needs a lookup chain",
              "generate_lookup_first_with_plain_lookup": "--lookup-first does not apply",
              "generate_draft_gate_without_drafter": "--draft-gate does not apply",
-             "generate_min_confidence_with_medusa": "--min-confidence does not apply"}
+             "generate_min_confidence_with_medusa": "--min-confidence does not apply",
+             "generate_extend_confidence_with_medusa": "--extend-confidence does not apply"}
     for case, words in cases.items():
         module, argv = BAD[case]
         argv = [a.replace("{tiny}", tiny_target_dir).replace("{dir}", str(tmp_path))

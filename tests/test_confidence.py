@@ -79,7 +79,9 @@ def test_the_floor_stops_the_serial_levels_and_the_heads():
         real_level = capped._serial_level
         capped._serial_level = lambda *a, calls=calls, real=real_level: (
             calls.append("serial") or real(*a))
-        capped._heads_step = lambda *a, calls=calls: calls.append("heads")
+        real_heads = capped.model.parallel_heads  # (begin() rebinds _heads_step)
+        capped.model.parallel_heads = lambda *a, calls=calls, real=real_heads: (
+            calls.append("heads") or real(*a))
         _, capped_trees = cycle_trees(target, capped, [3, 9, 1, 12], 2)
         assert calls == steps and int(capped_trees[0].depths.max()) == deepest
 
@@ -119,3 +121,64 @@ def test_the_label_names_the_floor():
     settings = {"method": "gumiho", "tree": {"min_confidence": 0.1}, "engine": "eager"}
     assert method_label(settings) == "gumiho (confidence 0.1)"
     assert method_label({**settings, "engine": "graphs"}) == "gumiho"
+
+
+@pytest.mark.host
+def test_the_extend_floor_stops_deeper_levels_but_keeps_the_first_draft():
+    """--extend-confidence above the best level-1 score: no serial level 2 (nor heads), but
+    the level-1 drafts that reach --min-confidence are verified; above the best level-2
+    score only: level 2 is drafted and verified, the MLP heads do not run."""
+    target = tiny_llama(vocab_size=16, seed=1)
+    shape = {"total_tokens": 8, "top_k": 2}
+    drafter = load_drafter("gumiho", target, "random",
+                           tree=TreeConfig.for_method("gumiho", **shape))
+    _, trees = cycle_trees(target, drafter, [3, 9, 1, 12], 2)
+    scores, depths = trees[0].priority[1:], trees[0].depths[1:]
+    best1, best2 = float(scores[depths == 1].max()), float(scores[depths == 2].max())
+    assert best2 + 0.02 < best1
+    for extend, steps, deepest in ((best1 + 0.01, [], 1), (best2 + 0.01, ["serial"], 2)):
+        capped = load_drafter("gumiho", target, "random", tree=TreeConfig.for_method(
+            "gumiho", **shape, min_confidence=1e-6, extend_confidence=math.exp(extend)))
+        calls = []
+        real_level = capped._serial_level
+        capped._serial_level = lambda *a, calls=calls, real=real_level: (
+            calls.append("serial") or real(*a))
+        real_heads = capped.model.parallel_heads  # (begin() rebinds _heads_step)
+        capped.model.parallel_heads = lambda *a, calls=calls, real=real_heads: (
+            calls.append("heads") or real(*a))
+        _, capped_trees = cycle_trees(target, capped, [3, 9, 1, 12], 2)
+        assert calls == steps and int(capped_trees[0].depths.max()) == deepest
+        assert int((capped_trees[0].depths == 1).sum()) == 2  # both level-1 drafts verified
+
+
+def test_an_extend_floor_keeps_the_output_plain(smollm2):
+    ids = smollm2.chat_ids("Write a short poem about the sea, then explain its rhyme scheme.")
+    plain = run(smollm2, PlainDrafter(), ids, GenerateConfig(max_new_tokens=48))
+    tree = TreeConfig.for_method("gumiho", total_tokens=8, min_confidence=0.05,
+                                 extend_confidence=0.4)
+    out, trees = cycle_trees(smollm2, load_drafter("gumiho", smollm2,
+                                                   str(shipped_drafter("gumiho")), tree=tree),
+                             ids, 48)
+    assert out.token_ids == plain.token_ids
+    depths = [int(t.depths.max()) for t in trees]
+    assert 1 in depths and max(depths) > 1, depths  # some cycles stop at level 1, not all
+    for t in trees:
+        if int(t.depths.max()) > 1:  # a deeper level hangs below a node that reached 0.4
+            parents = t.parents[t.depths == 2]
+            assert float(t.priority[parents].max()) >= math.log(0.4) - 1e-4
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("bad", [-0.1, 1, True])
+def test_a_bad_extend_floor_is_one_line(bad):
+    with pytest.raises(GumihoError, match="--extend-confidence must be a probability"):
+        TreeConfig.for_method("gumiho", extend_confidence=bad)
+
+
+@pytest.mark.host
+def test_the_label_names_the_extend_floor():
+    settings = {"method": "gumiho", "engine": "eager",
+                "tree": {"min_confidence": 0.1, "extend_confidence": 0.4}}
+    assert method_label(settings) == "gumiho (confidence 0.1, extend 0.4)"
+    settings["tree"]["extend_confidence"] = 0.05  # below the floor: the floor rules
+    assert method_label(settings) == "gumiho (confidence 0.1)"

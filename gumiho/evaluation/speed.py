@@ -45,9 +45,12 @@ def method_label(settings: dict) -> str:
     if tree.get("draft_gate") and spec is not None and spec.drafter and \
             settings.get("engine", "eager") == "eager":
         notes.append("gated")
-    if tree.get("min_confidence") and spec is not None and "min_confidence" in spec.tree_flags \
-            and settings.get("engine", "eager") == "eager":
+    eager_floors = spec is not None and "min_confidence" in spec.tree_flags and \
+        settings.get("engine", "eager") == "eager"
+    if tree.get("min_confidence") and eager_floors:
         notes.append(f"confidence {tree['min_confidence']:g}")
+    if tree.get("extend_confidence", 0) > tree.get("min_confidence", 0) and eager_floors:
+        notes.append(f"extend {tree['extend_confidence']:g}")
     return settings["method"] + (f" ({', '.join(notes)})" if notes else "")
 
 
