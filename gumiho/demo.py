@@ -27,6 +27,9 @@ PROMPT = "Explain in a few sentences why the sky is blue."
 # --min-confidence for the methods that take it: on the 2-core CPU the demo was tuned on,
 # 0.95x -> 1.01x plain on its prompt, 1.34x -> 1.36x on six benchmarks (README, Methods)
 FLOOR = 0.1
+# --extend-confidence likewise: a deeper level costs a drafter step, the first draft only a
+# slightly wider verify (README, Methods)
+EXTEND = 0.4
 
 
 def shipped_drafter(method: str = "gumiho") -> Path:
@@ -53,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="gumiho, eagle2: verify only drafts the drafter gives at least this "
                    "path probability; a cycle whose first draft falls short is a plain step "
                    f"(default {FLOOR}, measured on a 2-core CPU; 0 = off)")
+    p.add_argument("--extend-confidence", type=probability_arg, default=None,
+                   help="gumiho, eagle2: run a deeper drafter level only below a node of at "
+                   f"least this path probability (default {EXTEND}; 0 = the "
+                   "--min-confidence floor)")
     p.add_argument("--device", default=None)
     p.add_argument("--engine", default=None, choices=ENGINES, help="default: graphs on a "
                    "GPU, eager on a CPU")
@@ -60,16 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prompt.strip():  # before the slow load and tree-size calibration
         raise GumihoError("empty prompt: give some text to answer")
     check_context_room("smollm2", args.max_new_tokens)
-    floor = args.min_confidence
-    if floor is None and "min_confidence" in method_spec(args.method).tree_flags:
-        floor = FLOOR
+    floor, extend = args.min_confidence, args.extend_confidence
+    if "min_confidence" in method_spec(args.method).tree_flags:
+        floor = FLOOR if floor is None else floor
+        extend = EXTEND if extend is None else extend
     logging.basicConfig(level=logging.WARNING, format="gumiho: %(message)s")
     gen = SpeculativeGenerator.load("smollm2", args.method,
                                     str(shipped_drafter(args.method)), device=args.device,
                                     engine=args.engine, total_tokens=args.total_tokens,
                                     lookup=args.lookup,
                                     lookup_first=True if args.lookup else None,
-                                    min_confidence=floor)
+                                    min_confidence=floor, extend_confidence=extend)
     target, drafter, tree = gen.target, gen.drafter, gen.drafter.tree
     if gen.auto_report:
         best = max(gen.auto_report["shapes"].values(), key=lambda row: row["tokens_per_s"])
@@ -91,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = f" + a prompt-lookup chain of up to {tree.lookup}" if tree.lookup else ""
     if tree.min_confidence and gen.engine == "eager":  # captured steps keep one shape
         extra += f", drafts of path probability >= {tree.min_confidence:g}"
+    if tree.extend_confidence > tree.min_confidence and gen.engine == "eager":
+        extra += f", deeper levels below >= {tree.extend_confidence:g}"
     print(f"\n{args.method} ({tree.total_tokens}-token tree of depth {tree.depth}{extra}, "
           f"fta {tree.fta}) on "
           f"{target.device}: {fast.new_tokens} tokens, tau {fast.tau:.2f}, "

@@ -9,6 +9,14 @@ counts tokens and verified drafts, not time; the speed of a floor is the evaluat
 
     python scripts/confidence_floor.py --draft gumiho/assets/smollm2/gumiho --log runs/floor.json
     python scripts/confidence_floor.py --replay runs/floor.json
+
+`--costs CATCHUP,LEVEL,VERIFY2,VERIFY3` (in plain steps) adds a second table for a chain of
+2 with `--extend-confidence`: tokens per plain step's worth of time over the drafter cycles,
+for pairs of (first-draft floor, extend floor), against 1.00 for a plain step there. Each
+drafter cycle pays its catch-up (even one that becomes a plain step: the next cycle catches
+up again), a serial level 2 when the first draft reaches the extend floor, and its verify
+width beyond one token. The costs measured on the 2-core dev CPU (README, Methods):
+`--costs 0.13,0.10,0.035,0.10`.
 """
 
 from __future__ import annotations
@@ -65,6 +73,30 @@ def replay(rows: list[dict], floor: float, depth: int) -> dict:
     return {"tokens": tokens / n, "drafts": drafts / n, "plain": plain / n}
 
 
+PAIRS = ((0.1, 0.1), (0.05, 0.05), (0.05, 0.2), (0.05, 0.3), (0.05, 0.4), (0.1, 0.3),
+         (0.1, 0.4), (0.05, 1.0), (0.0, 0.0))  # (--min-confidence, --extend-confidence)
+
+
+def replay_costs(rows: list[dict], floor: float, extend: float,
+                 costs: tuple[float, float, float, float]) -> float:
+    """Tokens per plain step's worth of time over the drafter cycles of a chain of 2, with
+    the first draft verified at `floor` and level 2 drafted at `extend` (1.0: never)."""
+    catch_up, level, verify2, verify3 = costs
+    tokens = time = 0.0
+    for row in rows:
+        p1, p12 = (math.exp(lp) for lp in row["logp"][:2])
+        keep, cost = 0, 1 + catch_up
+        if p1 >= floor:
+            keep, cost = 1, cost + verify2
+            if p1 >= max(extend, floor):
+                cost += level
+                if p12 >= floor:
+                    keep, cost = 2, cost - verify2 + verify3
+        tokens += min(row["emitted"] - 1, keep) + 1
+        time += cost
+    return tokens / max(time, 1e-9)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", help="drafter dir (collect a log)")
@@ -76,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--benches", default="mt_bench,humaneval,gsm8k_like,alpaca_like,"
                    "cnndm_like,nq_like")
+    p.add_argument("--costs", help="CATCHUP,LEVEL,VERIFY2,VERIFY3 in plain steps: also "
+                   "replay (floor, extend) pairs against time")
     args = p.parse_args(argv)
     if args.draft:
         rows = collect(args.draft, args.method, args.depth, args.questions,
@@ -97,6 +131,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{c['tokens']:.2f} / {c['drafts']:.2f} / {c['plain']:.0%}" for c in cells) + " |")
     print("\ncells: tokens per drafter cycle / drafts verified per cycle / cycles that are "
           "plain steps")
+    if args.costs:
+        costs = tuple(float(c) for c in args.costs.split(","))
+        print("\n| benchmark | " + " | ".join(f"{f:g} / {e:g}" for f, e in PAIRS) + " |")
+        print("|---|" + "---|" * len(PAIRS))
+        for bench in benches:
+            sub = [r for r in rows if bench in ("all", r["bench"])]
+            print(f"| {bench} | " + " | ".join(
+                f"{replay_costs(sub, f, e, costs):.3f}" for f, e in PAIRS) + " |")
+        print("\ncells: tokens per plain step's time over the drafter cycles (a plain step: "
+              "1.000), chain of 2, by --min-confidence / --extend-confidence")
     return 0
 
 

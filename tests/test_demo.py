@@ -14,6 +14,7 @@ def test_shipped_drafters_load_and_decode_like_plain(smollm2, method, capsys):
     assert "prompt-lookup chain of up to 10" in out  # the demo's default beside the drafter
     # its confidence floor, for the methods that take one
     assert ("path probability >= 0.1" in out) == (method != "medusa")
+    assert ("deeper levels below >= 0.4" in out) == (method != "medusa")
 
 
 def test_demo_runs_the_drafter_alone_with_lookup_0(smollm2, capsys):
@@ -24,6 +25,8 @@ def test_demo_runs_the_drafter_alone_with_lookup_0(smollm2, capsys):
 
 
 def test_demo_floor_can_be_turned_off(smollm2, capsys):
-    code = demo.main(["--max-new-tokens", "16", "--total-tokens", "8", "--min-confidence", "0"])
+    code = demo.main(["--max-new-tokens", "16", "--total-tokens", "8", "--min-confidence", "0",
+                      "--extend-confidence", "0"])
     out = capsys.readouterr().out
     assert code == 0 and "outputs identical" in out and "path probability" not in out
+    assert "deeper levels" not in out
