@@ -24,6 +24,34 @@ def cycle_trees(target, drafter, prompt, max_new_tokens=24, **config):
     return out, trees
 
 
+SHAPE = {"total_tokens": 8, "top_k": 2}
+PROMPT = [3, 9, 1, 12]
+
+
+def first_tree_scores(target) -> tuple[float, float]:
+    """The best level-1 and level-2 path scores (log) of the first cycle without floors."""
+    drafter = load_drafter("gumiho", target, "random",
+                           tree=TreeConfig.for_method("gumiho", **SHAPE))
+    _, trees = cycle_trees(target, drafter, PROMPT, 2)
+    scores, depths = trees[0].priority[1:], trees[0].depths[1:]
+    return float(scores[depths == 1].max()), float(scores[depths == 2].max())
+
+
+def counted_first_tree(target, **floors):
+    """The first cycle's tree with `floors` (TreeConfig fields), and the drafter steps it
+    ran: "serial" per serial level past the first, "heads" per MLP heads call."""
+    drafter = load_drafter("gumiho", target, "random",
+                           tree=TreeConfig.for_method("gumiho", **SHAPE, **floors))
+    assert isinstance(drafter, SerialDrafter)
+    calls = []
+    real_level, real_heads = drafter._serial_level, drafter.model.parallel_heads
+    drafter._serial_level = lambda *a: calls.append("serial") or real_level(*a)
+    # the model's, not _heads_step: begin() rebinds that
+    drafter.model.parallel_heads = lambda *a: calls.append("heads") or real_heads(*a)
+    _, trees = cycle_trees(target, drafter, PROMPT, 2)
+    return trees[0], calls
+
+
 @pytest.mark.parametrize("method", ["gumiho", "eagle2"])
 def test_every_verified_draft_reaches_the_floor_and_the_output_is_plain(smollm2, method):
     ids = smollm2.chat_ids("Write a short poem about the sea, then explain its rhyme scheme.")
@@ -64,26 +92,13 @@ def test_the_floor_stops_the_serial_levels_and_the_heads():
     """Level 2 is drafted only below a level-1 node that reaches the floor, the MLP heads
     only below a level-2 node that does; with no level-1 node there, the root alone."""
     target = tiny_llama(vocab_size=16, seed=1)
-    shape = {"total_tokens": 8, "top_k": 2}
-    drafter = load_drafter("gumiho", target, "random",
-                           tree=TreeConfig.for_method("gumiho", **shape))
-    _, trees = cycle_trees(target, drafter, [3, 9, 1, 12], 2)
-    scores, depths = trees[0].priority[1:], trees[0].depths[1:]
-    best1, best2 = float(scores[depths == 1].max()), float(scores[depths == 2].max())
+    best1, best2 = first_tree_scores(target)
+    tree, calls = counted_first_tree(target)  # no floor: every step runs (the counter counts)
+    assert calls == ["serial", "heads"] and int(tree.depths.max()) > 2
     for floor, steps, deepest in (((best1 + best2) / 2, ["serial"], 1),
                                   (best1 + 0.01, [], 0)):
-        capped = load_drafter("gumiho", target, "random", tree=TreeConfig.for_method(
-            "gumiho", **shape, min_confidence=math.exp(floor)))
-        assert isinstance(capped, SerialDrafter)
-        calls = []
-        real_level = capped._serial_level
-        capped._serial_level = lambda *a, calls=calls, real=real_level: (
-            calls.append("serial") or real(*a))
-        real_heads = capped.model.parallel_heads  # (begin() rebinds _heads_step)
-        capped.model.parallel_heads = lambda *a, calls=calls, real=real_heads: (
-            calls.append("heads") or real(*a))
-        _, capped_trees = cycle_trees(target, capped, [3, 9, 1, 12], 2)
-        assert calls == steps and int(capped_trees[0].depths.max()) == deepest
+        tree, calls = counted_first_tree(target, min_confidence=math.exp(floor))
+        assert calls == steps and int(tree.depths.max()) == deepest
 
 
 @pytest.mark.parametrize("floor", [0.05, 0.12])
@@ -129,26 +144,13 @@ def test_the_extend_floor_stops_deeper_levels_but_keeps_the_first_draft():
     the level-1 drafts that reach --min-confidence are verified; above the best level-2
     score only: level 2 is drafted and verified, the MLP heads do not run."""
     target = tiny_llama(vocab_size=16, seed=1)
-    shape = {"total_tokens": 8, "top_k": 2}
-    drafter = load_drafter("gumiho", target, "random",
-                           tree=TreeConfig.for_method("gumiho", **shape))
-    _, trees = cycle_trees(target, drafter, [3, 9, 1, 12], 2)
-    scores, depths = trees[0].priority[1:], trees[0].depths[1:]
-    best1, best2 = float(scores[depths == 1].max()), float(scores[depths == 2].max())
+    best1, best2 = first_tree_scores(target)
     assert best2 + 0.02 < best1
     for extend, steps, deepest in ((best1 + 0.01, [], 1), (best2 + 0.01, ["serial"], 2)):
-        capped = load_drafter("gumiho", target, "random", tree=TreeConfig.for_method(
-            "gumiho", **shape, min_confidence=1e-6, extend_confidence=math.exp(extend)))
-        calls = []
-        real_level = capped._serial_level
-        capped._serial_level = lambda *a, calls=calls, real=real_level: (
-            calls.append("serial") or real(*a))
-        real_heads = capped.model.parallel_heads  # (begin() rebinds _heads_step)
-        capped.model.parallel_heads = lambda *a, calls=calls, real=real_heads: (
-            calls.append("heads") or real(*a))
-        _, capped_trees = cycle_trees(target, capped, [3, 9, 1, 12], 2)
-        assert calls == steps and int(capped_trees[0].depths.max()) == deepest
-        assert int((capped_trees[0].depths == 1).sum()) == 2  # both level-1 drafts verified
+        tree, calls = counted_first_tree(target, min_confidence=1e-6,
+                                         extend_confidence=math.exp(extend))
+        assert calls == steps and int(tree.depths.max()) == deepest
+        assert int((tree.depths == 1).sum()) == 2  # both level-1 drafts verified
 
 
 def test_an_extend_floor_keeps_the_output_plain(smollm2):
