@@ -47,6 +47,12 @@ def uses_onednn(hidden: Tensor, weight: Tensor) -> bool:
             and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)))
 
 
+def softcap(logits: Tensor, cap: float | None) -> Tensor:
+    """A final logit softcap, cap * tanh(logits / cap), as some families apply it (Gemma 2);
+    the logits unchanged without one."""
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def vocab_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """hidden (..., H) @ weight (V, H).T (+ bias): `functional.linear`, faster where MKL is
     slow (see the module doc)."""

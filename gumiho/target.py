@@ -22,7 +22,7 @@ from gumiho.attention import SDPA_GQA, use_grouped_sdpa
 from gumiho.embedded import EMBEDDED, SMOLLM2_ALIAS
 from gumiho.errors import GumihoError
 from gumiho.kv_cache import attention_kinds
-from gumiho.linear import vocab_linear
+from gumiho.linear import softcap, vocab_linear
 from gumiho.templates import TEMPLATES, turn_end_token
 
 log = logging.getLogger("gumiho")
@@ -50,7 +50,7 @@ class SoftcappedHead(torch.nn.Module):
         return getattr(self.head, "bias", None)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return torch.tanh(self.head(hidden) / self.cap) * self.cap
+        return softcap(self.head(hidden), self.cap)
 
 
 @dataclass
@@ -146,11 +146,10 @@ class Target:
         """lm_head(hidden) in float32, the softcap included; a plain linear head goes
         through `vocab_linear` (fast at every row count on the CPU, linear.py)."""
         head = self.model.get_output_embeddings()
-        if type(head) is not torch.nn.Linear:
-            return self.lm_head(hidden).float()
-        logits = vocab_linear(hidden, head.weight, head.bias)
+        logits = vocab_linear(hidden, head.weight, head.bias) if type(head) is torch.nn.Linear \
+            else head(hidden)
         cap = getattr(self.config.get_text_config(), "final_logit_softcapping", None)
-        return (torch.tanh(logits / cap) * cap if cap else logits).float()
+        return softcap(logits, cap).float()
 
     @torch.no_grad()  # not inference_mode: online training keeps them for backward
     def features(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:

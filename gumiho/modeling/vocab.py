@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gumiho.linear import vocab_linear
+from gumiho.linear import softcap, vocab_linear
 
 
 def draft_vocabulary(counts: Tensor, size: int, always: list[int] | tuple[int, ...] = ()
@@ -94,10 +94,8 @@ class DraftHead:
         return self.weight.shape[0]
 
     def __call__(self, hidden: Tensor) -> Tensor:
-        logits = vocab_linear(hidden.to(self.weight.dtype), self.weight, self.bias)
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return softcap(vocab_linear(hidden.to(self.weight.dtype), self.weight, self.bias),
+                       self.softcap)
 
     def to_target(self, indices: Tensor) -> Tensor:
         return indices if self.ids is None else self.ids[indices]
