@@ -59,7 +59,8 @@ class SpeculativeGenerator:
         self.auto_report: dict | None = None
 
     @classmethod
-    def load(cls, target: str = "smollm2", method: str = "ar", draft: str | None = None,
+    def load(cls, target: str | Target = "smollm2", method: str = "ar",
+             draft: str | None = None,
              device: str | None = None, dtype: str | None = None,
              chat_template: str | None = None, verify_width: int | None = None,
              engine: str | None = None, **tree_options):
@@ -67,8 +68,13 @@ class SpeculativeGenerator:
         fta, lookup, lookup_first, draft_gate, min_confidence, extend_confidence); unset ones
         take the method's reference defaults. total_tokens="auto" times this device and the
         drafter and picks the fastest tree shape (budget.py); its report (`auto_report`)
-        holds the shape's break-even, a value for draft_gate (gate.py)."""
+        holds the shape's break-even, a value for draft_gate (gate.py). A loaded Target is
+        shared as it is (several generators on one model): device, dtype and chat_template
+        then stay unset."""
         check_load_args(target, method, draft, tree_options)
+        if isinstance(target, Target) and (device, dtype, chat_template) != (None,) * 3:
+            raise TypeError("device, dtype and chat_template belong to loading a target; "
+                            "an already loaded Target keeps its own")
         if verify_width is not None:
             check_positive_int("verify_width", verify_width)
         auto = tree_options.get("total_tokens") == "auto"
@@ -79,8 +85,8 @@ class SpeculativeGenerator:
         auto = auto and method_spec(method).drafter  # nothing to size without a drafter
         if auto and draft is None:
             raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
-        loaded = load_target(str(target), device=device, dtype=dtype,
-                             chat_template=chat_template)
+        loaded = target if isinstance(target, Target) else load_target(
+            str(target), device=device, dtype=dtype, chat_template=chat_template)
         engine = resolve_engine(engine, loaded.device)
         tree.check_vocab(loaded.lm_head.weight.shape[0])
         report = None
@@ -173,7 +179,8 @@ class SpeculativeGenerator:
 def check_load_args(target, method, draft, tree_options: dict) -> None:
     """API arguments of `SpeculativeGenerator.load`, checked before anything loads."""
     for name, value in (("target", target), ("draft", draft)):
-        if value is not None and not isinstance(value, str | os.PathLike):
+        if value is not None and not isinstance(value, str | os.PathLike) and not (
+                name == "target" and isinstance(value, Target)):
             raise TypeError(f"{name} must be a path or a name (str), got {value!r}")
     if not isinstance(method, str):
         raise TypeError(f"method must be one of {', '.join(METHODS)}, got {method!r}")

@@ -6,34 +6,61 @@
 # Gumiho runs beside it, '|'-separated flag sets added to GUMIHO_ARGS (e.g.
 # "--min-confidence 0.1|--min-confidence 0.2"), each in its own answer files, run right
 # after it on every benchmark so their speeds compare side by side.
+# INTERLEAVE=1 (default): one process per benchmark answers each question with every method
+# in turn, the order rotating (gumiho.evaluation.interleave), so the machine's drift falls on
+# all methods alike; INTERLEAVE=0: one gen_answers per method, all questions in a row.
 BENCHES=${BENCHES:-"mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like"}
 
-answer() {  # method draft temperature bench extra-args...
-  local method=$1 draft=$2 temp=$3 bench=$4; shift 4
+# The two ways to run one method on the current $temp and $bench: method draft extra-flags...
+answer() {  # one gen_answers process, all questions in a row
+  local method=$1 draft=$2; shift 2
   local draft_args=()
   [[ -n "$draft" ]] && draft_args=(--draft "$draft")
   python3 -m gumiho.evaluation.gen_answers --target "$TARGET" --method "$method" \
     "${draft_args[@]}" --bench "$bench" --temperature "$temp" --question-end "$QEND" \
-    --max-new-tokens "$MAXNEW" --answer-file "$OUT/T$temp/${bench}_${method}${SUFFIX:-}.jsonl" \
-    ${COMMON_ARGS:-} "$@"
+    --max-new-tokens "$MAXNEW" --answer-file "$(answer_file "$method")" ${COMMON_ARGS:-} "$@"
+}
+
+add_run() {  # one --run of the interleaved process (RUNS)
+  local method=$1 draft=$2; shift 2
+  local flags
+  flags="--method $method --answer-file $(printf %q "$(answer_file "$method")")"
+  [[ -n "$draft" ]] && flags+=" --draft $(printf %q "$draft")"
+  RUNS+=(--run "$flags $*")
+}
+
+answer_file() { echo "$OUT/T$temp/${bench}_$1${SUFFIX:-}.jsonl"; }
+
+each_method() {  # answer | add_run, for every method this run compares
+  local call=$1
+  $call ar ""
+  [[ "${LOOKUP:-1}" == "1" ]] && $call lookup "" ${LOOKUP_ARGS:-}
+  [[ -n "${GUMIHO_DRAFT:-}" ]] && $call gumiho "$GUMIHO_DRAFT" ${GUMIHO_ARGS:-}
+  if [[ -n "${GUMIHO_DRAFT:-}" && -n "${GUMIHO_VARIANTS:-}" ]]; then
+    IFS='|' read -ra variants <<< "$GUMIHO_VARIANTS"
+    for i in "${!variants[@]}"; do
+      # shellcheck disable=SC2086  # each variant is a set of flags
+      SUFFIX="_v$((i + 1))" $call gumiho "$GUMIHO_DRAFT" ${GUMIHO_ARGS:-} ${variants[$i]}
+    done
+  fi
+  [[ -n "${EAGLE_DRAFT:-}" ]] && $call eagle2 "$EAGLE_DRAFT" ${EAGLE_ARGS:-}
+  [[ -n "${MEDUSA_DRAFT:-}" ]] && $call medusa "$MEDUSA_DRAFT" ${MEDUSA_ARGS:-}
+  return 0
 }
 
 run_all() {
   for temp in $TEMPS; do
     for bench in $BENCHES; do
-      answer ar "" "$temp" "$bench"
-      [[ "${LOOKUP:-1}" == "1" ]] && answer lookup "" "$temp" "$bench" ${LOOKUP_ARGS:-}
-      [[ -n "${GUMIHO_DRAFT:-}" ]] && answer gumiho "$GUMIHO_DRAFT" "$temp" "$bench" ${GUMIHO_ARGS:-}
-      if [[ -n "${GUMIHO_DRAFT:-}" && -n "${GUMIHO_VARIANTS:-}" ]]; then
-        IFS='|' read -ra variants <<< "$GUMIHO_VARIANTS"
-        for i in "${!variants[@]}"; do
-          # shellcheck disable=SC2086  # each variant is a set of flags
-          SUFFIX="_v$((i + 1))" answer gumiho "$GUMIHO_DRAFT" "$temp" "$bench" \
-            ${GUMIHO_ARGS:-} ${variants[$i]}
-        done
+      if [[ "${INTERLEAVE:-1}" == "1" ]]; then
+        RUNS=()
+        each_method add_run
+        # shellcheck disable=SC2086  # COMMON_ARGS is a set of flags
+        python3 -m gumiho.evaluation.interleave --target "$TARGET" --bench "$bench" \
+          --temperature "$temp" --question-end "$QEND" --max-new-tokens "$MAXNEW" \
+          ${COMMON_ARGS:-} "${RUNS[@]}"
+      else
+        each_method answer
       fi
-      [[ -n "${EAGLE_DRAFT:-}" ]] && answer eagle2 "$EAGLE_DRAFT" "$temp" "$bench" ${EAGLE_ARGS:-}
-      [[ -n "${MEDUSA_DRAFT:-}" ]] && answer medusa "$MEDUSA_DRAFT" "$temp" "$bench" ${MEDUSA_ARGS:-}
     done
   done
   python3 -m gumiho.evaluation.speed --answers "$OUT"/T*/*.jsonl --out "$OUT/report"

@@ -147,21 +147,26 @@ def test_small_end_to_end_evaluation(smollm2, tmp_path):
     assert len(mt["turns"]) == 2
 
 
-def test_the_eval_script_runs_gumiho_variants_side_by_side(smollm2, tmp_path):
-    """GUMIHO_VARIANTS: each flag set is its own row, run beside the plain Gumiho one."""
+@pytest.mark.parametrize("interleave", ["1", "0"])
+def test_the_eval_script_runs_gumiho_variants_side_by_side(smollm2, tmp_path, interleave):
+    """GUMIHO_VARIANTS: each flag set is its own row, run beside the plain Gumiho one, by
+    one interleaved process (default) or one gen_answers each (INTERLEAVE=0); a space in
+    the output path survives either."""
     import os
     import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "QUICK": "1", "OUT": str(tmp_path / "eval"), "QEND": "1",
+    out = tmp_path / "eval dir"
+    env = {**os.environ, "QUICK": "1", "OUT": str(out), "QEND": "1",
            "MAXNEW": "8", "BENCHES": "gsm8k_like", "LOOKUP": "0", "EAGLE_DRAFT": "",
-           "MEDUSA_DRAFT": "", "GUMIHO_ARGS": "--total-tokens 8",
+           "MEDUSA_DRAFT": "", "GUMIHO_ARGS": "--total-tokens 8", "INTERLEAVE": interleave,
            "GUMIHO_VARIANTS": "--min-confidence 0.1|--min-confidence 0.3"}
     proc = subprocess.run(["bash", "scripts/eval_smollm2.sh"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rep = json.loads((tmp_path / "eval" / "report.json").read_text())["results"]["0.0"]
+    assert ("gsm8k_like: 4 methods" in proc.stderr) == (interleave == "1")
+    rep = json.loads((out / "report.json").read_text())["results"]["0.0"]
     rows = rep["gsm8k_like"]
     assert set(rows) == {"ar", "gumiho", "gumiho (confidence 0.1)", "gumiho (confidence 0.3)"}
     assert all(rows[label]["identical"] == [1, 1] for label in rows if label != "ar")

@@ -169,49 +169,74 @@ class AnswerWriter:
             self.file.close()
 
 
+RESUME_IDENTITY = ("target", "method", "draft", "bench", "temperature", "max_new_tokens",
+                   "seed")  # checked before the slow load; the tree and device after it
+
+
+class Job:
+    """One method answering one benchmark into one answer file: what is already there,
+    what is left, and (once `start` has its generator) the settings every record carries."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.questions = pick_questions(args.bench, args.question_begin, args.question_end)
+        self.path = Path(args.answer_file)
+        self.found = existing_answers(self.path, args.overwrite)
+        check_resume(self.path, self.found, {k: getattr(args, k) for k in RESUME_IDENTITY},
+                     keys=RESUME_IDENTITY)
+        done = {rec["question_id"] for rec in self.found.records} if self.found else set()
+        self.todo = [q for q in self.questions if q["question_id"] not in done]
+        self.gen = self.writer = None
+
+    def load(self, target=None) -> SpeculativeGenerator:
+        """The generator; `target` (a loaded Target) is shared instead of loading another."""
+        a = self.args
+        where = {} if target is not None else {
+            "device": a.device, "dtype": a.dtype, "chat_template": a.chat_template}
+        return SpeculativeGenerator.load(a.target if target is None else target, a.method,
+                                         a.draft, engine=a.engine, **where,
+                                         **tree_options(a))
+
+    def start(self, gen: SpeculativeGenerator) -> None:
+        """Check the full settings against the file, warm up, open the writer."""
+        a = self.args
+        tree = getattr(gen.drafter, "tree", None)  # the settings the drafter was built with
+        self.settings = {**{k: getattr(a, k) for k in RESUME_IDENTITY},
+                         "tree": vars(tree) if tree is not None else None,
+                         "engine": gen.engine, "auto_tree": gen.auto_report}
+        self.env = environment(gen)
+        check_resume(self.path, self.found, self.settings, env=self.env)
+        for _ in range(a.warmup):
+            gen.generate(self.todo[0]["turns"][0], min(32, a.max_new_tokens))
+        self.gen, self.writer = gen, AnswerWriter(self.path, self.found)
+
+    def answer(self, question: dict) -> None:
+        a = self.args
+        turns = answer(self.gen, question, a.max_new_tokens, a.temperature, a.seed)
+        self.writer.write({"question_id": question["question_id"], "turns": turns,
+                           "settings": self.settings, "env": self.env})
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 @cli_errors(resume="every finished answer is kept in the answer file; rerun the same "
             "command to resume")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    questions = pick_questions(args.bench, args.question_begin, args.question_end)
-    path = Path(args.answer_file)
-    found = existing_answers(path, args.overwrite)
-    check_resume(path, found, {"target": args.target, "method": args.method,
-                               "draft": args.draft, "bench": args.bench,
-                               "temperature": args.temperature,
-                               "max_new_tokens": args.max_new_tokens, "seed": args.seed},
-                 keys=("target", "method", "draft", "bench", "temperature",
-                       "max_new_tokens", "seed"))  # before the slow load
-    done = {rec["question_id"] for rec in found.records} if found else set()
-    todo = [q for q in questions if q["question_id"] not in done]
-    if not todo:
-        print(f"all {len(questions)} questions are already answered in {path}",
+    job = Job(args)  # before the slow load
+    if not job.todo:
+        print(f"all {len(job.questions)} questions are already answered in {job.path}",
               file=sys.stderr)
         return 0
     check_context_room(args.target, args.max_new_tokens)
-    gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
-                                    device=args.device, dtype=args.dtype,
-                                    chat_template=args.chat_template, engine=args.engine,
-                                    **tree_options(args))
-    tree = getattr(gen.drafter, "tree", None)  # the settings the drafter was built with
-    settings = {"target": args.target, "method": args.method, "draft": args.draft,
-                "bench": args.bench, "temperature": args.temperature,
-                "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                "tree": vars(tree) if tree is not None else None,
-                "engine": gen.engine,
-                "auto_tree": gen.auto_report}
-    env = environment(gen)
-    check_resume(path, found, settings, env=env)
-    for _ in range(args.warmup):
-        gen.generate(todo[0]["turns"][0], min(32, args.max_new_tokens))
-    writer = AnswerWriter(path, found)
     try:
-        for q in tqdm(todo, desc=f"{args.method} {args.bench}", unit="q"):
-            turns = answer(gen, q, args.max_new_tokens, args.temperature, args.seed)
-            writer.write({"question_id": q["question_id"], "turns": turns,
-                          "settings": settings, "env": env})
+        job.start(job.load())
+        for q in tqdm(job.todo, desc=f"{args.method} {args.bench}", unit="q"):
+            job.answer(q)
     finally:
-        writer.close()
+        job.close()
     return 0
 
 
