@@ -61,6 +61,36 @@ def test_report_arithmetic(tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 1000
 
 
+def test_report_pairs_questions_with_prompt_lookup_and_bounds_the_speedup(tmp_path):
+    """Per question: wins over prompt lookup (a tie is no win), summed in the mean row; the
+    speedup's bootstrap interval holds the speedup, and is one point when every question
+    has the same ratio."""
+    ar = [record(q, "ar", 10, 10, 1.0, [1] * 10) for q in range(4)]
+    lk = [record(q, "lookup", 10, 5, w, [1, 2]) for q, w in enumerate([0.5, 0.5, 0.5, 0.5])]
+    gm = [record(q, "gumiho", 10, 4, w, [1, 3]) for q, w in enumerate([0.4, 0.6, 0.25, 0.5])]
+    even = [record(q, "medusa", 10, 5, 0.8, [1, 2]) for q in range(4)]
+    extra = [record(9, "gumiho", 10, 4, 0.1, [1, 3], bench="humaneval"),
+             record(9, "lookup", 10, 4, 0.2, [1, 3], bench="humaneval"),
+             record(9, "ar", 10, 10, 1.0, [1] * 10, bench="humaneval")]
+    files = write_files(tmp_path, {"ar": ar, "lk": lk, "gm": gm, "md": even, "x": extra})
+    rep = speed.report(speed.read_answers(files))["0.0"]
+    gumiho = rep["mt_bench"]["gumiho"]
+    assert gumiho["wins_vs"] == [2, 4]  # 0.4 and 0.25 s beat 0.5; 0.5 ties, 0.6 loses
+    low, high = gumiho["speedup_interval"]
+    assert low < gumiho["speedup"] < high
+    assert low >= 10 / 0.6 / 10 and high <= 10 / 0.25 / 10
+    assert rep["mt_bench"]["medusa"]["speedup_interval"] == pytest.approx([1.25, 1.25])
+    assert "wins_vs" not in rep["mt_bench"]["lookup"] and "wins_vs" not in rep["mt_bench"]["ar"]
+    assert "speedup_interval" not in rep["mt_bench"]["ar"]
+    assert rep["mean"]["gumiho"]["wins_vs"] == [3, 5]
+    assert rep["mean"]["medusa"]["wins_vs"] == [0, 4]  # over what it answered
+    assert speed.main(["--answers", *files, "--out", str(tmp_path / "r")]) == 0
+    assert "| 2/4 |" in (tmp_path / "r.md").read_text()
+    assert speed.main(["--answers", *files, "--out", str(tmp_path / "r2"),
+                       "--versus", "medusa"]) == 0
+    assert "faster than medusa" in (tmp_path / "r2.md").read_text()
+
+
 def test_report_counts_greedy_answers_equal_to_plain(tmp_path):
     """At T=0 each method's row says how many answers are plain decoding's text; the mean
     row sums them; sampled rows and answers without text say nothing."""
@@ -85,8 +115,8 @@ def test_report_counts_greedy_answers_equal_to_plain(tmp_path):
     assert "identical" not in rep["1.0"]["mt_bench"]["gumiho"]
     assert speed.main(["--answers", *files, "--out", str(tmp_path / "r")]) == 0
     text = (tmp_path / "r.md").read_text()
-    assert "| MT-Bench | gumiho | 4.0 | 1.00x | 2.00 | 4.00 | 2/3 |" in text
-    assert "| **mean** | gumiho | 4.0 | 1.00x | 2.00 | 4.00 | 3/4 |" in text
+    assert "| MT-Bench | gumiho | 4.0 | 1.00x | 1.00-1.00 | 2.00 | 4.00 | 2/3 |" in text
+    assert "| **mean** | gumiho | 4.0 | 1.00x | - | 2.00 | 4.00 | 3/4 |" in text
 
 
 def test_a_lookup_chain_beside_a_drafter_gets_its_own_row(tmp_path):

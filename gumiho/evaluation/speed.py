@@ -6,12 +6,16 @@ new tokens / cycles (the prefill counts as a cycle), tau_official = new tokens /
 (cycles - 1) as the released scripts compute it, and per-position acceptance over verify
 cycles: unconditional a_i (fraction of cycles that accept at least i drafts, vLLM's
 figure) and conditional a_i / a_{i-1}; at T=0, how many answers are the same text as plain
-decoding's (every turn). Writes R.md, R.json and R.png.
+decoding's (every turn). Paired by question: a 90% bootstrap interval of each speedup (over
+the questions; it does not cover drift between separate runs, which the interleaved runner
+removes), and on how many questions each method was faster than prompt lookup alone
+(`--versus`). Writes R.md, R.json and R.png.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -22,6 +26,7 @@ from gumiho.evaluation.benchmarks import LABELS
 from gumiho.methods import BY_NAME
 
 MAX_POSITIONS = 8
+RESAMPLES = 2000  # bootstrap draws for a speedup's interval (seeded: reports reproduce)
 # Answers pooled into one row must come from one kind of run.
 GROUP_KEYS = ("target", "draft", "max_new_tokens", "seed", "tree", "engine")
 
@@ -120,10 +125,41 @@ def identical_count(answers: dict, base: dict, shared: list) -> list[int] | None
     return None if None in same else [sum(same), len(same)]
 
 
+def totals(rec: dict) -> tuple[int, float]:
+    """(new tokens, wall seconds) over all turns of one answer."""
+    return (sum(t["new_tokens"] for t in rec["turns"]),
+            sum(t["wall_s"] for t in rec["turns"]))
+
+
+def speedup_interval(answers: dict, base: dict, shared: list) -> list[float]:
+    """5th and 95th percentiles of the speedup over questions resampled with replacement."""
+    pairs = [(totals(answers[q]), totals(base[q])) for q in shared]
+    rng, draws = random.Random(0), []
+    for _ in range(RESAMPLES):
+        pick = rng.choices(pairs, k=len(pairs))
+        mine = sum(a[0] for a, _ in pick) / max(sum(a[1] for a, _ in pick), 1e-12)
+        theirs = sum(b[0] for _, b in pick) / max(sum(b[1] for _, b in pick), 1e-12)
+        draws.append(mine / theirs if theirs else 0.0)
+    draws.sort()
+    return [draws[int(0.05 * RESAMPLES)], draws[int(0.95 * RESAMPLES) - 1]]
+
+
+def rate(rec: dict) -> float:
+    tokens, wall = totals(rec)
+    return tokens / max(wall, 1e-12)
+
+
+def wins(answers: dict, other: dict) -> list[int]:
+    """[questions this run answered at more tokens/s than `other`, questions both answered]."""
+    shared = set(answers) & set(other)
+    return [sum(rate(answers[q]) > rate(other[q]) for q in shared), len(shared)]
+
+
 def report(groups: dict[tuple, dict], baseline: str = "ar",
-           notes: list[str] | None = None) -> dict:
+           notes: list[str] | None = None, versus: str = "lookup") -> dict:
     """{temperature: {bench: {label: stats + speedup}}, with a "mean" bench}. Rows without
-    a baseline on the same questions get no speedup (and a line in `notes`)."""
+    a baseline on the same questions get no speedup (and a line in `notes`). Rows other than
+    the baseline and `versus` count their per-question wins over `versus` where it ran."""
     notes = [] if notes is None else notes
     out: dict = defaultdict(lambda: defaultdict(dict))
     for (label, bench, temp), answers in groups.items():
@@ -142,11 +178,16 @@ def report(groups: dict[tuple, dict], baseline: str = "ar",
             base_row = stats([base[q] for q in shared])
             if base_row["tokens_per_s"] > 0:
                 row["speedup"] = row["tokens_per_s"] / base_row["tokens_per_s"]
+                if label != baseline:
+                    row["speedup_interval"] = speedup_interval(answers, base, shared)
             # Greedy output must equal plain decoding's (SPEC: lossless); sampled need not.
             if float(temp) == 0.0 and label != baseline:
                 same = identical_count(answers, base, shared)
                 if same is not None:
                     row["identical"] = same
+        other = groups.get((versus, bench, temp))
+        if other and label not in (baseline, versus) and set(answers) & set(other):
+            row["wins_vs"] = wins(answers, other)
         out[temp][bench][label] = row
     for benches in out.values():
         labels = {label for rows in benches.values() for label in rows}
@@ -158,33 +199,37 @@ def report(groups: dict[tuple, dict], baseline: str = "ar",
                            if all(k in r for r in rows)}
             mean[label]["acceptance"] = [sum(v) / len(rows) for v in
                                          zip(*(r["acceptance"] for r in rows), strict=True)]
-            if all("identical" in r for r in rows):
-                mean[label]["identical"] = [sum(r["identical"][i] for r in rows)
-                                            for i in (0, 1)]
+            for key in ("identical", "wins_vs"):
+                if all(key in r for r in rows):
+                    mean[label][key] = [sum(r[key][i] for r in rows) for i in (0, 1)]
         benches["mean"] = mean
     return json.loads(json.dumps(out))
 
 
-def markdown(rep: dict, env: dict, engine: str = "eager") -> str:
+def markdown(rep: dict, env: dict, engine: str = "eager", versus: str = "lookup") -> str:
     lines = [f"Device: {env.get('device_name', '?')} ({env.get('device', '?')}), dtype "
              f"{env.get('dtype', '?')}, engine {engine}, torch {env.get('torch', '?')}, "
              f"transformers {env.get('transformers', '?')}, commit "
              f"{env.get('git_commit', '?')[:10]}.", ""]
     for temp, benches in rep.items():
         lines += [f"### T = {temp}", "",
-                  "| benchmark | method | tokens/s | speedup | tau | tau (official formula) | "
-                  "same text as plain | acceptance a1..a7 (unconditional) |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| benchmark | method | tokens/s | speedup | 90% interval | tau | "
+                  "tau (official formula) | same text as plain | faster than "
+                  f"{versus} (questions) | acceptance a1..a7 (unconditional) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         order = [b for b in LABELS if b in benches] + ["mean"]
         for bench in order:
             for label, row in sorted(benches[bench].items()):
                 acc = " ".join(f"{a:.2f}" for a in row.get("acceptance", []))
                 speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
                 same = "{}/{}".format(*row["identical"]) if "identical" in row else "-"
+                won = "{}/{}".format(*row["wins_vs"]) if "wins_vs" in row else "-"
+                span = "{:.2f}-{:.2f}".format(*row["speedup_interval"]) \
+                    if "speedup_interval" in row else "-"
                 name = LABELS.get(bench, "**mean**")
                 lines.append(f"| {name} | {label} | {row['tokens_per_s']:.1f} | {speedup} | "
-                             f"{row['tau']:.2f} | {row['tau_official']:.2f} | {same} | "
-                             f"{acc} |")
+                             f"{span} | {row['tau']:.2f} | {row['tau_official']:.2f} | "
+                             f"{same} | {won} | {acc} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -250,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answers", nargs="+", required=True, help="answer JSONL files")
     p.add_argument("--out", required=True, help="output path without extension")
     p.add_argument("--baseline", default="ar")
+    p.add_argument("--versus", default="lookup", help="count per question where each method "
+                   "beats this one (default: prompt lookup alone, the drafter-free peer)")
     args = p.parse_args(argv)
     out = Path(args.out)
     check_outputs(out)
@@ -257,10 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     if not any(label == args.baseline for label, _, _ in groups):
         notes.append(f"no {args.baseline!r} answers among the files: no speedups")
-    rep = report(groups, args.baseline, notes)
+    rep = report(groups, args.baseline, notes, args.versus)
     first = next(iter(next(iter(groups.values())).values()))
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = markdown(rep, first.get("env", {}), first["settings"].get("engine", "eager"))
+    text = markdown(rep, first.get("env", {}), first["settings"].get("engine", "eager"),
+                    args.versus)
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps({"env": first.get("env", {}),
                                                     "results": rep}, indent=2))
