@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "demo": "gumiho.demo",
     "timing": "gumiho.evaluation.timing",
     "gen-answers": "gumiho.evaluation.gen_answers",
+    "interleave": "gumiho.evaluation.interleave",
     "speed": "gumiho.evaluation.speed",
     "allocation": "gumiho.ge_data.allocation",
     "train": "gumiho.train",

@@ -67,6 +67,18 @@ BAD = {
     "answers_max_new_tokens_past_context": (
         "gen_answers", ["--target", "{tiny}", "--method", "ar", "--bench", "mt_bench",
                         "--max-new-tokens", "5000", "--answer-file", "{dir}/new.jsonl"]),
+    # interleave: every run's file is checked before anything loads or is written
+    "interleave_one_run_into_readme": ("interleave", [
+        "--target", "{tiny}", "--bench", "mt_bench", "--max-new-tokens", "3",
+        "--run", "--method ar --answer-file {dir}/new.jsonl",
+        "--run", "--method lookup --answer-file {dir}/README.md"]),
+    "interleave_one_run_other_settings": ("interleave", [
+        "--target", "{tiny}", "--bench", "mt_bench", "--max-new-tokens", "7",
+        "--run", "--method lookup --answer-file {dir}/new.jsonl",
+        "--run", "--method ar --answer-file {dir}/answers.jsonl"]),
+    "interleave_shared_flag_inside_run": ("interleave", [
+        "--target", "{tiny}", "--bench", "mt_bench",
+        "--run", "--method ar --max-new-tokens 3 --answer-file {dir}/new.jsonl"]),
     # generate
     "generate_huge_max_new_tokens": ("generate", ["--target", "{tiny}", "--prompt", "hi",
                                                   "--max-new-tokens", "1000000000000"]),
@@ -158,6 +170,7 @@ BAD = {
                                              "--template", "{% for %}", *ALLOC_ARGS]),
 }
 MODULES = {"gen_answers": "gumiho.evaluation.gen_answers", "generate": "gumiho.generate",
+           "interleave": "gumiho.evaluation.interleave",
            "timing": "gumiho.evaluation.timing", "speed": "gumiho.evaluation.speed",
            "allocation": "gumiho.ge_data.allocation", "export": "gumiho.export",
            "train": "gumiho.train.__main__"}
@@ -236,7 +249,9 @@ def test_error_lines_say_what_is_wrong(tmp_path, tiny_target_dir, capsys):
              "generate_lookup_first_with_plain_lookup": "--lookup-first does not apply",
              "generate_draft_gate_without_drafter": "--draft-gate does not apply",
              "generate_min_confidence_with_medusa": "--min-confidence does not apply",
-             "generate_extend_confidence_with_medusa": "--extend-confidence does not apply"}
+             "generate_extend_confidence_with_medusa": "--extend-confidence does not apply",
+             "interleave_one_run_other_settings": "max_new_tokens=3 in the file, 7 now",
+             "interleave_shared_flag_inside_run": "give --max-new-tokens once"}
     for case, words in cases.items():
         module, argv = BAD[case]
         argv = [a.replace("{tiny}", tiny_target_dir).replace("{dir}", str(tmp_path))

@@ -5,11 +5,12 @@ own (same records, same resume), and bad flags get one line."""
 import json
 
 import pytest
-from conftest import DEVICE
 
 from gumiho.errors import GumihoError
 from gumiho.evaluation import gen_answers, interleave, speed
 from gumiho.evaluation.benchmarks import load_questions
+
+from conftest import DEVICE
 
 QIDS = [q["question_id"] for q in load_questions("gsm8k_like")]
 

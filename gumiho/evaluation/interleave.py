@@ -38,7 +38,9 @@ COMMON = ("--target", "--device", "--dtype", "--chat-template", "--bench", "--te
 def parse_runs(argv: list[str] | None) -> list:
     """One gen_answers namespace per --run: the common flags plus the run's own."""
     p = ArgumentParser(prog="python -m gumiho.evaluation.interleave",
-                       description=__doc__.split("\n")[0])
+                       description=__doc__.split("\n")[0],
+                       epilog=f"Flags shared by every run, given once: {', '.join(COMMON)} "
+                       "(as in `python -m gumiho.evaluation.gen_answers --help`).")
     p.add_argument("--run", action="append", required=True, metavar="FLAGS",
                    help="one method's gen_answers flags, quoted: --method M [--draft D] "
                    "--answer-file F [--engine E] [tree flags]; give --run once per method")
