@@ -93,6 +93,7 @@ def test_interrupted_then_resumed(tmp_path, tiny_target_dir, order, monkeypatch)
     ("--method ar --bench mt_bench --answer-file {d}/x.jsonl", "give --bench once"),
     ("--method ar --seed=3 --answer-file {d}/x.jsonl", "give --seed once"),
     ("--method ar --answer-file {d}/ar.jsonl", "two runs write the same answer file"),
+    ("--method ar --answer-file {d}/./ar.jsonl", "two runs write the same answer file"),
     ("--method ar --answer-file '{d}/x.jsonl", "No closing quotation"),
 ])
 def test_bad_runs(tmp_path, tiny_target_dir, run_flags, message):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -59,7 +60,7 @@ def parse_runs(argv: list[str] | None) -> list:
                                   "outside --run (every run shares it)")
         runs.append(parser.parse_args([*common, *own]))
     files = [r.answer_file for r in runs]
-    if len(set(files)) < len(files):
+    if len({Path(f).resolve() for f in files}) < len(files):
         raise GumihoError(f"two runs write the same answer file: {files}")
     return runs
 
