@@ -91,6 +91,21 @@ def test_report_pairs_questions_with_prompt_lookup_and_bounds_the_speedup(tmp_pa
     assert "faster than medusa" in (tmp_path / "r2.md").read_text()
 
 
+def test_report_names_an_answer_slowed_by_a_busy_machine(tmp_path, capsys):
+    """One answer at a third of its run's median rate is named (stderr and report.md);
+    the ordinary 2x spread of speculative answers is not."""
+    ar = [record(q, "ar", 24, 24, 1.0, [1] * 24) for q in range(5)]
+    ar[3] = record(3, "ar", 24, 24, 3.0, [1] * 24)  # 8 tokens/s against 24
+    gm = [record(q, "gumiho", 24, 12, w, [1, 2]) for q, w in enumerate([0.5, 1.0, 0.6, 0.7, 0.9])]
+    files = write_files(tmp_path, {"ar": ar, "gm": gm})
+    assert [n.split(":")[0] for n in speed.slow_answers(speed.read_answers(files))] == [
+        "mt_bench question 3 at T=0.0"]
+    assert speed.main(["--answers", *files, "--out", str(tmp_path / "r")]) == 0
+    assert "was the machine busy" in capsys.readouterr().err
+    assert "Note: mt_bench question 3 at T=0.0: ar ran at 8.0 tokens/s against its median " \
+        "24.0" in (tmp_path / "r.md").read_text()
+
+
 def test_report_counts_greedy_answers_equal_to_plain(tmp_path):
     """At T=0 each method's row says how many answers are plain decoding's text; the mean
     row sums them; sampled rows and answers without text say nothing."""

@@ -9,7 +9,8 @@ figure) and conditional a_i / a_{i-1}; at T=0, how many answers are the same tex
 decoding's (every turn). Paired by question: a 90% bootstrap interval of each speedup (over
 the questions; it does not cover drift between separate runs, which the interleaved runner
 removes), and on how many questions each method was faster than prompt lookup alone
-(`--versus`). Writes R.md, R.json and R.png.
+(`--versus`). Notes (on stderr and under the table) name answers far slower than their
+run's median on the benchmark: a busy machine. Writes R.md, R.json and R.png.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from gumiho.evaluation.benchmarks import LABELS
 from gumiho.methods import BY_NAME
 
 MAX_POSITIONS = 8
+# An answer slower than this fraction of its run's median tokens/s on the benchmark is
+# flagged: a busy machine, not the method (speculative answers of one run spread within
+# about 2x; a burst of other work on a 2-core CPU slows one answer 3-4x).
+SLOW_ANSWER = 0.5
 RESAMPLES = 2000  # bootstrap draws for a speedup's interval (seeded: reports reproduce)
 # Answers pooled into one row must come from one kind of run.
 GROUP_KEYS = ("target", "draft", "max_new_tokens", "seed", "tree", "engine")
@@ -147,6 +152,22 @@ def speedup_interval(answers: dict, base: dict, shared: list) -> list[float]:
 def rate(rec: dict) -> float:
     tokens, wall = totals(rec)
     return tokens / max(wall, 1e-12)
+
+
+def slow_answers(groups: dict[tuple, dict]) -> list[str]:
+    """A note per answer far below its run's median rate on its benchmark."""
+    notes = []
+    for (label, bench, temp), answers in sorted(groups.items(), key=str):
+        if len(answers) < 3:
+            continue
+        rates = sorted(rate(rec) for rec in answers.values())
+        median = rates[len(rates) // 2]
+        for q, rec in answers.items():
+            if rate(rec) < SLOW_ANSWER * median:
+                notes.append(f"{bench} question {q} at T={temp}: {label} ran at "
+                             f"{rate(rec):.1f} tokens/s against its median {median:.1f} "
+                             "there; was the machine busy? (answer it again to check)")
+    return notes
 
 
 def wins(answers: dict, other: dict) -> list[int]:
@@ -305,11 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     if not any(label == args.baseline for label, _, _ in groups):
         notes.append(f"no {args.baseline!r} answers among the files: no speedups")
     rep = report(groups, args.baseline, notes, args.versus)
+    notes += slow_answers(groups)
     first = next(iter(next(iter(groups.values())).values()))
     out.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(rep, first.get("env", {}), first["settings"].get("engine", "eager"),
                     args.versus)
-    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".md").write_text(text + "".join(f"\nNote: {note}" for note in notes))
     out.with_suffix(".json").write_text(json.dumps({"env": first.get("env", {}),
                                                     "results": rep}, indent=2))
     drew = plot(rep, out.with_suffix(".png"))
