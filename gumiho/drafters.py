@@ -242,7 +242,7 @@ class SerialDrafter:
         values, indices = self.top1  # (k,) each: level 1, drawn from out1 (H,)
         level = Pool(tokens=indices, parents=torch.full_like(indices, -1),
                      scores=values, depths=torch.ones_like(indices))
-        if not self._reaches_floor(level):
+        if not self._reaches_floor(level, floor):
             return DraftTree.chain(root.view(1))  # no draft is likely enough: a plain step
         levels, outs = [level], out1.expand(k, -1)  # level 1 was drawn from out1
         seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)  # (k, 0): none yet
@@ -284,11 +284,11 @@ class SerialDrafter:
         tree = select_tree(root, pool, budget, self.draft_depth)[0]
         return splice_official(tree) if self.tree.fta == "official" else tree
 
-    def _reaches_floor(self, level: Pool, floor: float | None = None) -> bool:
-        """Whether the level's best node (levels are in score order) reaches the
-        confidence floor (or `floor`, a log-prob), so that its nodes, or their children,
-        can be verified (or drafted)."""
-        floor = self.floor if floor is None else floor
+    @staticmethod
+    def _reaches_floor(level: Pool, floor: float | None) -> bool:
+        """Whether the level's best node (levels are in score order) reaches `floor` (a
+        log-prob; None: no floor): the verify floor for its own nodes, the extend floor for
+        drafting their children."""
         return floor is None or float(level.scores[0]) >= floor
 
     def _mlp_pool(self, serial: Pool, top_values: Tensor, top_indices: Tensor

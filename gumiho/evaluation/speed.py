@@ -160,12 +160,12 @@ def slow_answers(groups: dict[tuple, dict]) -> list[str]:
     for (label, bench, temp), answers in sorted(groups.items(), key=str):
         if len(answers) < 3:
             continue
-        rates = sorted(rate(rec) for rec in answers.values())
-        median = rates[len(rates) // 2]
-        for q, rec in answers.items():
-            if rate(rec) < SLOW_ANSWER * median:
+        rates = {q: rate(rec) for q, rec in answers.items()}
+        median = sorted(rates.values())[len(rates) // 2]
+        for q, r in rates.items():
+            if r < SLOW_ANSWER * median:
                 notes.append(f"{bench} question {q} at T={temp}: {label} ran at "
-                             f"{rate(rec):.1f} tokens/s against its median {median:.1f} "
+                             f"{r:.1f} tokens/s against its median {median:.1f} "
                              "there; was the machine busy? (answer it again to check)")
     return notes
 
