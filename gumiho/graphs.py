@@ -55,6 +55,9 @@ class _Graph:
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...],
                  pool):
         self.inputs = tuple(x.clone() for x in inputs)
+        # One call on the current stream first: a first call's lazy set-up there (seen on an
+        # H200: the draft tree step) otherwise invalidates the capture.
+        fn(*self.inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         # Side-stream warm-up before capture, as PyTorch's CUDA graphs notes prescribe.

@@ -82,7 +82,9 @@ def match_picks(tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor, d
     k = tokens.shape[0]
     matched = (tokens == picks[parents.clamp(min=0)]) & first_of_siblings(tokens, parents) & \
         ~dead
-    matched[0] = True  # the root is already the target's
+    # the root is already the target's; a slice takes True as a fill (`matched[0] = True`
+    # copies a host scalar into the device tensor, which CUDA graph capture refuses)
+    matched[:1] = True
     reachable = ~(mask & ~matched[None, :]).any(1)
     reach = torch.where(reachable, depths, -1)
     best = reach.argmax().view(1)  # indexing with a 0-dim tensor would read it on the host

@@ -127,9 +127,11 @@ p(json.load(open(sys.argv[1])))" "$RESULTS/cycle_8b.json" | tee "$RESULTS/cycle_
 suite() {  # the whole suite on the GPU
   need SmolLM2; need drafters
   set +e
-  GUMIHO_TEST_DEVICE=$DEVICE timeout "${SUITE_LIMIT:-300}" python3 -m pytest -q \
-    -n "${SUITE_WORKERS:-8}" -p no:cacheprovider --junitxml="$RESULTS/suite.xml" \
-    ${SUITE_ARGS:-} 2>&1 | tee "$RESULTS/suite.txt" | tail -40
+  # -v: each result as it comes, so a suite cut by SUITE_LIMIT still names its failures.
+  GUMIHO_TEST_DEVICE=$DEVICE timeout "${SUITE_LIMIT:-300}" python3 -m pytest -v -rfE \
+    --tb=short -n "${SUITE_WORKERS:-8}" -p no:cacheprovider --junitxml="$RESULTS/suite.xml" \
+    ${SUITE_ARGS:-} > "$RESULTS/suite.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$RESULTS/suite.txt" | tail -40
   set -e
 }
 

@@ -28,8 +28,10 @@ def _test_device(request):
         yield
 
 
-def tiny_llama(vocab_size: int = 97, seed: int = 0, logit_scale: float = 1.0):
-    """A 2-layer random Llama; logit_scale sharpens its next-token distributions."""
+def tiny_llama(vocab_size: int = 97, seed: int = 0, logit_scale: float = 1.0,
+               device: torch.device | str = DEVICE):
+    """A 2-layer random Llama on `device` (the suite's; `host` tests pass "cpu"); logit_scale
+    sharpens its next-token distributions."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -38,7 +40,7 @@ def tiny_llama(vocab_size: int = 97, seed: int = 0, logit_scale: float = 1.0):
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
-    target = wrap_target(model.to(DEVICE), name="tiny")
+    target = wrap_target(model.to(device), name="tiny")
     target.stop_token_ids = frozenset()
     return target
 

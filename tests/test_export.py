@@ -23,7 +23,7 @@ def perturbed_drafter(target, method, seed=0, draft_ids=None, embed_scale=1.0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name != "embed_tokens.weight":
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+                p.add_(torch.randn(p.shape, generator=g, device="cpu").to(p.device) * 0.05)
         model.embed_tokens.weight.mul_(embed_scale)
     return model
 

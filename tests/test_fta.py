@@ -87,6 +87,7 @@ def released_order(rows: list[list[int]], sampling: bool) -> list[list[int]]:
         else rows
 
 
+@pytest.mark.host
 @pytest.mark.parametrize("sampling", [False, True])
 @pytest.mark.parametrize("seed", range(8))
 def test_official_splice_equals_the_released_procedure(seed, sampling):
@@ -180,6 +181,7 @@ def released_sampler(candidates: list[list[int]], probs: list[list[float]],
     return best, accept_length - 1, int(rng.choice(len(gtp), p=gtp / gtp.sum()))
 
 
+@pytest.mark.host
 def test_official_sampling_follows_the_released_sampler():
     """Along spliced paths our sampler's (path, accepted drafts, bonus) has the released
     sampler's distribution (6000 draws each, total variation < 0.05)."""
