@@ -34,7 +34,12 @@ def lm_key(spec: MethodSpec) -> re.Pattern:
 
 
 def to_official(model: nn.Module) -> dict[str, Tensor]:
-    """The model's weights under the official key names."""
+    """The model's weights under the official key names, on the host (what a checkpoint
+    file holds, wherever the model runs)."""
+    return {k: v.detach().cpu() for k, v in _official_keys(model).items()}
+
+
+def _official_keys(model: nn.Module) -> dict[str, Tensor]:
     state = dict(model.state_dict())
     spec = method_spec(model.config.method)
     prefix = spec.head_keys

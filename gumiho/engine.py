@@ -100,7 +100,9 @@ class GenerationResult:
 
 def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, Tensor]:
     """Run the prompt (1, P) through the target; commit it to the cache. Returns features
-    (P, H) and the last token's logits (1, V)."""
+    (P, H) and the last token's logits (1, V). The ids may come from anywhere (a tokenizer's
+    are on the CPU): they move to the target's device here."""
+    input_ids = input_ids.to(target.device)
     p = input_ids.shape[1]
     cache.begin_step(p)
     causal = torch.ones(p, p, dtype=torch.bool, device=input_ids.device).tril()

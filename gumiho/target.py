@@ -11,6 +11,7 @@ embedding is what a drafter copies (`input_embeddings`).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -153,9 +154,12 @@ class Target:
 
     @torch.no_grad()  # not inference_mode: online training keeps them for backward
     def features(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Post-norm last hidden states (B, L, H) of whole sequences, no cache."""
-        out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                       use_cache=False)
+        """Post-norm last hidden states (B, L, H) of whole sequences, no cache; ids (and the
+        mask) on any device, the result on the target's."""
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+        out = self.model.get_decoder()(input_ids=input_ids.to(self.device),
+                                       attention_mask=attention_mask, use_cache=False)
         return out.last_hidden_state
 
     def chat_ids(self, messages: list[dict] | str) -> list[int]:
@@ -186,11 +190,15 @@ class Target:
 def choose_device_dtype(
     device: str | None = None, dtype: str | None = None
 ) -> tuple[torch.device, torch.dtype]:
-    """Decide device and dtype once: $GUMIHO_DEVICE if set, else an accelerator in bf16 if
-    there is one, else CPU fp32."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # ROCm reports as cuda too
+    """Decide device and dtype once. Unset, the device is $GUMIHO_DEVICE if set, else an
+    accelerator if there is one, else the CPU; the dtype $GUMIHO_DTYPE if set, else bf16 on
+    an accelerator and fp32 on a CPU."""
+    if device is None:  # ROCm reports as cuda too
+        device = os.environ.get("GUMIHO_DEVICE") or (
+            "cuda" if torch.cuda.is_available() else "cpu")
     dev = check_device(device)
+    if dtype is None:
+        dtype = os.environ.get("GUMIHO_DTYPE") or None
     if dtype is None:
         torch_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     elif dtype in (torch.float32, torch.bfloat16, torch.float16):

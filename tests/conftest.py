@@ -1,8 +1,9 @@
 """Shared fixtures: a tiny random Llama (fast unit tests) and the real SmolLM2 target.
 
 The suite runs on the CPU (CI) unless GUMIHO_TEST_DEVICE names another device, e.g.
-`GUMIHO_TEST_DEVICE=cuda python -m pytest`: then every target loads there (also in the
-subprocesses the CLI tests start, through GUMIHO_DEVICE) and tensors a test makes without
+`GUMIHO_TEST_DEVICE=cuda python -m pytest`: then every target loads there in float32 (also in
+the subprocesses the CLI tests start, through GUMIHO_DEVICE and GUMIHO_DTYPE) and tensors a
+test makes without
 a device land there too; tests marked `host` (pure arithmetic on hand-made tensors) stay
 on the CPU.
 """
@@ -17,21 +18,29 @@ from gumiho.target import load_target, wrap_target
 
 DEVICE = torch.device(os.environ.get("GUMIHO_TEST_DEVICE", "cpu"))
 os.environ["GUMIHO_DEVICE"] = str(DEVICE)  # the library's default device, subprocesses too
+# The equality tests assert what "lossless" guarantees exactly: float32 (in bf16, the GPU's
+# default, a tree-shaped verify may break a near-tie of the top two logits otherwise than a
+# one-token step: scripts/greedy_equality.py, README "Lossless"). GUMIHO_DTYPE overrides.
+os.environ.setdefault("GUMIHO_DTYPE", "float32")
 
 
 @pytest.fixture(autouse=True)
-def _test_device(request):
-    if DEVICE.type == "cpu" or request.node.get_closest_marker("host"):
+def _test_device(request, monkeypatch):
+    if DEVICE.type == "cpu":
         yield
-        return
-    with DEVICE:
+    elif request.node.get_closest_marker("host"):  # the library's default device too
+        monkeypatch.setenv("GUMIHO_DEVICE", "cpu")
         yield
+    else:
+        with DEVICE:
+            yield
 
 
 def tiny_llama(vocab_size: int = 97, seed: int = 0, logit_scale: float = 1.0,
-               device: torch.device | str = DEVICE):
-    """A 2-layer random Llama on `device` (the suite's; `host` tests pass "cpu"); logit_scale
-    sharpens its next-token distributions."""
+               device: torch.device | str | None = None):
+    """A 2-layer random Llama on `device`, by default the library's (the suite's device,
+    the CPU in `host` tests); logit_scale sharpens its next-token distributions."""
+    device = device or os.environ["GUMIHO_DEVICE"]
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -47,12 +56,12 @@ def tiny_llama(vocab_size: int = 97, seed: int = 0, logit_scale: float = 1.0,
 
 @pytest.fixture(scope="session")
 def tiny_target():
-    return tiny_llama()
+    return tiny_llama(device=DEVICE)
 
 
 @pytest.fixture(scope="session")
 def smollm2():
-    return load_target("smollm2")
+    return load_target("smollm2", device=str(DEVICE))  # whichever test asks first
 
 
 REFERENCE_PROMPT = "List three uses of a paperclip."

@@ -86,7 +86,8 @@ class OracleModel(torch.nn.Module):
     MARK = 12345.0  # channel 2 of the oracle's own hidden states (never a target feature)
 
     def _hidden(self, index, on):
-        h = torch.zeros(*index.shape, self.config.hidden_size)
+        # devices by name: torch.compile does not see a default-device context
+        h = torch.zeros(*index.shape, self.config.hidden_size, device=index.device)
         h[..., 0], h[..., 1], h[..., 2] = index.float(), on.float(), self.MARK
         return h
 
@@ -101,7 +102,7 @@ class OracleModel(torch.nn.Module):
         index, on = out2[..., 0].long(), out2[..., 1] > 0.5  # d2 sits at `index`
         on = on & self._on(d2, index)
         n = heads or self.config.num_mlp_heads
-        steps = torch.arange(1, n + 1)
+        steps = torch.arange(1, n + 1, device=index.device)
         return self._hidden(index[:, None] + steps, on[:, None].expand(-1, n))
 
 

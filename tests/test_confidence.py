@@ -17,6 +17,13 @@ from conftest import tiny_llama
 from test_sampling import assert_samples_match_target
 
 
+def eager_drafter(method, target, draft, tree):
+    """Floors shape each cycle's tree, so they act on the eager engine only (a captured
+    engine keeps one tree shape and ignores them): on a GPU, where graphs are the default,
+    these tests ask for eager by name."""
+    return load_drafter(method, target, draft, tree=tree, engine="eager")
+
+
 def cycle_trees(target, drafter, prompt, max_new_tokens=24, **config):
     trees = []
     out = run(target, drafter, prompt, GenerateConfig(max_new_tokens=max_new_tokens, **config),
@@ -57,12 +64,12 @@ def test_every_verified_draft_reaches_the_floor_and_the_output_is_plain(smollm2,
     ids = smollm2.chat_ids("Write a short poem about the sea, then explain its rhyme scheme.")
     plain = run(smollm2, PlainDrafter(), ids, GenerateConfig(max_new_tokens=48))
     full_tree = TreeConfig.for_method(method, total_tokens=16)
-    _, full = cycle_trees(smollm2, load_drafter(method, smollm2, str(shipped_drafter(method)),
-                                                tree=full_tree), ids, 48)
+    _, full = cycle_trees(smollm2, eager_drafter(method, smollm2, str(shipped_drafter(method)),
+                                                 tree=full_tree), ids, 48)
     floor = 0.1
     tree = TreeConfig.for_method(method, total_tokens=16, min_confidence=floor)
-    out, trees = cycle_trees(smollm2, load_drafter(method, smollm2,
-                                                   str(shipped_drafter(method)), tree=tree),
+    out, trees = cycle_trees(smollm2, eager_drafter(method, smollm2,
+                                                    str(shipped_drafter(method)), tree=tree),
                              ids, 48)
     assert out.token_ids == plain.token_ids
     sizes = [t.size for t in trees]
@@ -105,9 +112,9 @@ def test_the_floor_stops_the_serial_levels_and_the_heads():
 def test_sampling_with_a_floor_matches_target(floor):
     vocab = 16
     target = tiny_llama(vocab_size=vocab, seed=1, logit_scale=25.0)
-    drafter = load_drafter("gumiho", target, "random",
-                           tree=TreeConfig.for_method("gumiho", total_tokens=8,
-                                                      min_confidence=floor))
+    drafter = eager_drafter("gumiho", target, "random",
+                            tree=TreeConfig.for_method("gumiho", total_tokens=8,
+                                                       min_confidence=floor))
     _, trees = cycle_trees(target, drafter, [3, 9, 1, 12, 5], 40, temperature=1.0)
     assert min(t.size for t in trees) < 8, "the floor pruned nothing: the test would check nothing"
     assert_samples_match_target(target, drafter, [3, 9, 1, 12, 5], vocab, runs=1000)
@@ -158,8 +165,8 @@ def test_an_extend_floor_keeps_the_output_plain(smollm2):
     plain = run(smollm2, PlainDrafter(), ids, GenerateConfig(max_new_tokens=48))
     tree = TreeConfig.for_method("gumiho", total_tokens=8, min_confidence=0.05,
                                  extend_confidence=0.4)
-    out, trees = cycle_trees(smollm2, load_drafter("gumiho", smollm2,
-                                                   str(shipped_drafter("gumiho")), tree=tree),
+    out, trees = cycle_trees(smollm2, eager_drafter("gumiho", smollm2,
+                                                    str(shipped_drafter("gumiho")), tree=tree),
                              ids, 48)
     assert out.token_ids == plain.token_ids
     depths = [int(t.depths.max()) for t in trees]

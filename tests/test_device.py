@@ -91,3 +91,50 @@ def test_code_version_outside_a_checkout(tmp_path):
                           "print(code_version())"], cwd=tmp_path, capture_output=True,
                          text=True, check=True, env={"PATH": "/usr/bin:/bin"})
     assert out.stdout.startswith("gumiho ")
+
+
+@pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])
+def test_a_training_step_makes_no_tensor_off_the_drafters_device(tiny_target, method):
+    """Training's draws (batch order, feature noise, the ploss sample) come from CPU
+    generators, on the CPU by name, and batches are assembled on the host: a default device
+    (a notebook's `with torch.device("cuda")`, this suite's on a GPU) neither breaks nor
+    changes them. Under `meta` as the default, a tensor made without a device fails."""
+    from gumiho.config import TrainConfig
+    from gumiho.modeling import DraftHead
+    from gumiho.train.__main__ import batch_loss, new_model
+    from gumiho.train.dataset import collate, epoch_batches
+
+    g = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(97, (n,), generator=g, device="cpu"),
+                "hidden_state": torch.randn(n, 32, generator=g, device="cpu"),
+                "loss_mask": torch.ones(n, dtype=torch.uint8, device="cpu")} for n in (9, 12, 7)]
+    model = new_model(tiny_target, TrainConfig(method=method, online=True), seed=0)
+    head = DraftHead.for_model(tiny_target, model)
+
+    def step():
+        batch = {k: v.to(tiny_target.device) for k, v in collate(samples).items()}
+        loss, _ = batch_loss(model, tiny_target, head, batch, method, epoch=3, noise=0.2,
+                             p_fraction=0.5, seed=1)
+        return epoch_batches([9, 12, 7], 2, seed=0, epoch=1), float(loss.detach())
+
+    want = step()
+    with torch.device("meta"):
+        assert step() == want
+
+
+@pytest.mark.host
+def test_the_default_device_and_dtype_follow_the_environment(monkeypatch):
+    """GUMIHO_DEVICE and GUMIHO_DTYPE stand for unset --device and --dtype (subprocesses,
+    the suite on a GPU); explicit arguments win, and a bad value is one line."""
+    from gumiho.errors import GumihoError
+    from gumiho.target import choose_device_dtype
+
+    monkeypatch.setenv("GUMIHO_DEVICE", "cpu")
+    monkeypatch.setenv("GUMIHO_DTYPE", "bfloat16")
+    assert choose_device_dtype() == (torch.device("cpu"), torch.bfloat16)
+    assert choose_device_dtype(None, "float32")[1] == torch.float32
+    monkeypatch.delenv("GUMIHO_DTYPE")
+    assert choose_device_dtype() == (torch.device("cpu"), torch.float32)
+    monkeypatch.setenv("GUMIHO_DTYPE", "float8")
+    with pytest.raises(GumihoError, match="unknown dtype 'float8'"):
+        choose_device_dtype()

@@ -46,6 +46,7 @@ def log_rows(out: Path) -> list[dict]:
     return rows
 
 
+@pytest.mark.host  # a CPU gloo group, also on a GPU machine (GUMIHO_DEVICE=cpu)
 @pytest.mark.parametrize("method", ["gumiho", pytest.param("eagle2", marks=pytest.mark.slow)])
 def test_two_processes_train_like_one(tiny_target_dir, tmp_path, method):
     common = ["--target", tiny_target_dir, "--online", "--num-conversations", "8",

@@ -206,7 +206,8 @@ def test_the_eval_script_runs_gumiho_variants_side_by_side(smollm2, tmp_path, in
     env = {**os.environ, "QUICK": "1", "OUT": str(out), "QEND": "1",
            "MAXNEW": "8", "BENCHES": "gsm8k_like", "LOOKUP": "0", "EAGLE_DRAFT": "",
            "MEDUSA_DRAFT": "", "GUMIHO_ARGS": "--total-tokens 8", "INTERLEAVE": interleave,
-           "GUMIHO_VARIANTS": "--min-confidence 0.1|--min-confidence 0.3"}
+           "GUMIHO_VARIANTS": "--min-confidence 0.1|--min-confidence 0.3",
+           "COMMON_ARGS": "--engine eager"}  # floors act on eager steps (a GPU's default: graphs)
     proc = subprocess.run(["bash", "scripts/eval_smollm2.sh"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

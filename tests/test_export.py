@@ -127,7 +127,8 @@ def test_default_export_keeps_eagle3_vocabulary_buffers(tiny_target, tmp_path):
     d2t, t2d = state["d2t"], state["t2d"]
     assert d2t.dtype == torch.int64 and d2t.shape == (6,)
     assert t2d.dtype == torch.bool and t2d.shape == (97,) and int(t2d.sum()) == 6
-    assert torch.equal(torch.arange(6) + d2t, ids) and bool(t2d[ids].all())
+    ids = ids.cpu()  # the file's buffers are on the host
+    assert torch.equal(torch.arange(6, device="cpu") + d2t, ids) and bool(t2d[ids].all())
     assert config["draft_vocab_size"] == 6 and "embed_tokens.weight" not in state
 
 
@@ -177,8 +178,9 @@ def test_eagle_exports_compute_our_serial_head(tiny_target, tmp_path, engine, me
     assert ("fc.bias" in state) is (engine == "sglang")
     assert (method == "gumiho") == any("MLP heads" in n for n in notes)
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(97, (1, 7), generator=g)
-    features = torch.randn(1, 7, 32, generator=g)
+    device = tiny_target.device
+    tokens = torch.randint(97, (1, 7), generator=g, device="cpu").to(device)
+    features = torch.randn(1, 7, 32, generator=g, device="cpu").to(device)
     mask = torch.ones(7, 7, dtype=torch.bool).tril()[None, None]
     with torch.no_grad():
         ours = model.serial_step(tokens, features, torch.arange(7)[None], mask)
@@ -218,4 +220,4 @@ def test_export_cli(tiny_target_dir, tmp_path, capsys):
     state = torch.load(tmp_path / "bin" / "pytorch_model.bin", weights_only=True)
     assert state["embed_tokens.weight"].dtype == torch.bfloat16  # the stored dtype
     torch.testing.assert_close(state["embed_tokens.weight"].float(),
-                               target.embed_tokens.weight.bfloat16().float())
+                               target.embed_tokens.weight.bfloat16().float().cpu())

@@ -21,6 +21,7 @@ from gumiho.target import default_attention, load_target, wrap_target
 from gumiho.train.__main__ import batch_loss, new_model
 from gumiho.train.dataset import collate
 
+from conftest import DEVICE
 from drafters_for_tests import RandomDrafter, oracle_drafter, random_tree
 from families import FAMILIES, WINDOW, save_family
 from test_sampling import chi_square_rejects, exact_marginals
@@ -43,7 +44,7 @@ def family_dirs(tmp_path_factory, smollm2):
 
 @pytest.fixture(scope="session")
 def family_targets(family_dirs):
-    return {f: load_target(path) for f, path in family_dirs.items()}
+    return {f: load_target(path, device=str(DEVICE)) for f, path in family_dirs.items()}
 
 
 @pytest.fixture(scope="session")

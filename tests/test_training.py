@@ -20,6 +20,8 @@ from gumiho.train.__main__ import batch_loss, bf16_slowdown, main, new_model
 from gumiho.train.dataset import collate
 from gumiho.train.loss import LossWeights
 
+from conftest import DEVICE
+
 
 @pytest.fixture(autouse=True)
 def bf16_is_fast(monkeypatch):
@@ -30,7 +32,7 @@ def bf16_is_fast(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_target_dir):
-    return load_target(tiny_target_dir)
+    return load_target(tiny_target_dir, device=str(DEVICE))
 
 
 @pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])

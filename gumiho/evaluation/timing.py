@@ -90,7 +90,7 @@ def prompt_ids(target: Target, context: int) -> list[int]:
     if target.tokenizer is not None:
         return target.chat_ids(PROMPT)
     return torch.randint(*token_range(target), (context,),
-                         generator=torch.Generator().manual_seed(0)).tolist()
+                         generator=torch.Generator().manual_seed(0), device="cpu").tolist()
 
 
 def cycle_breakdown(target: Target, method: str, draft: str, engine: str, context: int,

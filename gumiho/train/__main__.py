@@ -28,7 +28,7 @@ from gumiho.drafters import random_drafter_model
 from gumiho.errors import GumihoError, cli_errors
 from gumiho.methods import DRAFTER_METHODS, method_spec
 from gumiho.modeling import DraftHead, draft_vocabulary
-from gumiho.target import load_target
+from gumiho.target import choose_device_dtype, load_target
 from gumiho.train.dataset import (
     add_noise,
     collate,
@@ -264,7 +264,7 @@ def bf16_slowdown(rows: int = 512, width: int = 576, out: int = 1536) -> float:
     and 76x for g W (at 512 rows, as measured here, this returns about 9 there). Takes a few
     milliseconds, or about a second on such a CPU."""
     gen = torch.Generator().manual_seed(0)
-    x, g, w = (torch.randn(shape, generator=gen)
+    x, g, w = (torch.randn(shape, generator=gen, device="cpu")
                for shape in ((rows, width), (rows, out), (out, width)))
 
     def best_of_two(dtype: torch.dtype) -> float:
@@ -297,10 +297,12 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
 
     mixed, target_dtype = precision(config)
     fresh_accelerator_state(mixed)
-    # cpu=True without a GPU: several launched processes then form one gloo group (without
-    # it accelerate leaves each CPU process on its own, silently training separate models)
+    # cpu=True without a GPU (or with GUMIHO_DEVICE=cpu): several launched processes then
+    # form one gloo group (without it accelerate leaves each CPU process on its own,
+    # silently training separate models)
+    on_cpu = choose_device_dtype()[0].type == "cpu"
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum,
-                              mixed_precision=mixed, cpu=not torch.cuda.is_available())
+                              mixed_precision=mixed, cpu=on_cpu)
     check_process_group(accelerator)
     configure_deepspeed(accelerator, config)
     set_seed(config.seed)

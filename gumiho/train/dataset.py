@@ -58,13 +58,13 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int
     LENGTH_WINDOW batches the samples sorted by length (little padding), then the batches
     shuffled. The same for every process layout, so any split of them repeats a run."""
     generator = torch.Generator().manual_seed(seed * 100003 + epoch)
-    order = torch.randperm(len(lengths), generator=generator).tolist()
+    order = torch.randperm(len(lengths), generator=generator, device="cpu").tolist()
     window = batch_size * LENGTH_WINDOW
     batches = []
     for start in range(0, len(order), window):
         chunk = sorted(order[start : start + window], key=lambda i: lengths[i])
         batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
-    shuffle = torch.randperm(len(batches), generator=generator).tolist()
+    shuffle = torch.randperm(len(batches), generator=generator, device="cpu").tolist()
     return [batches[i] for i in shuffle]
 
 
@@ -73,13 +73,15 @@ def collate(samples: list[dict]) -> dict[str, Tensor]:
     and hidden_state (B, L, H) when stored."""
     length = max(s["input_ids"].shape[0] for s in samples)
     batch = len(samples)
-    ids = torch.zeros(batch, length, dtype=torch.long)
-    mask = torch.zeros(batch, length, dtype=torch.long)
-    valid = torch.zeros(batch, length, dtype=torch.bool)
+    cpu = torch.device("cpu")  # a batch is assembled on the host whatever the default device
+    ids = torch.zeros(batch, length, dtype=torch.long, device=cpu)
+    mask = torch.zeros(batch, length, dtype=torch.long, device=cpu)
+    valid = torch.zeros(batch, length, dtype=torch.bool, device=cpu)
     hidden = None
     if "hidden_state" in samples[0]:
         h = samples[0]["hidden_state"].shape[-1]
-        hidden = torch.zeros(batch, length, h, dtype=samples[0]["hidden_state"].dtype)
+        hidden = torch.zeros(batch, length, h, dtype=samples[0]["hidden_state"].dtype,
+                             device=cpu)
     for i, s in enumerate(samples):
         n = s["input_ids"].shape[0]
         ids[i, :n] = s["input_ids"].long()
@@ -98,5 +100,5 @@ def add_noise(features: Tensor, valid: Tensor, scale: float,
     """The released recipe's input noise: (U - 0.5) * scale * 512 / L on real positions.
     generator: a CPU generator (drawn on the CPU so runs repeat across devices)."""
     length = features.shape[1]
-    noise = torch.rand(features.shape, generator=generator).to(features.device) - 0.5
+    noise = torch.rand(features.shape, generator=generator, device="cpu").to(features.device) - 0.5
     return features + noise.to(features.dtype) * scale * 512 / length * valid[..., None]

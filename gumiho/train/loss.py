@@ -87,8 +87,8 @@ def feature_losses(out: Tensor, features: Tensor, shift: int, targets: TargetDis
     if not (need_p or need_acc):
         return result
     if p_fraction < 1.0:
-        keep = (torch.rand(estimate.shape[0], generator=generator) < p_fraction).to(
-            estimate.device)
+        draws = torch.rand(estimate.shape[0], generator=generator, device="cpu")
+        keep = (draws < p_fraction).to(estimate.device)
         keep[0] = True
         estimate, rows = estimate[keep], rows[keep]
     logq = torch.log_softmax(head(estimate if need_p else estimate.detach()).float(), -1)
@@ -142,8 +142,8 @@ def medusa_loss(hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, heads,
             break
         mask = loss_mask[:, 2 + i : 2 + i + t].bool()
         if p_fraction < 1.0:
-            mask = mask & (torch.rand(mask.shape, generator=generator) < p_fraction).to(
-                mask.device)
+            draws = torch.rand(mask.shape, generator=generator, device="cpu")
+            mask = mask & (draws < p_fraction).to(mask.device)
         h = hidden[:, :t, i][mask]
         if h.shape[0] == 0:
             continue
