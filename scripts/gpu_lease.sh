@@ -75,7 +75,10 @@ pack() {  # here: the three pieces under .stage/, and one checksum list in each
 
 receive() {  # there: keep carried pieces, assemble what is complete
   mkdir -p "$LEASE_ROOT/pieces" "$SITE" "$RESULTS"
-  if compgen -G ".stage/*/*" > /dev/null; then cp -n .stage/*/* "$LEASE_ROOT/pieces/"; fi
+  local f
+  for f in .stage/*/*; do  # each carried piece once (cp -n warns on newer coreutils)
+    if [[ -f $f && ! -e $LEASE_ROOT/pieces/${f##*/} ]]; then cp "$f" "$LEASE_ROOT/pieces/"; fi
+  done
   local p=$LEASE_ROOT/pieces
   if [[ ! -f $SITE/gguf/__init__.py ]] && compgen -G "$p/gguf-*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$p"/gguf-*.whl
@@ -97,8 +100,11 @@ receive() {  # there: keep carried pieces, assemble what is complete
     check_sum assets.tar "$p/assets.tar"
     tar -xf "$p/assets.tar" -C "$LEASE_ROOT"
   fi
-  # The checkout is copied afresh for every call: link the drafters in each time.
-  [[ -e gumiho/assets || ! -d $LEASE_ROOT/assets ]] || ln -s "$LEASE_ROOT/assets" gumiho/assets
+  # The checkout is copied afresh for every call: link the drafters in each time (over the
+  # empty folders a copy of a checkout without them can leave behind).
+  if [[ -d $LEASE_ROOT/assets && ! -f gumiho/assets/smollm2/gumiho/model.safetensors ]]; then
+    rm -rf gumiho/assets && ln -s "$LEASE_ROOT/assets" gumiho/assets
+  fi
 }
 
 check_sum() {  # name file: the file's sha256 is the one pack wrote for name
