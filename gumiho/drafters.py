@@ -386,9 +386,11 @@ def random_drafter_model(method: str, target, seed: int = 0,
 
 def load_drafter(method: str, target, draft: str | None = None,
                  tree: TreeConfig | None = None, seed: int = 0,
-                 engine: str | None = None) -> Drafter:
+                 engine: str | None = None, random_vocab: int = 0) -> Drafter:
     """The drafter for `method` on `target`: a checkpoint dir, or `random` weights.
     engine: how its steps run (graphs.py); None picks by the target's device.
+    random_vocab: with `random`, a draft vocabulary of the target's first N ids (what a
+    reduced vocabulary costs, for timing; 0 = the whole vocabulary).
     A tree with `draft_gate` > 0 drafts only while drafting pays (gate.py, eager engine);
     one with `lookup` > 0 adds a prompt-lookup chain (lookup.py); `lookup` is plain
     decoding with one."""
@@ -406,7 +408,11 @@ def load_drafter(method: str, target, draft: str | None = None,
         if draft is None:
             raise GumihoError(f"--method {method} needs --draft DIR (a trained drafter) or "
                               "random")
-        model = random_drafter_model(method, target, seed) if draft == "random" else \
+        if random_vocab and draft != "random":
+            raise GumihoError("a random draft vocabulary goes with --draft random (a trained "
+                              "drafter keeps its own)")
+        ids = torch.arange(random_vocab, device=target.device) if random_vocab else None
+        model = random_drafter_model(method, target, seed, ids) if draft == "random" else \
             load_drafter_model(draft, target, method)
         drafter = (SerialDrafter if spec.serial else MedusaDrafter)(model, tree, engine=engine)
         if tree.draft_gate and engine == "eager":

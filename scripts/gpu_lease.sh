@@ -6,29 +6,27 @@
 # (about 30 s after a call). So the material travels in three pieces, one per call, and
 # each call also does work that needs only what has arrived:
 #
-# Budget: a lent machine gives a task 15 minutes of device time in all (its start, a few
-# minutes, included), so the order below puts the figures no CPU can make first, runs the
-# suite while the campaign trains, and bounds every phase (the *_LIMIT variables, seconds);
-# a phase cut short keeps what it finished (the testbed's answers are interleaved, so a cut
-# leaves the methods within one question of each other, and the report is made from them:
-# each speedup over the questions plain decoding also answered).
+# Budget: a lent machine gives a task 15 minutes of device time in all, starts and idle
+# seconds included. Measured on an H200 (2026-11-26): a start ~40 s; receiving a piece and
+# converting SmolLM2 ~30 s; `cycle` ~55 s; the suite with 8 workers just over 200 s; a
+# 3-question testbed ~35 s; `equality` ~40 s (bf16) and ~25 s (fp32). The machine goes
+# back 30 s after a call returns, so the calls must follow each other at once. Order:
 #
 #   here:  bash scripts/gpu_lease.sh pack              # .stage/{1,2,3}, ~60 MB each
-#          mv gumiho/assets /tmp/assets.hold           # the checkout then weighs ~1 MB
-#   device calls, back to back (carry = [".stage/N"] for the first three):
-#     1  bash scripts/gpu_lease.sh cycle                # 8B-shape cycle costs (random weights)
-#     2  bash scripts/gpu_lease.sh campaign             # SmolLM2 + ShareGPT ready: trainings
-#                                                      # start in the background
-#     3  bash scripts/gpu_lease.sh suite                # drafters ready: GUMIHO_TEST_DEVICE=cuda
-#                                                      # (~5 min, the campaign training beside it)
-#     4  bash scripts/gpu_lease.sh fetch testbed equality
-#                                                      # campaign stopped (its drafters into
-#                                                      # $OUT), then the idle GPU: every method
-#                                                      # vs plain with the shipped drafters
+#          mv gumiho/assets /tmp/assets.hold           # the checkout then weighs ~3 MB
+#   device calls, back to back (carry = [".stage/N"]):
+#     1  bash scripts/gpu_lease.sh cycle                # 8B-shape cycle costs (random weights);
+#                                                      # CYCLE_ARGS="--methods gumiho
+#                                                      # --draft-vocab 32768" for a second row
+#     2  bash scripts/gpu_lease.sh receive              # SmolLM2 converted, ShareGPT unpacked
+#     3  bash scripts/gpu_lease.sh suite testbed equality
+#                                                      # SUITE_LIMIT=300 first: the suite is
+#                                                      # what the CPU cannot check
 #   here:  mv /tmp/assets.hold gumiho/assets
-#          bash scripts/gpu_lease.sh unpack DIR        # DIR = the run's files_at
-# With more device time, `wait` (WAIT_LIMIT) before `fetch` lets the campaign run longer,
-# and USE_CAMPAIGN=1 runs the testbed with its drafters instead of the shipped ones.
+# The `campaign` phase (the three drafters on the whole training split, in the background
+# while the suite runs; `wait`, then `fetch` and `unpack DIR` here) needs more device time
+# than 15 minutes leave: a few minutes of training do not beat the shipped drafters.
+# USE_CAMPAIGN=1 runs the testbed with its drafters instead of the shipped ones.
 #
 # Every phase first takes in whatever pieces were carried (`receive`), so any order works
 # once the pieces a phase needs have arrived; a phase that lacks one says which. Results go
@@ -249,11 +247,14 @@ case $1 in
   unpack) unpack "${2:-}"; exit ;;
 esac
 receive
-for phase in "$@"; do
+failed=0
+for phase in "$@"; do  # a failing phase does not stop the ones after it (device time is dear)
   case $phase in
-    cycle|suite|testbed|equality|campaign|fetch|progress) $phase ;;
+    cycle|suite|testbed|equality|campaign|fetch|progress) ($phase) || { failed=1
+      echo "error: phase $phase failed; going on" >&2; } ;;
     wait) wait_runs ;;
     receive) ;;
     *) die "unknown phase '$phase'" ;;
   esac
 done
+exit $failed

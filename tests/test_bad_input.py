@@ -142,6 +142,9 @@ BAD = {
     "timing_unknown_method": ("timing", ["--target", "{tiny}", "--methods", "gumiho,ar"]),
     "timing_context_past_positions": ("timing", ["--target", "{tiny}", "--widths", "8",
                                                  "--context", "5000"]),
+    "timing_draft_vocab_of_a_trained_drafter": ("timing", ["--target", "{tiny}", "--methods",
+                                                           "gumiho", "--draft", "{dir}",
+                                                           "--draft-vocab", "64"]),
     # speed
     "speed_on_a_readme": ("speed", ["--answers", "{dir}/README.md", "--out", "{dir}/r"]),
     "speed_missing_file": ("speed", ["--answers", "{dir}/nope.jsonl", "--out", "{dir}/r"]),

@@ -28,9 +28,24 @@ def test_timing_tool_reports_every_phase(tiny_target_dir, capsys):
     assert gumiho["per_cycle_s"]["draft_serial"] > 0 and gumiho["per_cycle_s"]["draft_heads"] > 0
     assert "draft_heads" not in report["cycles"]["eagle2"]["per_cycle_s"] or \
         report["cycles"]["eagle2"]["per_cycle_s"]["draft_heads"] == 0
-    # the projection is tau x plain step / cycle
-    expected = 3 * gumiho["plain_step_s"] / gumiho["cycle_s"]
+    # the projection is tau x plain step / cycle, both timed without the profile's syncs
+    wall = gumiho["unprofiled"]
+    assert wall["cycle_s"] > 0 and wall["plain_step_s"] > 0
+    expected = 3 * wall["plain_step_s"] / wall["cycle_s"]
     assert gumiho["projected"]["speedup"] == pytest.approx(expected)
+
+
+def test_a_random_draft_vocabulary_shrinks_the_drafter_head(tiny_target_dir, capsys):
+    assert timing.main(["--target", tiny_target_dir, "--widths", "1", "--methods", "gumiho",
+                        "--repeats", "1", "--context", "16", "--json", "--max-new-tokens",
+                        "4", "--total-tokens", "8", "--draft-vocab", "64"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["cycles"]["gumiho"]["draft_vocab"] == 64
+    from gumiho.drafters import load_drafter
+    from gumiho.target import load_target
+
+    drafter = load_drafter("gumiho", load_target(tiny_target_dir), "random", random_vocab=64)
+    assert drafter.model.config.draft_vocab_size == 64
 
 
 def test_shape_builds_a_random_llama_of_that_size():
