@@ -91,6 +91,33 @@ def test_report_pairs_questions_with_prompt_lookup_and_bounds_the_speedup(tmp_pa
     assert "faster than medusa" in (tmp_path / "r2.md").read_text()
 
 
+def test_a_label_keeps_two_drafters_of_one_method_apart(tmp_path):
+    """--label names a run in the report: without it, two Gumiho drafters with the same
+    tree settings would share one row."""
+    ar = [record(q, "ar", 10, 10, 1.0, [1] * 10) for q in range(2)]
+    old = [record(q, "gumiho", 10, 5, 0.5, [1, 2]) for q in range(2)]
+    new = [record(q, "gumiho", 10, 4, 0.4, [1, 3]) for q in range(2)]
+    for rec in new:
+        rec["settings"]["label"] = "gumiho (stage 5)"
+    files = write_files(tmp_path, {"ar": ar, "old": old, "new": new})
+    rows = speed.report(speed.read_answers(files))["0.0"]["mt_bench"]
+    assert set(rows) == {"ar", "gumiho", "gumiho (stage 5)"}
+    assert rows["gumiho (stage 5)"]["speedup"] == pytest.approx(2.5)
+
+
+def test_gen_answers_writes_the_label_and_resumes_without_comparing_it(tiny_target_dir,
+                                                                       tmp_path):
+    from gumiho.evaluation import gen_answers
+
+    path = tmp_path / "a.jsonl"
+    args = ["--target", tiny_target_dir, "--method", "ar", "--bench", "mt_bench",
+            "--max-new-tokens", "4", "--answer-file", str(path), "--warmup", "0"]
+    assert gen_answers.main([*args, "--question-end", "1", "--label", "first"]) == 0
+    assert gen_answers.main([*args, "--question-end", "2", "--label", "second"]) == 0
+    labels = [json.loads(line)["settings"]["label"] for line in path.read_text().splitlines()]
+    assert labels == ["first", "second"]
+
+
 def test_report_names_an_answer_slowed_by_a_busy_machine(tmp_path, capsys):
     """One answer at a third of its run's median rate is named (stderr and report.md);
     the ordinary 2x spread of speculative answers is not."""

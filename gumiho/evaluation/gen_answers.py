@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="start the answer file over (it must be an answer file; it is "
                    "replaced once the first new answer is ready)")
+    p.add_argument("--label", default=None,
+                   help="the report's name for this run (default: the method and what sets "
+                   "it apart, e.g. two drafters of one method side by side)")
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--warmup", type=nonnegative_int, default=1,
                    help="untimed warm-up generations")
@@ -204,6 +207,8 @@ class Job:
         self.settings = {**{k: getattr(a, k) for k in RESUME_IDENTITY},
                          "tree": vars(tree) if tree is not None else None,
                          "engine": gen.engine, "auto_tree": gen.auto_report}
+        if a.label:  # a name for the report only: resuming does not compare it
+            self.settings["label"] = a.label
         self.env = environment(gen)
         check_resume(self.path, self.found, self.settings, env=self.env)
         for _ in range(a.warmup):

@@ -38,7 +38,10 @@ GROUP_KEYS = ("target", "draft", "max_new_tokens", "seed", "tree", "engine")
 
 def method_label(settings: dict) -> str:
     """The method, plus what sets this run apart: a random drafter, a non-default FTA, a
-    prompt-lookup chain other than the method's own (beside a drafter's tree)."""
+    prompt-lookup chain other than the method's own (beside a drafter's tree); or the
+    run's own --label."""
+    if settings.get("label"):
+        return settings["label"]
     notes = ["random"] if settings.get("draft") == "random" else []
     tree = settings.get("tree") or {}
     fta = tree.get("fta", "off")
