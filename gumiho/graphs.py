@@ -55,8 +55,8 @@ class _Graph:
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...],
                  pool):
         self.inputs = tuple(x.clone() for x in inputs)
-        # One call on the current stream first: a first call's lazy set-up there (seen on an
-        # H200: the draft tree step) otherwise invalidates the capture.
+        # One call on the current stream first: without it, capturing the draft tree step
+        # failed on an H200 (capture invalidated, cause not pinned down); with it, it held.
         fn(*self.inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
