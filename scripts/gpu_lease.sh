@@ -42,7 +42,7 @@ SITE=$LEASE_ROOT/site
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 SHAREGPT_NAME=ShareGPT_V3_unfiltered_cleaned_split.json
 PIECE_BYTES=62000000
-METHODS=(gumiho eagle2 medusa)
+read -ra METHODS <<< "${CAMPAIGN_METHODS:-gumiho eagle2 medusa}"  # what the campaign trains
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export GUMIHO_CACHE=$LEASE_ROOT/cache
 export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
