@@ -21,6 +21,9 @@ from gumiho.errors import GumihoError, cli_errors
 ANSWER_ARGS = ["--method", "ar", "--bench", "mt_bench", "--question-end", "2",
                "--max-new-tokens", "3", "--warmup", "0"]
 ALLOC_ARGS = ["--end", "4", "--shard-size", "2", "--max-len", "64"]
+HI = ["--target", "{tiny}", "--prompt", "hi"]  # a generate call that would otherwise run
+RANDOM_GUMIHO = ["--method", "gumiho", "--draft", "random"]
+RANDOM_MEDUSA = ["--method", "medusa", "--draft", "random"]
 # (module, argv) -- {tiny}: a tiny target dir; {dir}: the case's own folder of victims.
 BAD = {
     # export: never writes into a file or over another directory's files
@@ -80,61 +83,44 @@ BAD = {
         "--target", "{tiny}", "--bench", "mt_bench",
         "--run", "--method ar --max-new-tokens 3 --answer-file {dir}/new.jsonl"]),
     # generate
-    "generate_huge_max_new_tokens": ("generate", ["--target", "{tiny}", "--prompt", "hi",
-                                                  "--max-new-tokens", "1000000000000"]),
+    "generate_huge_max_new_tokens": ("generate", [*HI, "--max-new-tokens", "1000000000000"]),
     "generate_prompt_plus_max_new_tokens_past_context": (
-        "generate", ["--target", "{tiny}", "--prompt", "hi", "--max-new-tokens", "1010"]),
+        "generate", [*HI, "--max-new-tokens", "1010"]),
     "generate_whitespace_prompt": ("generate", ["--target", "{tiny}", "--prompt", " \n\t"]),
-    "generate_nan_temperature": ("generate", ["--target", "{tiny}", "--prompt", "hi",
-                                              "--temperature", "nan"]),
-    "generate_negative_temperature": ("generate", ["--target", "{tiny}", "--prompt", "hi",
-                                                   "--temperature", "-0.5"]),
-    "generate_banana_device": ("generate", ["--target", "{tiny}", "--prompt", "hi",
-                                            "--device", "banana"]),
-    "generate_mlp_topk_beyond_vocab": ("generate", [
-        "--target", "{tiny}", "--prompt", "hi", "--method", "gumiho", "--draft", "random",
-        "--mlp-topk", "100000"]),
-    "generate_top_k_beyond_vocab": ("generate", [
-        "--target", "{tiny}", "--prompt", "hi", "--method", "eagle2", "--draft", "random",
-        "--top-k", "60000"]),
-    "generate_fta_with_eagle2": ("generate", ["--target", "{tiny}", "--prompt", "hi",
-                                              "--method", "eagle2", "--draft", "random",
+    "generate_nan_temperature": ("generate", [*HI, "--temperature", "nan"]),
+    "generate_negative_temperature": ("generate", [*HI, "--temperature", "-0.5"]),
+    "generate_banana_device": ("generate", [*HI, "--device", "banana"]),
+    "generate_mlp_topk_beyond_vocab": ("generate", [*HI, *RANDOM_GUMIHO, "--mlp-topk",
+                                                    "100000"]),
+    "generate_top_k_beyond_vocab": ("generate", [*HI, "--method", "eagle2", "--draft",
+                                                 "random", "--top-k", "60000"]),
+    "generate_fta_with_eagle2": ("generate", [*HI, "--method", "eagle2", "--draft", "random",
                                               "--fta", "exact"]),
-    "generate_lookup_first_without_lookup": ("generate", [
-        "--target", "{tiny}", "--prompt", "hi", "--method", "gumiho", "--draft", "random",
-        "--lookup-first"]),
-    "generate_lookup_first_with_plain_lookup": ("generate", [
-        "--target", "{tiny}", "--prompt", "hi", "--method", "lookup", "--lookup-first"]),
-    "generate_negative_draft_gate": ("generate", [
-        "--target", "{tiny}", "--prompt", "hi", "--method", "gumiho", "--draft", "random",
-        "--draft-gate", "-1"]),
-    "generate_draft_gate_without_drafter": ("generate", [
-        "--target", "{tiny}", "--prompt", "hi", "--method", "ar", "--draft-gate", "1.3"]),
-    "generate_min_confidence_one": ("generate", [
-        "--target", "{tiny}", "--prompt", "hi", "--method", "gumiho", "--draft", "random",
-        "--min-confidence", "1"]),
-    "generate_min_confidence_with_medusa": ("generate", [
-        "--target", "{tiny}", "--prompt", "hi", "--method", "medusa", "--draft", "random",
-        "--min-confidence", "0.2"]),
-    "generate_extend_confidence_one": ("generate", [
-        "--target", "{tiny}", "--prompt", "hi", "--method", "gumiho", "--draft", "random",
-        "--extend-confidence", "1"]),
-    "generate_extend_confidence_with_medusa": ("generate", [
-        "--target", "{tiny}", "--prompt", "hi", "--method", "medusa", "--draft", "random",
-        "--extend-confidence", "0.4"]),
+    "generate_lookup_first_without_lookup": ("generate", [*HI, *RANDOM_GUMIHO,
+                                                          "--lookup-first"]),
+    "generate_lookup_first_with_plain_lookup": ("generate", [*HI, "--method", "lookup",
+                                                             "--lookup-first"]),
+    "generate_negative_draft_gate": ("generate", [*HI, *RANDOM_GUMIHO, "--draft-gate", "-1"]),
+    "generate_draft_gate_without_drafter": ("generate", [*HI, "--method", "ar",
+                                                         "--draft-gate", "1.3"]),
+    "generate_min_confidence_one": ("generate", [*HI, *RANDOM_GUMIHO, "--min-confidence",
+                                                 "1"]),
+    "generate_min_confidence_with_medusa": ("generate", [*HI, *RANDOM_MEDUSA,
+                                                         "--min-confidence", "0.2"]),
+    "generate_extend_confidence_one": ("generate", [*HI, *RANDOM_GUMIHO,
+                                                    "--extend-confidence", "1"]),
+    "generate_extend_confidence_with_medusa": ("generate", [*HI, *RANDOM_MEDUSA,
+                                                            "--extend-confidence", "0.4"]),
     "train_init_from_missing": ("train", ["--target", "{tiny}", "--online", "--output-dir",
                                           "{dir}/never", "--init-from", "{dir}/nowhere"]),
-    "generate_broken_chat_template": ("generate", ["--target", "{tiny}", "--prompt", "hi",
-                                                   "--chat-template", "{{ oops("]),
+    "generate_broken_chat_template": ("generate", [*HI, "--chat-template", "{{ oops("]),
     "generate_truncated_weights": ("generate", ["--target", "{dir}/truncated", "--prompt",
                                                 "hi"]),
     "generate_target_without_tokenizer": ("generate", ["--target", "{dir}/no_tokenizer",
                                                        "--prompt", "hi"]),
-    "generate_garbage_drafter_config": ("generate", ["--target", "{tiny}", "--prompt", "hi",
-                                                     "--method", "gumiho", "--draft",
+    "generate_garbage_drafter_config": ("generate", [*HI, "--method", "gumiho", "--draft",
                                                      "{dir}/drafter"]),
-    "generate_seed_not_a_number": ("generate", ["--target", "{tiny}", "--prompt", "hi",
-                                                "--seed", "x"]),
+    "generate_seed_not_a_number": ("generate", [*HI, "--seed", "x"]),
     # timing
     "timing_widths_not_numbers": ("timing", ["--target", "{tiny}", "--widths", "a,b"]),
     "timing_width_zero": ("timing", ["--target", "{tiny}", "--widths", "0"]),
