@@ -1,11 +1,10 @@
 """Shared fixtures: a tiny random Llama (fast unit tests) and the real SmolLM2 target.
 
 The suite runs on the CPU (CI) unless GUMIHO_TEST_DEVICE names another device, e.g.
-`GUMIHO_TEST_DEVICE=cuda python -m pytest`: then every target loads there in float32 (also in
-the subprocesses the CLI tests start, through GUMIHO_DEVICE and GUMIHO_DTYPE) and tensors a
-test makes without
-a device land there too; tests marked `host` (pure arithmetic on hand-made tensors) stay
-on the CPU.
+`GUMIHO_TEST_DEVICE=cuda python -m pytest`: then every target loads there in float32 (also
+in the subprocesses the CLI tests start, through GUMIHO_DEVICE and GUMIHO_DTYPE) and tensors
+a test makes without a device land there too; tests marked `host` (pure arithmetic on
+hand-made tensors) stay on the CPU.
 """
 
 import os
