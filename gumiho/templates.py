@@ -48,7 +48,9 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int,
     Each assistant span is the difference between the conversation rendered up to that
     turn and the same with the generation prompt, cut after the first stop token in it.
     The template's own end-of-turn token counts as a stop token too, so any layout's mask
-    ends where its turns end.
+    ends where its turns end. Rendering stops at the first turn that reaches `max_len`
+    tokens (each render is tokenised whole, so a long conversation cost its length times
+    its number of turns); the result is the whole conversation's, cut to `max_len`.
     """
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise GumihoError("this tokenizer has no chat template: pass --template vicuna "
@@ -56,18 +58,29 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int,
     end = turn_end_token(tokenizer, TEMPLATES.get(template, template))
     if end is not None:
         stop_token_ids = stop_token_ids | {tokenizer.convert_tokens_to_ids(end)}
-    ids = render(tokenizer, messages, False, template)
-    mask = torch.zeros(len(ids), dtype=torch.long)
+    spans = []  # (start, render through the turn) of each assistant turn rendered
+    ids = None
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         start = len(render(tokenizer, messages[:i], True, template))
+        if start >= max_len:  # this turn and the rest lie past the cut
+            before = render(tokenizer, messages[:i], False, template)
+            ids = before if len(before) >= max_len else None
+            break
         through = render(tokenizer, messages[: i + 1], False, template)
+        spans.append((start, through))
+        if len(through) >= max_len:
+            ids = through
+            break
+    if ids is None:
+        ids = render(tokenizer, messages, False, template)
+    mask = torch.zeros(len(ids), dtype=torch.long)
+    for start, through in spans:
         if through != ids[: len(through)] or start > len(through):
             raise GumihoError("the chat template is not prefix-consistent; cannot mask turns")
-        end = len(through)
-        stops = [j for j in range(start, end) if ids[j] in stop_token_ids]
-        mask[start : (stops[0] + 1 if stops else end)] = 1
+        stops = [j for j in range(start, len(through)) if ids[j] in stop_token_ids]
+        mask[start : (stops[0] + 1 if stops else len(through))] = 1
     return torch.tensor(ids[:max_len]), mask[:max_len]
 
 

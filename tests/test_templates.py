@@ -90,6 +90,25 @@ def test_mask_is_cut_by_max_len(smollm2):
     assert ids.shape == mask.shape == (20,)
 
 
+@pytest.mark.parametrize("family", ["chatml", "gemma"])
+def test_cut_conversation_equals_the_whole_one_cut(smollm2, family):
+    """Rendering stops at the turn that reaches max_len; the ids and mask are still the
+    whole conversation's, cut (real ShareGPT conversations, some cut mid-turn, some in a
+    user turn, some not at all)."""
+    from gumiho.ge_data.conversations import load_conversations, split
+
+    tok, template = family_tokenizer(smollm2, family)
+    stops = frozenset({tok.convert_tokens_to_ids(STOPS[family])})
+    conversations = split(load_conversations("sharegpt"))[0][:12]
+    for conv in conversations:
+        whole_ids, whole_mask = tokenize_conversation(tok, conv["messages"], 10**9, stops,
+                                                      template)
+        for max_len in (24, 200, 512):
+            ids, mask = tokenize_conversation(tok, conv["messages"], max_len, stops, template)
+            assert ids.tolist() == whole_ids[:max_len].tolist()
+            assert mask.tolist() == whole_mask[:max_len].tolist()
+
+
 def test_salvage_truncated_array():
     text = '[{"id": "a", "conversations": []}, {"id": "b"}, {"id": "c", "conv'
     assert [r["id"] for r in salvage_json_array(text)] == ["a", "b"]
