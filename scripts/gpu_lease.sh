@@ -173,13 +173,18 @@ equality() {  # greedy tree verification vs plain decoding, bf16 and fp32, real 
   done
 }
 
+heldout() {  # the held-out samples the campaign evaluates on (the CPU campaign's 57)
+  need SmolLM2; need ShareGPT
+  # A rerun keeps finished shards.
+  python3 -m gumiho.ge_data.allocation --outdir "$LEASE_ROOT/data/heldout512" \
+    --split held_out --end 64 --shard-size 64 --max-len 512 ${HELD_ARGS:---gpus 0} \
+    > "$LEASE_ROOT/heldout.log" 2>&1 || { tail -5 "$LEASE_ROOT/heldout.log"; exit 1; }
+}
+
 campaign() {  # the three drafters on the whole training split, in the background
   need SmolLM2; need ShareGPT
   local held=$LEASE_ROOT/data/heldout512 m
-  # Held-out samples as the CPU campaign's (57 of them); a rerun keeps finished shards.
-  python3 -m gumiho.ge_data.allocation --outdir "$held" --split held_out --end 64 \
-    --shard-size 64 --max-len 512 ${HELD_ARGS:---gpus 0} > "$LEASE_ROOT/heldout.log" 2>&1 \
-    || { tail -5 "$LEASE_ROOT/heldout.log"; exit 1; }
+  heldout
   mkdir -p "$LEASE_ROOT/runs"
   for m in "${METHODS[@]}"; do
     if pgrep -f "output-dir $LEASE_ROOT/runs/$m --" > /dev/null; then continue; fi
@@ -187,16 +192,37 @@ campaign() {  # the three drafters on the whole training split, in the backgroun
     # MLP heads' ploss from the first step: on the CPU's 1,024-conversation run it lifted
     # them 2-5x and left the serial heads as they were (README, the shipped drafters).
     [[ $m == gumiho ]] && extra="--mlp-ploss-after-epochs 0"
+    # INIT=DIR: continue DIR/<method> (e.g. INIT=gumiho/assets/smollm2, the shipped ones).
+    if [[ -n ${INIT:-} ]]; then
+      [[ -f ${INIT}/$m/model.safetensors ]] || die "INIT=$INIT has no $m drafter"
+      extra+=" --init-from $(realpath "$INIT/$m")"
+    fi
+    [[ -n ${MAX_STEPS:-} ]] && extra+=" --max-steps $MAX_STEPS"
     # Resumes from its last save when run again (same flags).
     setsid nohup python3 -m gumiho.train --online --num-conversations "${CONVERSATIONS:-17671}" \
       --max-len "${MAX_LEN:-1024}" --method "$m" \
-      --output-dir "$LEASE_ROOT/runs/$m" --epochs "${EPOCHS:-3}" --batch-size 8 \
-      --grad-accum 4 --lr "${LR:-5e-4}" --warmup-steps 50 --draft-vocab 8192 \
-      --precision "${PRECISION:-bf16}" --eval-data "$held" --eval-every 100 --save-every 50 --log-every 10 \
-      $extra >> "$LEASE_ROOT/runs/$m.log" 2>&1 < /dev/null &
+      --output-dir "$LEASE_ROOT/runs/$m" --epochs "${EPOCHS:-3}" --batch-size "${BATCH:-8}" \
+      --grad-accum "${ACCUM:-4}" --lr "${LR:-5e-4}" --warmup-steps "${WARMUP:-50}" \
+      --draft-vocab 8192 --ploss-fraction "${PLOSS_FRACTION:-1.0}" \
+      --precision "${PRECISION:-bf16}" --eval-data "$held" --eval-every "${EVAL_EVERY:-100}" \
+      --save-every 50 --log-every 10 $extra >> "$LEASE_ROOT/runs/$m.log" 2>&1 < /dev/null &
   done
   sleep "${SETTLE:-30}"
   progress
+}
+
+probe() {  # seconds per optimizer step of each method here (fresh weights, 512 conversations)
+  need SmolLM2; need ShareGPT
+  local m
+  for m in "${METHODS[@]}"; do
+    rm -rf "$LEASE_ROOT/probe/$m"
+    timeout "${PROBE_LIMIT:-90}" python3 -m gumiho.train --online --num-conversations 512 \
+      --max-len "${MAX_LEN:-1024}" --method "$m" --output-dir "$LEASE_ROOT/probe/$m" \
+      --epochs 1 --max-steps 12 --batch-size "${BATCH:-8}" --grad-accum "${ACCUM:-4}" \
+      --draft-vocab 8192 --precision "${PRECISION:-bf16}" --log-every 1 \
+      > "$LEASE_ROOT/probe_$m.log" 2>&1 || true
+    echo "== $m"; tr '\r' '\n' < "$LEASE_ROOT/probe_$m.log" | grep -v '^$' | tail -2
+  done
 }
 
 progress() {
@@ -241,7 +267,7 @@ unpack() {  # here: the fetched drafters into runs/gpu_campaign/
   ls -R runs/gpu_campaign
 }
 
-[[ $# -gt 0 ]] || die "give phases: pack | cycle suite testbed equality campaign wait fetch | unpack DIR"
+[[ $# -gt 0 ]] || die "give phases: pack | cycle suite testbed equality probe heldout campaign wait fetch | unpack DIR"
 case $1 in
   pack) pack; exit ;;
   unpack) unpack "${2:-}"; exit ;;
@@ -250,7 +276,7 @@ receive
 failed=0
 for phase in "$@"; do  # a failing phase does not stop the ones after it (device time is dear)
   case $phase in
-    cycle|suite|testbed|equality|campaign|fetch|progress) ($phase) || { failed=1
+    cycle|suite|testbed|equality|heldout|campaign|probe|fetch|progress) ($phase) || { failed=1
       echo "error: phase $phase failed; going on" >&2; } ;;
     wait) wait_runs ;;
     receive) ;;
