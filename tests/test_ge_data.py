@@ -62,6 +62,16 @@ def test_other_settings_are_refused(data_dir, tiny_target_dir, capsys):
     assert "shard_size=2" in capsys.readouterr().err
 
 
+def test_cpu_workers_run_on_the_cpu_whatever_the_default_device(tmp_path, tiny_target_dir,
+                                                                monkeypatch):
+    """`--workers` hides the GPUs from its workers; a GUMIHO_DEVICE naming an accelerator
+    (as the suite sets on a GPU) must not send them looking for one."""
+    monkeypatch.setenv("GUMIHO_DEVICE", "cuda")
+    assert allocation.main(["--outdir", str(tmp_path), "--target", tiny_target_dir,
+                            "--end", "2", "--shard-size", "2", "--max-len", "64"]) == 0
+    assert len(load_samples(tmp_path)[1]) > 0
+
+
 def test_missing_shard_is_reported_by_loader(tmp_path):
     (tmp_path / "manifest.json").write_text('{"num_shards": 2}')
     with pytest.raises(GumihoError, match="2 shards missing"):

@@ -258,11 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     if need > free:
         print(f"note: {outdir} has {free / 2**30:.2f} GiB free, less than the estimate",
               file=sys.stderr)
+    # Each worker's device is its slot's, whatever GUMIHO_DEVICE says here (a CPU worker
+    # told to use "cuda" with no GPU visible would fail).
     if args.gpus:
-        slots = [{"CUDA_VISIBLE_DEVICES": g} for g in args.gpus]
+        slots = [{"CUDA_VISIBLE_DEVICES": g, "GUMIHO_DEVICE": "cuda"} for g in args.gpus]
     else:
         threads = str(max(1, (os.cpu_count() or 1) // args.workers))
-        slots = [{"OMP_NUM_THREADS": threads, "CUDA_VISIBLE_DEVICES": ""}] * args.workers
+        slots = [{"OMP_NUM_THREADS": threads, "CUDA_VISIBLE_DEVICES": "",
+                  "GUMIHO_DEVICE": "cpu"}] * args.workers
     start = time.perf_counter()
     launch(outdir, todo, slots)
     samples = count_samples(outdir, manifest["num_shards"])
