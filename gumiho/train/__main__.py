@@ -168,8 +168,11 @@ def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: 
                noise: float, log_acc: bool = True, p_fraction: float = 1.0, seed: int = 0,
                weights: LossWeights = REFERENCE_WEIGHTS):
     """Forward one batch; returns (loss, logs). `seed` fixes this batch's noise and ploss
-    sample, so a resumed (or differently parallelised) run repeats the same computation."""
+    sample, so a resumed (or differently parallelised) run repeats the same computation.
+    A batch from `collate` (host tensors) moves to the drafter's device here."""
     generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     valid = batch["valid"]
     features = batch.get("hidden_state")
     if features is None:
