@@ -81,7 +81,7 @@ def test_mlp_ploss_joins_after_the_epochs_asked(tiny, tiny_data_dir):
     def loss(epoch, after):
         value, _ = batch_loss(model, tiny, head, batch, "gumiho", epoch=epoch, noise=0.2,
                               log_acc=False, weights=LossWeights(mlp_p_from_epoch=after))
-        return float(value)
+        return float(value.detach())
 
     reference_early, reference_late = loss(1, 2), loss(2, 2)
     assert reference_late > reference_early  # ploss joined at the third epoch
