@@ -7,26 +7,27 @@
 # each call also does work that needs only what has arrived:
 #
 # Budget: a lent machine gives a task 15 minutes of device time in all, starts and idle
-# seconds included. Measured on an H200 (2026-11-26): a start ~40 s; receiving a piece and
-# converting SmolLM2 ~30 s; `cycle` ~55 s; the suite with 8 workers just over 200 s; a
-# 3-question testbed ~35 s; `equality` ~40 s (bf16) and ~25 s (fp32). The machine goes
-# back 30 s after a call returns, so the calls must follow each other at once. Order:
+# seconds included. Measured (2026-11-26): a start ~40 s; receiving a piece and converting
+# SmolLM2 ~30 s; `cycle` ~55 s; the suite with 8 workers just over 200 s alone (H200);
+# `probe` ~40 s; 360 steps of the three drafters at once ~160 s (H100); a 2-benchmark x
+# 3-question testbed ~50 s; `equality` ~65 s. The machine goes back 30 s after a call
+# returns, so the calls must follow each other at once. The order that fit (H100, 833 s):
 #
 #   here:  bash scripts/gpu_lease.sh pack              # .stage/{1,2,3}, ~60 MB each
 #          mv gumiho/assets /tmp/assets.hold           # the checkout then weighs ~3 MB
-#   device calls, back to back (carry = [".stage/N"]):
-#     1  bash scripts/gpu_lease.sh cycle                # 8B-shape cycle costs (random weights);
-#                                                      # CYCLE_ARGS="--methods gumiho
-#                                                      # --draft-vocab 32768" for a second row
-#     2  bash scripts/gpu_lease.sh receive              # SmolLM2 converted, ShareGPT unpacked
-#     3  bash scripts/gpu_lease.sh suite testbed equality
-#                                                      # SUITE_LIMIT=300 first: the suite is
-#                                                      # what the CPU cannot check
-#   here:  mv /tmp/assets.hold gumiho/assets
-# The `campaign` phase (the three drafters on the whole training split, in the background
-# while the suite runs; `wait`, then `fetch` and `unpack DIR` here) needs more device time
-# than 15 minutes leave: a few minutes of training do not beat the shipped drafters.
-# USE_CAMPAIGN=1 runs the testbed with its drafters instead of the shipped ones.
+#   device calls, back to back (carry = [".stage/N"] for the first three):
+#     1  CYCLE_LIMIT=80 bash scripts/gpu_lease.sh cycle            # 8B-shape cycle table
+#     2  CAMPAIGN_METHODS=gumiho MAX_LEN=512 BATCH=16 ACCUM=2 \
+#          bash scripts/gpu_lease.sh probe heldout                 # s/step; held-out data
+#     3  INIT=gumiho/assets/smollm2 MAX_LEN=512 BATCH=16 ACCUM=2 MAX_STEPS=360 LR=1e-3 \
+#          WARMUP=10 EVAL_EVERY=60 SETTLE=5 SUITE_LIMIT=265 \
+#          bash scripts/gpu_lease.sh campaign suite progress        # trains while the suite runs
+#     4  WAIT_LIMIT=100 bash scripts/gpu_lease.sh wait fetch; USE_CAMPAIGN=1 \
+#          TESTBED_LIMIT=100 QEND=3 MAXNEW=128 BENCHES="mt_bench cnndm_like" \
+#          bash scripts/gpu_lease.sh testbed
+#   here:  mv /tmp/assets.hold gumiho/assets; bash scripts/gpu_lease.sh unpack DIR_OF_CALL_4
+# Size MAX_STEPS from the probe: the trainings must end inside calls 3 and 4.
+# USE_CAMPAIGN=1 runs the testbed with the campaign's drafters instead of the shipped ones.
 #
 # Every phase first takes in whatever pieces were carried (`receive`), so any order works
 # once the pieces a phase needs have arrived; a phase that lacks one says which. Results go
