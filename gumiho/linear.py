@@ -13,7 +13,8 @@ everything else to `torch.nn.functional.linear`. Both compute the same product; 
 order of the float additions differs (about 1e-6 relative), as it does between any two
 batch shapes, so verification stays exactly as lossless as before (the greedy-equality
 tests run such verifies). Smaller weights (a drafter's 8,192-token head, the layers) and
-other devices keep torch's default, which is as fast or faster there.
+other devices keep torch's default, which is as fast or faster there. Under torch.compile
+the product is left to inductor (which picks its own kernel; it cannot lower this op).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ ONEDNN_LINEAR = _onednn_linear()
 
 def uses_onednn(hidden: Tensor, weight: Tensor) -> bool:
     """Whether `vocab_linear` sends this product to oneDNN."""
-    return (ONEDNN_LINEAR is not None and hidden.device.type == "cpu"
+    return (ONEDNN_LINEAR is not None and not torch.compiler.is_compiling()
+            and hidden.device.type == "cpu"
             and hidden.dtype == torch.float32 and weight.dtype == torch.float32
             and weight.shape[0] >= MIN_OUTPUTS and hidden.numel() >= MIN_ROWS * hidden.shape[-1]
             and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)))

@@ -43,6 +43,19 @@ def test_only_wide_float32_cpu_products_of_a_large_weight_use_onednn():
     assert not uses_onednn(torch.randn(4, 8, requires_grad=True), big)  # autograd: torch's
 
 
+@needs_onednn
+@pytest.mark.host
+def test_vocab_linear_compiles():
+    """Under torch.compile (`--engine compile` on a CPU) a wide product is inductor's to
+    lower: handing it the oneDNN op failed in lowering (a verify of 8 tokens)."""
+    torch.manual_seed(0)
+    weight, hidden = torch.randn(MIN_OUTPUTS, 16), torch.randn(1, 8, 16)
+    with torch.no_grad():
+        got = torch.compile(vocab_linear, dynamic=False)(hidden, weight)
+    torch.testing.assert_close(got, torch.nn.functional.linear(hidden, weight),
+                               rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.skipif(DEVICE.type != "cpu" or linear.ONEDNN_LINEAR is None,
                     reason="the oneDNN path is the CPU's")
 def test_wide_verifies_use_onednn_and_equal_plain(smollm2, monkeypatch):
