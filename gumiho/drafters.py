@@ -109,12 +109,11 @@ class SerialDrafter:
         self.method = self.name = spec.name
         self.max_nodes = tree.total_tokens
         levels = spec.serial_levels  # then the MLP heads (Gumiho); None: serial throughout
-        if levels is not None and tree.depth < levels:
-            raise GumihoError(f"--depth for {spec.name} counts the {levels} serial levels: "
-                              f"give {levels} to {levels + model.config.num_mlp_heads}")
-        self.serial_depth = tree.depth if levels is None else levels
+        # A Gumiho tree shallower than its serial levels (`--depth 1`) drafts level 1 alone:
+        # one drafter call a cycle, no serial step, no heads.
+        self.serial_depth = tree.depth if levels is None else min(levels, tree.depth)
         self.heads = 0 if levels is None else min(model.config.num_mlp_heads,
-                                                  tree.depth - levels)
+                                                  max(0, tree.depth - levels))
         self.draft_depth = self.serial_depth + self.heads  # deepest node a tree can have
         # A node ranked W - 1 or lower within its level is outranked by W - 1 nodes, so it
         # can never be among the W - 1 the tree keeps: no level needs more candidates, and

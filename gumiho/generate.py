@@ -240,7 +240,8 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                        help="candidates per node at MLP levels (35)")
     group.add_argument("--pruning", type=positive_int, help="nodes kept per MLP level (35)")
     group.add_argument("--depth", type=positive_int, help="draft depth: gumiho 2 serial levels + "
-                       "MLP levels (7), eagle2 serial levels (6), medusa tree depth (4)")
+                       "MLP levels (7; 1: serial level 1 alone), eagle2 serial levels (6), "
+                       "medusa tree depth (4)")
     group.add_argument("--lookup", type=nonnegative_int, help="add a prompt-lookup chain of this "
                        "many n-gram continuation tokens under the root (method lookup: 10)")
     group.add_argument("--lookup-first", action="store_const", const=True, default=None,

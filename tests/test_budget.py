@@ -72,6 +72,33 @@ def test_predicted_accept_matches_a_real_smaller_tree_on_the_first_cycle(smollm2
         assert real.accept_lengths[1] == predicted, width
 
 
+def test_a_depth_one_gumiho_tree_drafts_level_one_alone(smollm2):
+    """`--depth 1`: the serial level-1 candidates only, no serial step, no heads; output
+    still plain's, and the first cycle accepts what the reference tree predicted for that
+    shape. (Auto does not try it for Gumiho: on this CPU it picked 2 tokens at depth 1 and
+    ran 1.43x against the 3-token chain's 1.45x over six benchmarks; README.)"""
+    ids = smollm2.chat_ids("List three uses of a paperclip.")
+    plain = run(smollm2, load_drafter("ar", smollm2), ids, GenerateConfig(max_new_tokens=16))
+    full = ids + plain.token_ids
+    big = oracle_drafter("gumiho", smollm2, full, TreeConfig.for_method("gumiho"))
+    trees = []
+    propose = big.propose
+    big.propose = lambda: trees.append(propose()) or trees[-1]
+    first = run(smollm2, big, ids, GenerateConfig(max_new_tokens=16))
+    drafts = first.token_ids[1: first.accept_lengths[1]]
+    shape = budget.Shape(3, 1)
+    predicted = budget.accept_by_shape(trees[:1], [drafts], [shape])[shape]
+    small = oracle_drafter("gumiho", smollm2, full, shape.tree(TreeConfig.for_method("gumiho")))
+    assert small.serial_depth == 1 and small.heads == 0 and small.draft_depth == 1
+    shallow = []
+    propose_small = small.propose
+    small.propose = lambda: shallow.append(propose_small()) or shallow[-1]
+    real = run(smollm2, small, ids, GenerateConfig(max_new_tokens=16))
+    assert real.token_ids == plain.token_ids
+    assert real.accept_lengths[1] == predicted
+    assert all(int(t.depths.max()) <= 1 and t.size <= 3 for t in shallow)
+
+
 def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
     target = load_target(tiny_target_dir)
