@@ -52,20 +52,33 @@ def test_select_tree_priority_ranks_a_smaller_budget_as_its_prefix():
             set(small.tokens[1:].tolist())
 
 
+def recording(drafter, trees: list):
+    """The drafter, each tree it proposes appended to `trees`."""
+    propose = drafter.propose
+    drafter.propose = lambda: trees.append(propose()) or trees[-1]
+    return drafter
+
+
+def reference_first_cycle(target, prompt: str):
+    """The prompt's plain answer and the first cycle of a reference-size Gumiho oracle:
+    (ids, plain result, full sequence, [its first tree], that cycle's accepted drafts)."""
+    ids = target.chat_ids(prompt)
+    plain = run(target, load_drafter("ar", target), ids, GenerateConfig(max_new_tokens=16))
+    full = ids + plain.token_ids
+    trees = []
+    big = recording(oracle_drafter("gumiho", target, full, TreeConfig.for_method("gumiho")),
+                    trees)
+    first = run(target, big, ids, GenerateConfig(max_new_tokens=16))
+    return ids, plain, full, trees[:1], first.token_ids[1: first.accept_lengths[1]]
+
+
 def test_predicted_accept_matches_a_real_smaller_tree_on_the_first_cycle(smollm2):
     """The counterfactual is exact: the first cycle of a real size-W run accepts what
     the size-64 calibration tree predicted for W."""
-    ids = smollm2.chat_ids("List three uses of a paperclip.")
-    plain = run(smollm2, load_drafter("ar", smollm2), ids, GenerateConfig(max_new_tokens=16))
-    full = ids + plain.token_ids
-    big = oracle_drafter("gumiho", smollm2, full, TreeConfig.for_method("gumiho"))
-    trees = []
-    propose = big.propose
-    big.propose = lambda: trees.append(propose()) or trees[-1]
-    first = run(smollm2, big, ids, GenerateConfig(max_new_tokens=16))
-    drafts = first.token_ids[1: first.accept_lengths[1]]
+    ids, _, full, trees, drafts = reference_first_cycle(smollm2,
+                                                        "List three uses of a paperclip.")
     for width in (2, 3, 5, 8, 64):
-        predicted = budget.accept_by_size(trees[:1], [drafts], [width])[width]
+        predicted = budget.accept_by_size(trees, [drafts], [width])[width]
         tree = TreeConfig.for_method("gumiho", total_tokens=width)
         real = run(smollm2, oracle_drafter("gumiho", smollm2, full, tree), ids,
                    GenerateConfig(max_new_tokens=16))
@@ -77,22 +90,14 @@ def test_a_depth_one_gumiho_tree_drafts_level_one_alone(smollm2):
     still plain's, and the first cycle accepts what the reference tree predicted for that
     shape. (Auto does not try it for Gumiho: on this CPU it picked 2 tokens at depth 1 and
     ran 1.43x against the 3-token chain's 1.45x over six benchmarks; README.)"""
-    ids = smollm2.chat_ids("List three uses of a paperclip.")
-    plain = run(smollm2, load_drafter("ar", smollm2), ids, GenerateConfig(max_new_tokens=16))
-    full = ids + plain.token_ids
-    big = oracle_drafter("gumiho", smollm2, full, TreeConfig.for_method("gumiho"))
-    trees = []
-    propose = big.propose
-    big.propose = lambda: trees.append(propose()) or trees[-1]
-    first = run(smollm2, big, ids, GenerateConfig(max_new_tokens=16))
-    drafts = first.token_ids[1: first.accept_lengths[1]]
+    ids, plain, full, trees, drafts = reference_first_cycle(smollm2,
+                                                            "List three uses of a paperclip.")
     shape = budget.Shape(3, 1)
-    predicted = budget.accept_by_shape(trees[:1], [drafts], [shape])[shape]
-    small = oracle_drafter("gumiho", smollm2, full, shape.tree(TreeConfig.for_method("gumiho")))
-    assert small.serial_depth == 1 and small.heads == 0 and small.draft_depth == 1
+    predicted = budget.accept_by_shape(trees, [drafts], [shape])[shape]
     shallow = []
-    propose_small = small.propose
-    small.propose = lambda: shallow.append(propose_small()) or shallow[-1]
+    small = recording(oracle_drafter("gumiho", smollm2, full,
+                                     shape.tree(TreeConfig.for_method("gumiho"))), shallow)
+    assert small.serial_depth == 1 and small.heads == 0 and small.draft_depth == 1
     real = run(smollm2, small, ids, GenerateConfig(max_new_tokens=16))
     assert real.token_ids == plain.token_ids
     assert real.accept_lengths[1] == predicted
