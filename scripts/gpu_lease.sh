@@ -133,6 +133,9 @@ suite() {  # the whole suite on the GPU
   need SmolLM2; need drafters
   set +e
   # -v: each result as it comes, so a suite cut by SUITE_LIMIT still names its failures.
+  # Each failure's traceback lands in suite_failures.txt as it happens (conftest.py).
+  rm -f "$RESULTS/suite_failures.txt"
+  GUMIHO_TEST_FAILURES=$RESULTS/suite_failures.txt \
   GUMIHO_TEST_DEVICE=$DEVICE timeout "${SUITE_LIMIT:-300}" python3 -m pytest -v -rfE \
     --tb=short -n "${SUITE_WORKERS:-8}" -p no:cacheprovider --junitxml="$RESULTS/suite.xml" \
     ${SUITE_ARGS:-} > "$RESULTS/suite.txt" 2>&1

@@ -35,6 +35,17 @@ def _test_device(request, monkeypatch):
             yield
 
 
+def pytest_runtest_logreport(report):
+    """With GUMIHO_TEST_FAILURES=FILE, each failure's traceback is appended to FILE as it
+    happens (a run cut short, as on a lent GPU machine, still tells why; pytest prints
+    tracebacks only in its closing summary)."""
+    path = os.environ.get("GUMIHO_TEST_FAILURES")
+    # under xdist the controller gets every worker's reports: write there only
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 def tiny_llama(vocab_size: int = 97, seed: int = 0, logit_scale: float = 1.0,
                device: torch.device | str | None = None):
     """A 2-layer random Llama on `device`, by default the library's (the suite's device,

@@ -3,6 +3,9 @@
 import pytest
 
 from gumiho import demo
+from gumiho.graphs import resolve_engine
+
+from conftest import DEVICE
 
 
 @pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])
@@ -12,9 +15,11 @@ def test_shipped_drafters_load_and_decode_like_plain(smollm2, method, capsys):
     assert code == 0, out
     assert "outputs identical" in out and "speedup" in out
     assert "prompt-lookup chain of up to 10" in out  # the demo's default beside the drafter
-    # its confidence floor, for the methods that take one
-    assert ("path probability >= 0.1" in out) == (method != "medusa")
-    assert ("deeper levels below >= 0.4" in out) == (method != "medusa")
+    # its confidence floor, for the methods that take one, where it applies: the eager
+    # engine (captured steps keep one tree shape, so a GPU's default graphs ignore floors)
+    floors = method != "medusa" and resolve_engine(None, DEVICE) == "eager"
+    assert ("path probability >= 0.1" in out) == floors
+    assert ("deeper levels below >= 0.4" in out) == floors
 
 
 def test_demo_runs_the_drafter_alone_with_lookup_0(smollm2, capsys):
