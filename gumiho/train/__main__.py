@@ -189,15 +189,14 @@ def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: 
 
 
 @torch.no_grad()
-def evaluate(model, target, head, samples, method, epoch, batch_size, device
-             ) -> dict[str, float]:
+def evaluate(model, target, head, samples, method, epoch, batch_size) -> dict[str, float]:
     """Mean top-1 accuracy per draft position (token-weighted per batch) on held-out data."""
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
     batches = 0
     for i in range(0, len(samples), batch_size):
-        batch = {k: v.to(device) for k, v in collate(samples[i : i + batch_size]).items()}
+        batch = collate(samples[i : i + batch_size])
         _, logs = batch_loss(model, target, head, batch, method, epoch, 0.0)
         for k, v in logs.items():
             sums[k] = sums.get(k, 0.0) + v
@@ -345,8 +344,9 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
         batches = epoch_batches(lengths, config.batch_size, config.seed, state.epoch)
         usable = per_epoch * procs * config.grad_accum  # whole global steps only
         for index in range(state.batches_done + accelerator.process_index, usable, procs):
-            batch = {k: v.to(accelerator.device)
-                     for k, v in collate([samples[i] for i in batches[index]]).items()}
+            # host tensors: batch_loss moves them to the drafter (so counting tokens
+            # below reads no device)
+            batch = collate([samples[i] for i in batches[index]])
             logs = step_micro_batch(accelerator, model, target, head, optimizer, params,
                                     batch, config, state, index, log_every)
             tokens += int(batch["valid"].sum())
@@ -377,8 +377,7 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
                  f"checkpoint-epoch{state.epoch}")
             if eval_samples and eval_each_epoch:
                 acc = evaluate(accelerator.unwrap_model(model), target, head, eval_samples,
-                               config.method, state.epoch, config.batch_size,
-                               accelerator.device)
+                               config.method, state.epoch, config.batch_size)
                 accelerator.print(f"epoch {state.epoch} held-out accuracy: "
                                   + ", ".join(f"{k[4:]} {v:.3f}" for k, v in acc.items()))
     wall = time.perf_counter() - start
@@ -389,7 +388,7 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
     if eval_samples:
         summary["held_out_accuracy"] = evaluate(accelerator.unwrap_model(model), target, head,
                                                 eval_samples, config.method, state.epoch,
-                                                config.batch_size, accelerator.device)
+                                                config.batch_size)
     if accelerator.is_main_process:
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         accelerator.print(json.dumps(summary))
@@ -434,7 +433,7 @@ def log_evaluation(accelerator, model, target, head, samples, config: TrainConfi
                    state: RunState, out: Path) -> None:
     """Held-out accuracy per draft position now, as an `eval` row of train_log.jsonl."""
     acc = evaluate(accelerator.unwrap_model(model), target, head, samples, config.method,
-                   state.epoch, config.batch_size, accelerator.device)
+                   state.epoch, config.batch_size)
     if accelerator.is_main_process:
         with (out / "train_log.jsonl").open("a") as f:
             f.write(json.dumps({"step": state.step, "epoch": state.epoch, "eval": acc}) + "\n")

@@ -39,8 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.target)  # an accelerator when there is one
     model = load_drafter_model(args.draft, target, args.method).float()
     head = DraftHead.for_model(target, model)
-    acc = evaluate(model, target, head, samples, model.config.method, 2, args.batch_size,
-                   target.device)
+    acc = evaluate(model, target, head, samples, model.config.method, 2, args.batch_size)
     print(json.dumps({"draft": args.draft, "data": args.data, "samples": len(samples),
                       **{k: round(v, 4) for k, v in acc.items()}}))
     return 0
