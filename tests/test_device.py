@@ -112,9 +112,8 @@ def test_a_training_step_makes_no_tensor_off_the_drafters_device(tiny_target, me
     head = DraftHead.for_model(tiny_target, model)
 
     def step():
-        batch = {k: v.to(tiny_target.device) for k, v in collate(samples).items()}
-        loss, _ = batch_loss(model, tiny_target, head, batch, method, epoch=3, noise=0.2,
-                             p_fraction=0.5, seed=1)
+        loss, _ = batch_loss(model, tiny_target, head, collate(samples), method, epoch=3,
+                             noise=0.2, p_fraction=0.5, seed=1)
         return epoch_batches([9, 12, 7], 2, seed=0, epoch=1), float(loss.detach())
 
     want = step()
