@@ -29,7 +29,14 @@ from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.methods import method_spec
 from gumiho.modeling import DraftHead
 from gumiho.profiling import PhaseTimer
-from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
+from gumiho.tree import (
+    LOGPROB_FLOOR,
+    DraftTree,
+    Pool,
+    expand_level,
+    select_tree,
+    static_tree,
+)
 
 
 class Drafter(Protocol):
@@ -161,24 +168,26 @@ class SerialDrafter:
             out = self.model.serial_step(tokens, features, positions, mask, cache.hf)[0]
             if last_only:
                 out = out[-1:]
-            top = self._logprobs(out).topk(k)
-            return out, top.values, self.head.to_target(top.indices)
+            return out, *self._top(out, k)
 
         return serial
 
     def _heads_fn(self, d1, out1, d2, out2):
         """The MLP heads in use for R level-2 nodes, and their top mlp_topk candidates."""
         hidden = self.model.parallel_heads(d1, out1, d2, out2, self.heads)  # (R, N, H)
-        top = self._logprobs(hidden).topk(self.mlp_topk)  # (R, N, m)
-        return top.values, self.head.to_target(top.indices)
+        return self._top(hidden, self.mlp_topk)  # (R, N, m) each
 
     def observe(self, features: Tensor, next_tokens: Tensor,
                 tokens: list[int] | None = None) -> None:
         self.pending.append((features, next_tokens))
 
-    def _logprobs(self, hidden: Tensor) -> Tensor:
-        """Log-probs over the draft vocabulary (..., D)."""
-        return torch.log_softmax(self.head(hidden).float(), -1)
+    def _top(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The k likeliest draft tokens of each row (..., H): their log-probs (..., k),
+        floored at LOGPROB_FLOOR (an underflow to -inf would tie and break the tree's
+        ranking; flooring here, inside the captured steps, spares the tree step one kernel
+        per level), and their target ids (..., k)."""
+        top = torch.log_softmax(self.head(hidden).float(), -1).topk(k)
+        return top.values.clamp(min=LOGPROB_FLOOR), self.head.to_target(top.indices)
 
     def _catch_up(self) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Run the pending pairs (committing them); returns out1 (H,) of the newest and
@@ -256,8 +265,9 @@ class SerialDrafter:
             first += levels[-1].tokens.shape[0]
             levels.append(level)
             outs = new_outs[row]  # children are drawn from their parent's output
-            eye = torch.eye(seen.shape[0], dtype=torch.bool, device=seen.device)
-            seen = torch.cat([seen, eye], 1)[row]  # (k, R + k): the parent's view + the parent
+            if depth < self.serial_depth:  # the next level's view: the parent's + the parent
+                eye = torch.eye(seen.shape[0], dtype=torch.bool, device=seen.device)
+                seen = torch.cat([seen, eye], 1)[row]  # (k, R + k)
         serial = Pool.concat(levels)  # levels 1..serial_depth, k nodes each
         heads = (torch.zeros(0, device=root.device),) * 2
         if self.heads and self._reaches_floor(level, self.extend_floor):  # (nor a cut level)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gumiho.tree import DraftTree
+from gumiho.tree import DraftTree, ancestor_mask, walk_ancestors
 
 from drafters_for_tests import random_tree
 
@@ -33,6 +33,23 @@ def test_random_tree_fields_match_definitions(seed):
         # each step along a path is an edge
         assert all(parents[b] == a for a, b in zip(nodes, nodes[1:], strict=False))
         assert (path[len(nodes):] == -1).all()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 9, 64, 128, 200])
+def test_depth_bound_mask_matches_the_walk(size):
+    """The sync-free mask (repeated squaring up to 128 nodes, then a fixed-length walk on
+    a CPU) equals the checked walk for every depth bound at least the tree's depth."""
+    rng = torch.Generator().manual_seed(size)
+    # deep and shallow shapes: parents drawn from the whole prefix or the last few nodes
+    for span in (size, 3):
+        parents = torch.tensor([-1] + [int(torch.randint(max(0, i - span), i, (),
+                                                         generator=rng)) for i in range(1, size)])
+        checked = walk_ancestors(parents, None)
+        depth = int(checked.sum(1).max()) - 1
+        for bound in sorted({depth, depth + 1, depth + 5}):
+            assert torch.equal(ancestor_mask(parents, bound), checked), (span, bound)
+        if depth > 1:  # a bound below the depth misses the farthest ancestors
+            assert not torch.equal(ancestor_mask(parents, 1), checked)
 
 
 def test_chain_and_single():

@@ -7,6 +7,7 @@ from gumiho.config import TreeConfig
 from gumiho.drafters import load_drafter
 from gumiho.engine import prefill
 from gumiho.fta import complete_paths, exact_fta_tree, splice_official
+from gumiho.hostsync import LaunchCounter
 from gumiho.kv_cache import KVCache
 from gumiho.sampling import accept_greedy
 from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
@@ -55,16 +56,35 @@ def test_static_tree_shape():
         assert len(set(ranks[kids].tolist())) == len(kids)
 
 
-@pytest.fixture()
-def gumiho_random(tiny_target):
-    drafter = load_drafter("gumiho", tiny_target, "random", tree=TreeConfig(top_k=5,
-                           mlp_topk=4, pruning=6, total_tokens=24, fta="off"))
+def random_gumiho_after_prompt(target, tree: TreeConfig):
+    drafter = load_drafter("gumiho", target, "random", tree=tree)
     prompt = torch.tensor([[5, 17, 3, 42, 8]])
-    cache = KVCache.for_model(tiny_target.model, 64)
-    features, _ = prefill(tiny_target, cache, prompt)
-    drafter.begin(tiny_target, 64)
+    cache = KVCache.for_model(target.model, 64)
+    features, _ = prefill(target, cache, prompt)
+    drafter.begin(target, 64)
     drafter.observe(features, torch.cat([prompt[0, 1:], torch.tensor([11])]))
     return drafter
+
+
+@pytest.fixture()
+def gumiho_random(tiny_target):
+    return random_gumiho_after_prompt(tiny_target, TreeConfig(top_k=5, mlp_topk=4, pruning=6,
+                                                               total_tokens=24, fta="off"))
+
+
+def test_tree_step_kernels_do_not_grow_with_depth(tiny_target):
+    """The captured tree step (MLP levels, selection, ancestor mask) at the reference
+    Gumiho tree (64 tokens, depth 7): on a GPU its kernels are tiny, so their number is
+    its cost. 137 when the mask walked one level per step (6 kernels a level); 92 with
+    repeated squaring and the floor applied inside the drafter's steps."""
+    drafter = random_gumiho_after_prompt(tiny_target, TreeConfig.for_method("gumiho"))
+    calls, build = [], drafter._tree_step.fn
+    drafter._tree_step.fn = lambda *inputs: calls.append(inputs) or build(*inputs)
+    reference = drafter.propose()
+    with LaunchCounter() as launches:
+        tree = DraftTree(*build(*calls[0])[:4])
+    assert launches.total <= 100, launches.by_module
+    assert torch.equal(tree.tokens, reference.tokens) and torch.equal(tree.mask, reference.mask)
 
 
 def test_serial_level_siblings_do_not_see_each_other(gumiho_random):
@@ -97,7 +117,7 @@ def test_each_mlp_row_pairs_a_level2_node_with_its_own_parent(gumiho_random):
                                       torch.zeros(1, 0, dtype=torch.bool))[0][0]
         torch.testing.assert_close(seen["out2"][j], alone, atol=1e-5, rtol=0)
         # ... and d2[j] was drawn from that output's top-k
-        top = drafter.head.to_target(drafter._logprobs(alone).topk(drafter.beam).indices)
+        top = drafter._top(alone, drafter.beam)[1]
         assert int(seen["d2"][j]) in top.tolist()
 
 
