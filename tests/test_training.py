@@ -260,11 +260,19 @@ def test_periodic_saves_resume_mid_epoch_exactly(tiny_target_dir, tiny_data_dir,
     assert main(train_args(data, tmp_path / "cut", "--save-every", "1")) == 130
     monkeypatch.undo()
     assert saves == [1, 2, 3]
+    # step 4's log row was written before its save died; half a row after it
+    with (tmp_path / "cut" / "train_log.jsonl").open("a") as f:
+        f.write('{"step": 4, "epoch"')
     assert main(train_args(data, tmp_path / "cut", "--save-every", "1")) == 0  # from step 3
     whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
     cut = load_file(str(tmp_path / "cut" / "model.safetensors"))
     for key in whole:
         torch.testing.assert_close(cut[key], whole[key], atol=0, rtol=0)
+    # the log reads as one run: each step once, the same figures (wall-clock rates aside)
+    logs = [[{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
+             for line in (tmp_path / run / "train_log.jsonl").read_text().splitlines()]
+            for run in ("whole", "cut")]
+    assert [row["step"] for row in logs[1]] == [1, 2, 3, 4] and logs[1] == logs[0]
 
 
 @pytest.mark.parametrize("change, named", [(["--lr", "0.5"], "lr"),

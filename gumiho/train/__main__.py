@@ -38,7 +38,7 @@ from gumiho.train.dataset import (
     token_counts,
 )
 from gumiho.train.loss import REFERENCE_WEIGHTS, LossWeights, medusa_loss, serial_loss
-from gumiho.train.state import RunState, load_run_state, save_run_state
+from gumiho.train.state import LOG, RunState, load_run_state, save_run_state
 
 EXPORT_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # --precision bf16 on a CPU is refused where bf16 products are this many times slower.
@@ -361,7 +361,7 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
             if accelerator.is_main_process and state.step % log_every == 0:
                 logs["tokens_per_s"] = tokens * procs / (time.perf_counter() - start)
                 bar.set_postfix({k: f"{v:.3f}" for k, v in logs.items() if k != "lr"})
-                with (out / "train_log.jsonl").open("a") as f:
+                with (out / LOG).open("a") as f:
                     f.write(json.dumps({"step": state.step, "epoch": state.epoch,
                                         "lr": scheduler.get_last_lr()[0], **logs}) + "\n")
             if eval_samples and eval_every and state.step % eval_every == 0:
@@ -435,7 +435,7 @@ def log_evaluation(accelerator, model, target, head, samples, config: TrainConfi
     acc = evaluate(accelerator.unwrap_model(model), target, head, samples, config.method,
                    state.epoch, config.batch_size)
     if accelerator.is_main_process:
-        with (out / "train_log.jsonl").open("a") as f:
+        with (out / LOG).open("a") as f:
             f.write(json.dumps({"step": state.step, "epoch": state.epoch, "eval": acc}) + "\n")
 
 

@@ -5,7 +5,9 @@ progress (`step`, `epoch`, global micro-batches done in the epoch) and the run's
 A save writes `OUT/state.tmp` completely, then swaps it in with two renames; a kill at any
 moment leaves either the new state or the previous one (`state.old`, between the renames),
 never a mix. A resume compares the saved settings with the command's and refuses a
-difference, naming it.
+difference, naming it, and cuts `OUT/train_log.jsonl` back to the saved step: the rows
+written after the last save are written again by the resumed run, so the log reads as one
+uninterrupted run (no step twice, no half-written line).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from gumiho.errors import GumihoError
 
 PROGRESS = "progress.json"
+LOG = "train_log.jsonl"  # written by the training loop, one JSON row per line
 
 
 @dataclass
@@ -60,8 +63,28 @@ def load_run_state(accelerator, out: Path, settings: dict, scheduler,
     accelerator.load_state(str(found))
     scheduler.load_state_dict(torch.load(found / "scheduler.pt", weights_only=True))
     state = RunState(**saved["progress"])
+    if accelerator.is_main_process:
+        trim_log(out / LOG, state.step)
     accelerator.print(f"resuming from step {state.step} (epoch {state.epoch})")
     return state
+
+
+def trim_log(path: Path, step: int) -> None:
+    """Keep the log's rows up to `step` (training and eval rows alike); drop later ones and
+    a last line cut off mid-write. Rewritten beside the log, then swapped in."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # killed while writing it
+        if row.get("step", 0) <= step:
+            kept.append(line)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
 
 
 def save_run_state(accelerator, out: Path, state: RunState, settings: dict, scheduler) -> None:
