@@ -27,6 +27,12 @@
 #          bash scripts/gpu_lease.sh testbed
 #   here:  mv /tmp/assets.hold gumiho/assets; bash scripts/gpu_lease.sh unpack DIR_OF_CALL_4
 # Size MAX_STEPS from the probe: the trainings must end inside calls 3 and 4.
+# Next lease (what is still open, 2026-11-26): the suite first and alone (`suite`, ~200 s;
+# the failures' tracebacks land in suite_failures.txt), the cycle with the squaring tree
+# step and a 32k draft vocabulary (`cycle`, ~100 s), then Gumiho alone from the shipped
+# drafter for 2-3 epochs (INIT=gumiho/assets/smollm2 CAMPAIGN_METHODS=gumiho MAX_STEPS=
+# 952..1428; one epoch is 476 steps, ~2 min alone) and a six-benchmark testbed with it
+# (USE_CAMPAIGN=1 BENCHES="mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like").
 # USE_CAMPAIGN=1 runs the testbed with the campaign's drafters instead of the shipped ones.
 #
 # Every phase first takes in whatever pieces were carried (`receive`), so any order works
@@ -121,12 +127,21 @@ need() {  # what: SmolLM2 | ShareGPT | drafters
   esac || die "$1 has not arrived on this machine: carry the .stage piece that holds it"
 }
 
-cycle() {  # the cycle table at the Llama-3-8B shape; needs nothing staged
+cycle() {  # the cycle table at the Llama-3-8B shape; needs nothing staged. Whole vocabulary
+  # (as the paper's drafters), then Gumiho alone with a CYCLE_DRAFT_VOCAB-token draft
+  # vocabulary (default 32768, EAGLE-3's for Llama-3; 0 skips it, ~25 s)
   timeout "${CYCLE_LIMIT:-240}" python3 -m gumiho.evaluation.timing --shape llama3-8b \
     --device "$DEVICE" --methods gumiho,eagle2,medusa --tau 4.46 --json ${CYCLE_ARGS:-} \
     > "$RESULTS/cycle_8b.json"
   python3 -c "import json, sys; from gumiho.evaluation.timing import print_report as p; \
 p(json.load(open(sys.argv[1])))" "$RESULTS/cycle_8b.json" | tee "$RESULTS/cycle_8b.txt"
+  local vocab=${CYCLE_DRAFT_VOCAB:-32768}
+  (( vocab > 0 )) || return 0
+  timeout "${CYCLE_DV_LIMIT:-90}" python3 -m gumiho.evaluation.timing --shape llama3-8b \
+    --device "$DEVICE" --methods gumiho --widths 1,16,64 --draft-vocab "$vocab" --tau 4.46 \
+    --json ${CYCLE_ARGS:-} > "$RESULTS/cycle_8b_vocab.json"
+  python3 -c "import json, sys; from gumiho.evaluation.timing import print_report as p; \
+p(json.load(open(sys.argv[1])))" "$RESULTS/cycle_8b_vocab.json" | tee "$RESULTS/cycle_8b_vocab.txt"
 }
 
 suite() {  # the whole suite on the GPU
