@@ -246,6 +246,8 @@ class TrainConfig:
     # Gumiho's MLP heads train on vloss alone for this many epochs, then ploss joins
     # (reference: 2, chosen for ~20-epoch runs; a short run needs it lower)
     mlp_ploss_after_epochs: int = 2
+    # the MLP heads' ploss weight (head i's is this times 0.8^(i+1)); reference 0.1 / 9
+    mlp_ploss_weight: float = 0.1 / 9
     # a drafter checkpoint dir to start from (its weights and draft vocabulary) instead of
     # fresh weights; the optimizer and schedule start fresh
     init_from: str | None = None
@@ -271,10 +273,11 @@ class TrainConfig:
             raise GumihoError("--ploss-fraction must be in (0, 1]")
         if not (self.lr > 0 and self.warmup_steps >= 0 and self.grad_clip > 0
                 and self.noise >= 0 and self.draft_vocab >= 0
-                and self.mlp_ploss_after_epochs >= 0 and self.skip_conversations >= 0):
+                and self.mlp_ploss_after_epochs >= 0 and self.skip_conversations >= 0
+                and self.mlp_ploss_weight >= 0):
             raise GumihoError("--lr and --grad-clip must be positive; --warmup-steps, "
-                              "--noise, --draft-vocab, --mlp-ploss-after-epochs and "
-                              "--skip-conversations at least 0")
+                              "--noise, --draft-vocab, --mlp-ploss-after-epochs, "
+                              "--mlp-ploss-weight and --skip-conversations at least 0")
         if self.precision not in (None, "bf16", "fp32"):
             raise GumihoError(f"--precision {self.precision}: use bf16 or fp32")
         if bool(self.data) == self.online:

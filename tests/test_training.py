@@ -89,6 +89,22 @@ def test_mlp_ploss_joins_after_the_epochs_asked(tiny, tiny_data_dir):
     assert loss(1, 1) == pytest.approx(reference_late)
 
 
+def test_mlp_ploss_weight_reaches_the_loss(tiny_target_dir, tiny_data_dir, tmp_path):
+    """--mlp-ploss-weight 0 with ploss joining at once trains exactly as ploss never
+    joining; the reference weight trains otherwise."""
+    data = (tiny_target_dir, tiny_data_dir)
+
+    def trained(name, *flags):
+        assert main(train_args(data, tmp_path / name, "--export-dtype", "float32", *flags)) == 0
+        return load_file(str(tmp_path / name / "model.safetensors"))
+
+    never = trained("never", "--mlp-ploss-after-epochs", "99")
+    zero = trained("zero", "--mlp-ploss-after-epochs", "0", "--mlp-ploss-weight", "0")
+    reference = trained("reference", "--mlp-ploss-after-epochs", "0")
+    assert all(torch.equal(zero[k], never[k]) for k in never)
+    assert any(not torch.equal(reference[k], never[k]) for k in never if k.startswith("mlp"))
+
+
 def test_a_run_saved_before_a_flag_existed_resumes(tiny_target_dir, tiny_data_dir, tmp_path):
     """A saved run whose settings lack a newer flag resumes when the flag keeps its
     default (and is refused when it does not)."""
@@ -302,7 +318,8 @@ def test_resume_with_other_settings_is_refused(tiny_target_dir, tiny_data_dir, t
 @pytest.mark.parametrize("bad", [["--max-steps", "0"], ["--max-steps", "-1"],
                                  ["--batch-size", "0"], ["--grad-accum", "0"],
                                  ["--ploss-fraction", "0"], ["--stop-after-steps", "0"],
-                                 ["--mlp-ploss-after-epochs", "-1"]])
+                                 ["--mlp-ploss-after-epochs", "-1"],
+                                 ["--mlp-ploss-weight", "-0.1"]])
 def test_bad_training_settings_are_one_line(tiny_target_dir, tiny_data_dir, tmp_path, capsys,
                                             bad):
     args = train_args((tiny_target_dir, tiny_data_dir), tmp_path)
