@@ -33,6 +33,9 @@
 # drafter for 2-3 epochs (INIT=gumiho/assets/smollm2 CAMPAIGN_METHODS=gumiho MAX_STEPS=
 # 952..1428; one epoch is 476 steps, ~2 min alone) and a six-benchmark testbed with it
 # (USE_CAMPAIGN=1 BENCHES="mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like").
+# Untried on a GPU: `CYCLE_ARGS="--engine compile" CYCLE_DRAFT_VOCAB=0 bash scripts/gpu_lease.sh
+# cycle` (inductor kernels inside CUDA graphs: fewer, fused kernels per drafter step; compile
+# time unknown, so give it a call of its own).
 # USE_CAMPAIGN=1 runs the testbed with the campaign's drafters instead of the shipped ones.
 #
 # Every phase first takes in whatever pieces were carried (`receive`), so any order works
