@@ -72,7 +72,7 @@ def gumiho_random(tiny_target):
                                                                total_tokens=24, fta="off"))
 
 
-def test_tree_step_kernels_do_not_grow_with_depth(tiny_target):
+def test_tree_step_kernels_at_the_reference_tree(tiny_target):
     """The captured tree step (MLP levels, selection, ancestor mask) at the reference
     Gumiho tree (64 tokens, depth 7): on a GPU its kernels are tiny, so their number is
     its cost. 137 when the mask walked one level per step (6 kernels a level); 92 with
