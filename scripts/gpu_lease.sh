@@ -33,6 +33,9 @@
 # drafter for 2-3 epochs (INIT=gumiho/assets/smollm2 CAMPAIGN_METHODS=gumiho MAX_STEPS=
 # 952..1428; one epoch is 476 steps, ~2 min alone) and a six-benchmark testbed with it
 # (USE_CAMPAIGN=1 BENCHES="mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like").
+# A variant beside it: CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight
+# 0.1" with the same INIT/MAX_STEPS runs into runs/gumiho_mlpw (`progress` and `fetch` take
+# the same RUN_SUFFIX; the held-out rows are in its train_log.jsonl).
 # Untried on a GPU: `CYCLE_ARGS="--engine compile" CYCLE_DRAFT_VOCAB=0 bash scripts/gpu_lease.sh
 # cycle` (inductor kernels inside CUDA graphs: fewer, fused kernels per drafter step; compile
 # time unknown, so give it a call of its own).
@@ -209,7 +212,8 @@ campaign() {  # the three drafters on the whole training split, in the backgroun
   heldout
   mkdir -p "$LEASE_ROOT/runs"
   for m in "${METHODS[@]}"; do
-    if pgrep -f "output-dir $LEASE_ROOT/runs/$m --" > /dev/null; then continue; fi
+    local run=$m${RUN_SUFFIX:-}  # RUN_SUFFIX: a variant beside the plain runs
+    if pgrep -f "output-dir $LEASE_ROOT/runs/$run --" > /dev/null; then continue; fi
     local extra=""
     # MLP heads' ploss from the first step: on the CPU's 1,024-conversation run it lifted
     # them 2-5x and left the serial heads as they were (README, the shipped drafters).
@@ -220,14 +224,15 @@ campaign() {  # the three drafters on the whole training split, in the backgroun
       extra+=" --init-from $(realpath "$INIT/$m")"
     fi
     [[ -n ${MAX_STEPS:-} ]] && extra+=" --max-steps $MAX_STEPS"
+    extra+=" ${TRAIN_ARGS:-}"  # e.g. TRAIN_ARGS="--mlp-ploss-weight 0.1" RUN_SUFFIX=_mlpw
     # Resumes from its last save when run again (same flags).
     setsid nohup python3 -m gumiho.train --online --num-conversations "${CONVERSATIONS:-17671}" \
       --max-len "${MAX_LEN:-1024}" --method "$m" \
-      --output-dir "$LEASE_ROOT/runs/$m" --epochs "${EPOCHS:-3}" --batch-size "${BATCH:-8}" \
+      --output-dir "$LEASE_ROOT/runs/$run" --epochs "${EPOCHS:-3}" --batch-size "${BATCH:-8}" \
       --grad-accum "${ACCUM:-4}" --lr "${LR:-5e-4}" --warmup-steps "${WARMUP:-50}" \
       --draft-vocab 8192 --ploss-fraction "${PLOSS_FRACTION:-1.0}" \
       --precision "${PRECISION:-bf16}" --eval-data "$held" --eval-every "${EVAL_EVERY:-100}" \
-      --save-every 50 --log-every 10 $extra >> "$LEASE_ROOT/runs/$m.log" 2>&1 < /dev/null &
+      --save-every 50 --log-every 10 $extra >> "$LEASE_ROOT/runs/$run.log" 2>&1 < /dev/null &
   done
   sleep "${SETTLE:-30}"
   progress
@@ -250,8 +255,8 @@ probe() {  # seconds per optimizer step of each method here (fresh weights, 512 
 progress() {
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv 2>/dev/null || true
   for m in "${METHODS[@]}"; do
-    echo "== $m"
-    tr '\r' '\n' < "$LEASE_ROOT/runs/$m.log" 2>/dev/null | grep -v '^$' | tail -3 || true
+    echo "== $m${RUN_SUFFIX:-}"
+    tr '\r' '\n' < "$LEASE_ROOT/runs/$m${RUN_SUFFIX:-}.log" 2>/dev/null | grep -v '^$' | tail -3 || true
   done
 }
 
@@ -268,14 +273,15 @@ fetch() {  # stop the campaign (each run keeps its last save) and send its draft
   local m files=()
   for m in "${METHODS[@]}"; do
     for f in model.safetensors config.json train_summary.json train_log.jsonl; do
-      [[ -f $LEASE_ROOT/runs/$m/$f ]] && files+=("$m/$f")
+      [[ -f $LEASE_ROOT/runs/$m${RUN_SUFFIX:-}/$f ]] && files+=("$m${RUN_SUFFIX:-}/$f")
     done
   done
   ((${#files[@]})) || die "no campaign drafters on this machine: run the campaign phase"
   tar -czf - -C "$LEASE_ROOT/runs" "${files[@]}" | split -b 15000000 - "$RESULTS/drafters.tgz.part-"
   local logged=()
   for m in "${METHODS[@]}"; do
-    [[ -f $LEASE_ROOT/runs/$m/train_log.jsonl ]] && logged+=("$LEASE_ROOT/runs/$m")
+    [[ -f $LEASE_ROOT/runs/$m${RUN_SUFFIX:-}/train_log.jsonl ]] \
+      && logged+=("$LEASE_ROOT/runs/$m${RUN_SUFFIX:-}")
   done
   ((${#logged[@]} == 0)) || python3 -m gumiho.train.plot "${logged[@]}" \
     --out "$RESULTS/campaign.png" --title "held-out top-1, GPU campaign" || true
