@@ -133,21 +133,23 @@ need() {  # what: SmolLM2 | ShareGPT | drafters
   esac || die "$1 has not arrived on this machine: carry the .stage piece that holds it"
 }
 
+cycle_table() {  # NAME LIMIT TIMING-ARGS...: one timing run at the 8B shape, JSON and report
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 -m gumiho.evaluation.timing --shape llama3-8b --device "$DEVICE" \
+    --tau 4.46 --json "$@" ${CYCLE_ARGS:-} > "$RESULTS/$name.json"
+  python3 -c "import json, sys; from gumiho.evaluation.timing import print_report as p; \
+p(json.load(open(sys.argv[1])))" "$RESULTS/$name.json" | tee "$RESULTS/$name.txt"
+}
+
 cycle() {  # the cycle table at the Llama-3-8B shape; needs nothing staged. Whole vocabulary
   # (as the paper's drafters), then Gumiho alone with a CYCLE_DRAFT_VOCAB-token draft
   # vocabulary (default 32768, EAGLE-3's for Llama-3; 0 skips it, ~25 s)
-  timeout "${CYCLE_LIMIT:-240}" python3 -m gumiho.evaluation.timing --shape llama3-8b \
-    --device "$DEVICE" --methods gumiho,eagle2,medusa --tau 4.46 --json ${CYCLE_ARGS:-} \
-    > "$RESULTS/cycle_8b.json"
-  python3 -c "import json, sys; from gumiho.evaluation.timing import print_report as p; \
-p(json.load(open(sys.argv[1])))" "$RESULTS/cycle_8b.json" | tee "$RESULTS/cycle_8b.txt"
+  cycle_table cycle_8b "${CYCLE_LIMIT:-240}" --methods gumiho,eagle2,medusa
   local vocab=${CYCLE_DRAFT_VOCAB:-32768}
   (( vocab > 0 )) || return 0
-  timeout "${CYCLE_DV_LIMIT:-90}" python3 -m gumiho.evaluation.timing --shape llama3-8b \
-    --device "$DEVICE" --methods gumiho --widths 1,16,64 --draft-vocab "$vocab" --tau 4.46 \
-    --json ${CYCLE_ARGS:-} > "$RESULTS/cycle_8b_vocab.json"
-  python3 -c "import json, sys; from gumiho.evaluation.timing import print_report as p; \
-p(json.load(open(sys.argv[1])))" "$RESULTS/cycle_8b_vocab.json" | tee "$RESULTS/cycle_8b_vocab.txt"
+  cycle_table cycle_8b_vocab "${CYCLE_DV_LIMIT:-90}" --methods gumiho --widths 1,16,64 \
+    --draft-vocab "$vocab"
 }
 
 suite() {  # the whole suite on the GPU
@@ -206,13 +208,18 @@ heldout() {  # the held-out samples the campaign evaluates on (the CPU campaign'
     > "$LEASE_ROOT/heldout.log" 2>&1 || { tail -5 "$LEASE_ROOT/heldout.log"; exit 1; }
 }
 
+run_name() {  # a method's campaign run: RUN_SUFFIX names a variant beside the plain runs
+  echo "$1${RUN_SUFFIX:-}"
+}
+
 campaign() {  # the three drafters on the whole training split, in the background
   need SmolLM2; need ShareGPT
   local held=$LEASE_ROOT/data/heldout512 m
   heldout
   mkdir -p "$LEASE_ROOT/runs"
   for m in "${METHODS[@]}"; do
-    local run=$m${RUN_SUFFIX:-}  # RUN_SUFFIX: a variant beside the plain runs
+    local run
+    run=$(run_name "$m")
     if pgrep -f "output-dir $LEASE_ROOT/runs/$run --" > /dev/null; then continue; fi
     local extra=""
     # MLP heads' ploss from the first step: on the CPU's 1,024-conversation run it lifted
@@ -255,8 +262,9 @@ probe() {  # seconds per optimizer step of each method here (fresh weights, 512 
 progress() {
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv 2>/dev/null || true
   for m in "${METHODS[@]}"; do
-    echo "== $m${RUN_SUFFIX:-}"
-    tr '\r' '\n' < "$LEASE_ROOT/runs/$m${RUN_SUFFIX:-}.log" 2>/dev/null | grep -v '^$' | tail -3 || true
+    echo "== $(run_name "$m")"
+    tr '\r' '\n' < "$LEASE_ROOT/runs/$(run_name "$m").log" 2>/dev/null | grep -v '^$' | tail -3 \
+      || true
   done
 }
 
@@ -270,18 +278,19 @@ wait_runs() {  # until the campaign's trainings end (or WAIT_LIMIT seconds)
 
 fetch() {  # stop the campaign (each run keeps its last save) and send its drafters back
   pkill -f "output-dir $LEASE_ROOT/runs/" && sleep 5 || true
-  local m files=()
+  local m run files=()
   for m in "${METHODS[@]}"; do
+    run=$(run_name "$m")
     for f in model.safetensors config.json train_summary.json train_log.jsonl; do
-      [[ -f $LEASE_ROOT/runs/$m${RUN_SUFFIX:-}/$f ]] && files+=("$m${RUN_SUFFIX:-}/$f")
+      [[ -f $LEASE_ROOT/runs/$run/$f ]] && files+=("$run/$f")
     done
   done
   ((${#files[@]})) || die "no campaign drafters on this machine: run the campaign phase"
   tar -czf - -C "$LEASE_ROOT/runs" "${files[@]}" | split -b 15000000 - "$RESULTS/drafters.tgz.part-"
   local logged=()
   for m in "${METHODS[@]}"; do
-    [[ -f $LEASE_ROOT/runs/$m${RUN_SUFFIX:-}/train_log.jsonl ]] \
-      && logged+=("$LEASE_ROOT/runs/$m${RUN_SUFFIX:-}")
+    run=$LEASE_ROOT/runs/$(run_name "$m")
+    [[ -f $run/train_log.jsonl ]] && logged+=("$run")
   done
   ((${#logged[@]} == 0)) || python3 -m gumiho.train.plot "${logged[@]}" \
     --out "$RESULTS/campaign.png" --title "held-out top-1, GPU campaign" || true
