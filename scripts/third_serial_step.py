@@ -29,15 +29,14 @@ from gumiho.train.dataset import collate
 from gumiho.train.loss import TargetDistributions, feature_losses
 
 
-def step_mask(keys: torch.Tensor, rows: int, earlier: list[torch.Tensor]) -> torch.Tensor:
-    """(B, 1, rows, n + sum of earlier widths + rows): the true pairs up to each row's own
-    (keys: which pairs are real), then each earlier step's entry of the same row, then
-    itself."""
-    n = keys.shape[1]
-    batch = keys.shape[0]
+def step_mask(keys: torch.Tensor, rows: int, earlier: list[int]) -> torch.Tensor:
+    """(B, 1, rows, n + sum(earlier) + rows) for a serial step after the first: the true
+    pairs up to each row's own (keys (B, n): which pairs are real), then each earlier
+    step's entry of the same row (`earlier`: those steps' widths), then itself."""
+    batch, n = keys.shape
     parts = [torch.ones(rows, n, dtype=torch.bool).tril()[None] & keys[:, None, :]]
-    parts += [torch.eye(rows, e.shape[0], dtype=torch.bool)[None].expand(batch, -1, -1)
-              for e in earlier]
+    parts += [torch.eye(rows, width, dtype=torch.bool)[None].expand(batch, -1, -1)
+              for width in earlier]
     parts.append(torch.eye(rows, dtype=torch.bool)[None].expand(batch, -1, -1))
     return torch.cat(parts, -1)[:, None]
 
@@ -65,13 +64,12 @@ def main() -> int:
         keys = valid[:, 1:]  # pair t is real iff x_{t+1} is
         positions = torch.arange(n).expand(ids.shape[0], -1)
         cache = DynamicCache()
-        out1 = model.serial_step(ids[:, 1:], features[:, :-1], positions,
-                                 step_mask(keys, n, [])[..., :n], cache)
+        causal = (torch.ones(n, n, dtype=torch.bool).tril()[None] & keys[:, None, :])[:, None]
+        out1 = model.serial_step(ids[:, 1:], features[:, :-1], positions, causal, cache)
         out2 = model.serial_step(ids[:, 2:], out1[:, :-1], positions[:, 1:],
                                  step_mask(keys, n - 1, []), cache)
-        step2 = torch.empty(n - 1)  # only its width matters to step_mask
         out3 = model.serial_step(ids[:, 3:], out2[:, :-1], positions[:, 2:],
-                                 step_mask(keys, n - 2, [step2]), cache)
+                                 step_mask(keys, n - 2, [n - 1]), cache)
         mlp = model.parallel_heads(ids[:, 2:-1], out1[:, :-2], ids[:, 3:], out2[:, :-1])
         truth = TargetDistributions(features, batch["loss_mask"].bool(), head, target.lm_head)
         for name, out, shift in (("serial1", out1, 1), ("serial2", out2, 2),
