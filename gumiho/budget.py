@@ -233,8 +233,9 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     stamp = weights.stat().st_mtime_ns if weights else 0
     device = target.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    # the first item versions what the costs measure (5: wide verifies' logits via oneDNN)
-    key = json.dumps([5, target.name, method, str(draft_path), stamp,
+    # the first item versions what the costs measure (5: wide verifies' logits via oneDNN;
+    # 6: bf16 CPU projections packed, MLP heads without weight copies)
+    key = json.dumps([6, target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)),
                       device_name, str(target.dtype), engine, torch.__version__], default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")

@@ -26,6 +26,7 @@ from gumiho.errors import GumihoError
 from gumiho.fta import exact_fta_tree, splice_official
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
+from gumiho.linear import pack_linears
 from gumiho.methods import method_spec
 from gumiho.modeling import DraftHead
 from gumiho.profiling import PhaseTimer
@@ -423,6 +424,7 @@ def load_drafter(method: str, target, draft: str | None = None,
         ids = torch.arange(random_vocab, device=target.device) if random_vocab else None
         model = random_drafter_model(method, target, seed, ids) if draft == "random" else \
             load_drafter_model(draft, target, method)
+        pack_linears(model.eval().requires_grad_(False))  # bf16 on the CPU (linear.py)
         drafter = (SerialDrafter if spec.serial else MedusaDrafter)(model, tree, engine=engine)
         if tree.draft_gate and engine == "eager":
             drafter = GatedDrafter(drafter, tree.draft_gate)

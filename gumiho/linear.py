@@ -15,12 +15,20 @@ batch shapes, so verification stays exactly as lossless as before (the greedy-eq
 tests run such verifies). Smaller weights (a drafter's 8,192-token head, the layers) and
 other devices keep torch's default, which is as fast or faster there. Under torch.compile
 the product is left to inductor (which picks its own kernel; it cannot lower this op).
+
+`pack_linears` is the bfloat16 counterpart for a model's layers on the CPU. On a CPU with
+AMX (Sapphire Rapids and later), oneDNN multiplies bf16 matrices in tiles of 16 rows, so a
+projection costs about the same for 1 to 16 input rows, where float32 MKL costs 1.9x more
+for 16 (a whole SmolLM2 step, 2026-11-26 dev machine: fp32 56.4 -> 107 ms from 1 to 16
+tree tokens, bf16 51 -> 58 ms). oneDNN reorders a plain weight into its blocked layout on
+every call; reordering once at load (`PackedLinear`) makes a bf16 step about 15% faster
+(51 vs 58-65 ms for one token) and gives bit-identical results (the same kernel runs).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import functional
 
 MIN_ROWS = 4  # from here on MKL is slower than oneDNN for a vocabulary-sized weight
@@ -38,6 +46,17 @@ def _onednn_linear():
 
 
 ONEDNN_LINEAR = _onednn_linear()
+PACKED_DTYPES = (torch.bfloat16,)  # float32 packed runs slower than MKL for 1-3 rows
+
+
+def _reorder():
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight
+    except (AttributeError, RuntimeError):
+        return None
+
+
+ONEDNN_REORDER = _reorder() if ONEDNN_LINEAR is not None else None
 
 
 def uses_onednn(hidden: Tensor, weight: Tensor) -> bool:
@@ -55,9 +74,67 @@ def softcap(logits: Tensor, cap: float | None) -> Tensor:
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def vocab_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def vocab_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None = None,
+                 packed: Tensor | None = None) -> Tensor:
     """hidden (..., H) @ weight (V, H).T (+ bias): `functional.linear`, faster where MKL is
-    slow (see the module doc)."""
+    slow (see the module doc). `packed`: the weight as `pack_weight` returned it, used where
+    no gradient has to flow (the same product)."""
+    if packed is not None and hidden.device.type == "cpu" and not (
+            torch.compiler.is_compiling() or (torch.is_grad_enabled() and hidden.requires_grad)):
+        return ONEDNN_LINEAR(hidden.to(packed.dtype), packed, bias, "none", [], "")
     if uses_onednn(hidden, weight):
         return ONEDNN_LINEAR(hidden, weight, bias, "none", [], "")
     return functional.linear(hidden, weight, bias)
+
+
+class PackedLinear(nn.Module):
+    """An inference-only `nn.Linear` whose weight oneDNN reordered once into its blocked
+    layout (see the module doc). Same outputs as the `nn.Linear` it replaces; `weight`
+    unpacks a copy on demand (nothing on the hot path reads it)."""
+
+    def __init__(self, linear: nn.Linear, rows: int = 16):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = ONEDNN_REORDER(linear.weight.detach(), rows)
+        self.bias = None if linear.bias is None else \
+            nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.packed.to_dense()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ONEDNN_LINEAR(x.to(self.packed.dtype), self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def can_pack(weight: Tensor) -> bool:
+    """Whether `pack_linears` packs a weight like this one: a CPU bfloat16 weight, oneDNN
+    present, not inside torch.compile."""
+    return (ONEDNN_REORDER is not None and weight.device.type == "cpu"
+            and weight.dtype in PACKED_DTYPES and not torch.compiler.is_compiling())
+
+
+def pack_weight(weight: Tensor) -> Tensor | None:
+    """A frozen weight reordered once for `vocab_linear(..., packed=)`, or None where
+    `can_pack` says no."""
+    if weight.requires_grad or not can_pack(weight):
+        return None
+    return ONEDNN_REORDER(weight.detach(), 16)
+
+
+def pack_linears(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
+    """Replace, in place, every frozen `nn.Linear` of an inference model whose weight
+    `can_pack` by a `PackedLinear` (modules in `skip`, e.g. an lm_head read elsewhere, stay).
+    Returns how many were packed. Never for a model being trained: the packed copy does not
+    follow its weight."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if (type(child) is nn.Linear and not any(child is s for s in skip)
+                    and not child.weight.requires_grad and can_pack(child.weight)):
+                setattr(parent, name, PackedLinear(child))
+                count += 1
+    return count

@@ -23,7 +23,7 @@ from gumiho.attention import SDPA_GQA, use_grouped_sdpa
 from gumiho.embedded import EMBEDDED, SMOLLM2_ALIAS
 from gumiho.errors import GumihoError
 from gumiho.kv_cache import attention_kinds
-from gumiho.linear import softcap, vocab_linear
+from gumiho.linear import pack_linears, pack_weight, softcap, vocab_linear
 from gumiho.templates import TEMPLATES, turn_end_token
 
 log = logging.getLogger("gumiho")
@@ -143,12 +143,18 @@ class Target:
         features = out.last_hidden_state[0]  # (K, H)
         return features, self.logits(features[-1:] if last_logits else features)
 
+    @cached_property
+    def _packed_head(self) -> Tensor | None:
+        """A plain linear lm_head reordered once for oneDNN (bf16 on the CPU), else None."""
+        head = self.model.get_output_embeddings()
+        return pack_weight(head.weight) if type(head) is torch.nn.Linear else None
+
     def logits(self, hidden: Tensor) -> Tensor:
         """lm_head(hidden) in float32, the softcap included; a plain linear head goes
         through `vocab_linear` (fast at every row count on the CPU, linear.py)."""
         head = self.model.get_output_embeddings()
-        logits = vocab_linear(hidden, head.weight, head.bias) if type(head) is torch.nn.Linear \
-            else head(hidden)
+        logits = vocab_linear(hidden, head.weight, head.bias, self._packed_head) \
+            if type(head) is torch.nn.Linear else head(hidden)
         cap = getattr(self.config.get_text_config(), "final_logit_softcapping", None)
         return softcap(logits, cap).float()
 
@@ -290,6 +296,11 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
     if chat_template:
         tokenizer.chat_template = TEMPLATES.get(chat_template, chat_template)
     target = wrap_target(model.to(dev).eval(), tokenizer, name=name_or_path)
+    # bf16 on the CPU: layers reordered once for oneDNN (linear.py); the lm_head stays, the
+    # drafters' heads and the logits read its weight
+    packed = pack_linears(model, skip=(model.get_output_embeddings(),))
+    if packed:
+        log.info("packed %d bf16 projections for oneDNN", packed)
     if chat_template:
         target.chat_ids("Hello")  # a broken template fails here, in one line
     return target

@@ -77,3 +77,121 @@ def test_wide_verifies_use_onednn_and_equal_plain(smollm2, monkeypatch):
     out = run(smollm2, load_drafter("lookup", smollm2, tree=None), ids, config)
     assert out.token_ids == plain.token_ids
     assert max(out.accept_lengths) >= 4 and any(4 <= rows < 16 for rows in calls), calls
+
+
+needs_packing = pytest.mark.skipif(linear.ONEDNN_REORDER is None, reason="torch without oneDNN")
+
+
+@needs_packing
+@pytest.mark.host
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_linear_is_the_same_product(bias):
+    """bf16 layers reordered once for oneDNN give exactly nn.Linear's outputs (the same
+    kernel runs), for any batch shape and for float32 inputs (cast as the layer would)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 96, bias=bias).bfloat16().requires_grad_(False)
+    packed = linear.PackedLinear(layer)
+    with torch.no_grad():
+        for shape in ((1, 64), (3, 64), (2, 7, 64), (1, 40, 64)):
+            x = torch.randn(shape).bfloat16()
+            assert torch.equal(packed(x), layer(x))
+        assert torch.equal(packed(x.float()), layer(x))
+    assert torch.equal(packed.weight, layer.weight)
+
+
+@needs_packing
+@pytest.mark.host
+def test_pack_linears_takes_frozen_bf16_cpu_layers_only():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8),
+                                torch.nn.Sequential(torch.nn.Linear(8, 8)),
+                                torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model.bfloat16().requires_grad_(False)
+    model[1].float()  # float32 stays: MKL is faster there for 1-3 rows
+    model[3].requires_grad_(True)  # a layer being trained stays
+    assert linear.pack_linears(model, skip=(model[4],)) == 2
+    assert [type(m).__name__ for m in (model[0], model[1], model[2][0], model[3], model[4])] \
+        == ["PackedLinear", "Linear", "PackedLinear", "Linear", "Linear"]
+    assert linear.pack_weight(model[3].weight) is None  # trainable
+    assert linear.pack_weight(model[1].weight) is None  # float32
+
+
+@needs_packing
+@pytest.mark.host
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_vocab_linear_with_a_packed_weight_is_the_same_product(rows):
+    torch.manual_seed(0)
+    weight = torch.randn(4096, 64).bfloat16()
+    hidden = torch.randn(1, rows, 64).bfloat16()
+    packed = linear.pack_weight(weight)
+    with torch.no_grad():
+        assert torch.equal(vocab_linear(hidden, weight, None, packed),
+                           torch.nn.functional.linear(hidden, weight))
+    grad = hidden.float().requires_grad_(True)  # autograd needs torch's own product
+    out = vocab_linear(grad, weight.float(), None, packed)
+    out.sum().backward()
+    assert grad.grad is not None
+
+
+@needs_packing
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="packing is the CPU's")
+def test_a_bf16_target_is_packed_and_decodes_as_unpacked(tiny_target_dir, monkeypatch):
+    """load_target packs a bf16 CPU target's layers (not its lm_head, which the logits and
+    the drafters read), and packing changes no output: the same features, logits and
+    greedy tokens as the same target unpacked, plain and with a drafter."""
+    import gumiho.target as target_module
+    from gumiho.target import load_target
+
+    packed = load_target(tiny_target_dir, device="cpu", dtype="bfloat16")
+    monkeypatch.setattr(target_module, "pack_linears", lambda *a, **k: 0)
+    plain = load_target(tiny_target_dir, device="cpu", dtype="bfloat16")
+    kinds = {type(m).__name__ for m in packed.model.model.modules()}
+    assert "PackedLinear" in kinds and "Linear" not in kinds
+    assert type(packed.model.lm_head) is torch.nn.Linear and packed._packed_head is not None
+    assert not any(type(m).__name__ == "PackedLinear" for m in plain.model.modules())
+    ids = packed.chat_ids("Name a colour.")
+    features = packed.features(torch.tensor([ids]))
+    assert torch.equal(features, plain.features(torch.tensor([ids])))
+    with torch.no_grad():
+        assert torch.equal(packed.logits(features[0]), plain.logits(features[0]))
+    config = GenerateConfig(max_new_tokens=12)
+    for drafter in (PlainDrafter(), None):
+        out = [run(t, drafter or load_drafter("gumiho", t, "random"), ids, config).token_ids
+               for t in (packed, plain)]
+        assert out[0] == out[1]
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parallel_heads_inference_and_training_products_agree(dtype):
+    """Gumiho's MLP heads run one product per head at inference and one batched product in
+    training (neither copies the stacked weights, as einsum did): both give the einsum
+    formula's outputs, for all heads and for the leading ones only."""
+    from gumiho.modeling.drafter import ParallelHeads
+
+    torch.manual_seed(0)
+    heads = ParallelHeads(32, 4, 3).to(dtype)
+    with torch.no_grad():
+        heads.w_res.normal_(std=0.1)
+        heads.b_res.normal_(std=0.1)
+
+    def einsum_heads(x, n):
+        act = torch.nn.functional.silu
+        h = act(torch.einsum("...i,noi->...no", x, heads.w_in[:n]) + heads.b_in[:n])
+        for r in range(heads.w_res.shape[1]):
+            h = h + act(torch.einsum("...ni,noi->...no", h, heads.w_res[:n, r])
+                        + heads.b_res[:n, r])
+        return h
+
+    x = torch.randn(2, 5, 64).to(dtype)
+    for n in (4, 2):
+        expected = einsum_heads(x, n).detach()
+        with torch.no_grad():
+            inference = heads(x, n)
+        training = heads(x, n)
+        assert inference.shape == (2, 5, n, 32)
+        torch.testing.assert_close(inference, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(training.detach(), expected, rtol=1e-5, atol=1e-5)
+        training.sum().backward()
+        assert heads.w_res.grad is not None and heads.w_res.grad[:n].abs().sum() > 0
+        heads.zero_grad()

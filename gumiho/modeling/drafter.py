@@ -47,11 +47,28 @@ class ParallelHeads(nn.Module):
         """x (..., 2H) -> (..., N, H): every head's output for every input row (the first
         `heads` heads only, if given: a shallower draft tree needs no more)."""
         n = heads or self.w_in.shape[0]
-        h = F.silu(torch.einsum("...i,noi->...no", x, self.w_in[:n]) + self.b_in[:n])
+        hidden = self.w_in.shape[1]
+        # all heads' first layers as one product (the weight's leading heads are a view)
+        h = F.silu(F.linear(x, self.w_in[:n].reshape(n * hidden, -1)).unflatten(-1, (n, hidden))
+                   + self.b_in[:n])
         for r in range(self.w_res.shape[1]):
-            h = h + F.silu(torch.einsum("...ni,noi->...no", h, self.w_res[:n, r])
-                           + self.b_res[:n, r])
+            h = h + F.silu(self._per_head(h, self.w_res[:n, r]) + self.b_res[:n, r])
         return h
+
+    @staticmethod
+    def _per_head(h: Tensor, weight: Tensor) -> Tensor:
+        """h (..., n, H) by each head's own weight (n, H, H): out[..., i, :] = h[..., i, :]
+        @ weight[i].T. Never copies the weight (a strided slice of the stacked one): einsum
+        copied it on every call (3.3-6.6 MB a layer, 5 layers a drafting pass). For inference
+        one product per head (bf16 batched products copy it too); in training one batched
+        product, whose backward keeps a single gradient for the stack."""
+        if not torch.is_grad_enabled():
+            return torch.stack([F.linear(h[..., i, :], weight[i])
+                                for i in range(weight.shape[0])], -2)
+        lead = h.shape[:-2]
+        rows = h.reshape(-1, *h.shape[-2:]).transpose(0, 1)  # (n, M, H)
+        return torch.matmul(rows, weight.transpose(1, 2)).transpose(0, 1).reshape(
+            *lead, *h.shape[-2:])
 
 
 class MedusaHeads(nn.Module):
@@ -117,8 +134,8 @@ class DraftModel(nn.Module):
 
     def fuse(self, tokens: Tensor, features: Tensor) -> Tensor:
         """fc(cat(embed(tokens), features)): tokens (...,), features (..., H) -> (..., H)."""
-        return self.fc(torch.cat([self.embed_tokens(tokens), features.to(self.fc.weight.dtype)],
-                                 -1))
+        embedded = self.embed_tokens(tokens)  # its dtype is fc's (fc may be packed)
+        return self.fc(torch.cat([embedded, features.to(embedded.dtype)], -1))
 
     def serial_step(self, tokens: Tensor, features: Tensor, position_ids: Tensor,
                     attention_mask: Tensor, cache=None) -> Tensor:

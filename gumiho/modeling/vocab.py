@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gumiho.linear import softcap, vocab_linear
+from gumiho.linear import pack_weight, softcap, vocab_linear
 
 
 def draft_vocabulary(counts: Tensor, size: int, always: list[int] | tuple[int, ...] = ()
@@ -88,14 +88,15 @@ class DraftHead:
             self.lookup[ids] = torch.arange(ids.shape[0], device=ids.device)
         self.weight, self.bias = weight, None if bias is None else bias.detach()
         self.softcap = softcap  # final logit soft-capping, if the target has it
+        self.packed = pack_weight(weight)  # bf16 on the CPU (linear.py), else None
 
     @property
     def size(self) -> int:
         return self.weight.shape[0]
 
     def __call__(self, hidden: Tensor) -> Tensor:
-        return softcap(vocab_linear(hidden.to(self.weight.dtype), self.weight, self.bias),
-                       self.softcap)
+        return softcap(vocab_linear(hidden.to(self.weight.dtype), self.weight, self.bias,
+                                    self.packed), self.softcap)
 
     def to_target(self, indices: Tensor) -> Tensor:
         return indices if self.ids is None else self.ids[indices]
