@@ -27,6 +27,8 @@ every call; reordering once at load (`PackedLinear`) makes a bf16 step about 15%
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional
@@ -112,8 +114,10 @@ class PackedLinear(nn.Module):
 
 def can_pack(weight: Tensor) -> bool:
     """Whether `pack_linears` packs a weight like this one: a CPU bfloat16 weight, oneDNN
-    present, not inside torch.compile."""
-    return (ONEDNN_REORDER is not None and weight.device.type == "cpu"
+    present, not inside torch.compile, and $GUMIHO_PACK not "0" (to compare, or to rule
+    packing out when chasing a problem)."""
+    return (ONEDNN_REORDER is not None and os.environ.get("GUMIHO_PACK", "1") != "0"
+            and weight.device.type == "cpu"
             and weight.dtype in PACKED_DTYPES and not torch.compiler.is_compiling())
 
 

@@ -7,6 +7,11 @@ median of `--repeats` calls is printed in milliseconds. The figures behind linea
 
     python scripts/linear_rows.py --outputs 49152 --inputs 576   # SmolLM2's lm_head
     python scripts/linear_rows.py --outputs 8192 --inputs 576    # a reduced draft head
+
+With --dtype bfloat16 the last column is the weight reordered once (`linear.pack_weight`,
+what a bf16 CPU target's layers and heads use) instead of `vocab_linear`:
+
+    python scripts/linear_rows.py --dtype bfloat16 --outputs 1536 --inputs 576  # a layer
 """
 
 from __future__ import annotations
@@ -24,16 +29,19 @@ ROWS = "1,2,3,4,5,7,9,12,15,16,20,24,32,64"
 def main() -> int:
     import torch
 
-    from gumiho.linear import ONEDNN_LINEAR, vocab_linear
+    from gumiho.linear import ONEDNN_LINEAR, pack_weight, vocab_linear
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--outputs", type=int, default=49152)
     p.add_argument("--inputs", type=int, default=576)
     p.add_argument("--rows", default=ROWS)
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = p.parse_args()
     torch.manual_seed(0)
-    weight = torch.randn(args.outputs, args.inputs) * 0.05
+    dtype = getattr(torch, args.dtype)
+    weight = (torch.randn(args.outputs, args.inputs) * 0.05).to(dtype)
+    packed = pack_weight(weight) if dtype == torch.bfloat16 else None
     sweep = torch.zeros(256 * 2**20 // 4)
 
     def median_ms(fn) -> float:
@@ -46,16 +54,16 @@ def main() -> int:
             times.append(time.perf_counter() - start)
         return sorted(times)[len(times) // 2] * 1e3
 
-    print(f"weight {args.outputs} x {args.inputs} float32, {torch.get_num_threads()} threads; "
-          "ms per call")
-    print("rows  default  onednn  vocab_linear")
+    print(f"weight {args.outputs} x {args.inputs} {args.dtype}, {torch.get_num_threads()} "
+          "threads; ms per call")
+    print(f"rows  default  onednn  {'packed' if packed is not None else 'vocab_linear':>12s}")
     with torch.no_grad():
         for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, args.inputs)
+            x = torch.randn(rows, args.inputs).to(dtype)
             default = median_ms(lambda x=x: torch.nn.functional.linear(x, weight))
             onednn = median_ms(lambda x=x: ONEDNN_LINEAR(x, weight, None, "none", [], "")) \
                 if ONEDNN_LINEAR is not None else float("nan")
-            ours = median_ms(lambda x=x: vocab_linear(x, weight))
+            ours = median_ms(lambda x=x: vocab_linear(x, weight, None, packed))
             print(f"{rows:4d}  {default:7.2f}  {onednn:6.2f}  {ours:12.2f}")
     return 0
 

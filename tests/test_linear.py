@@ -195,3 +195,12 @@ def test_parallel_heads_inference_and_training_products_agree(dtype):
         training.sum().backward()
         assert heads.w_res.grad is not None and heads.w_res.grad[:n].abs().sum() > 0
         heads.zero_grad()
+
+
+@needs_packing
+@pytest.mark.host
+def test_gumiho_pack_0_turns_packing_off(monkeypatch):
+    weight = torch.randn(16, 8).bfloat16()
+    assert linear.can_pack(weight)
+    monkeypatch.setenv("GUMIHO_PACK", "0")
+    assert not linear.can_pack(weight) and linear.pack_weight(weight) is None
