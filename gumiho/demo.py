@@ -23,11 +23,14 @@ from gumiho.errors import (
 from gumiho.generate import SpeculativeGenerator, check_context_room, total_tokens_arg
 from gumiho.graphs import ENGINES
 from gumiho.methods import DRAFTER_METHODS, method_spec
+from gumiho.target import choose_device_dtype
 
 SHIPPED = Path(__file__).parent / "assets" / "smollm2"
 PROMPT = "Explain in a few sentences why the sky is blue."
-# --min-confidence for the methods that take it: on the 2-core CPU the demo was tuned on,
-# 0.95x -> 1.01x plain on its prompt, 1.34x -> 1.36x on six benchmarks (README, Methods)
+# --min-confidence for the methods that take it, in float32: on the 2-core CPU the demo was
+# tuned on, 0.95x -> 1.01x plain on its prompt, 1.34x -> 1.36x on six benchmarks (README,
+# Methods). Not in bf16, where a wider verify costs little on an AMX CPU and the floors
+# cost speed: six benchmarks 1.80x without, 1.67x with; this prompt 1.37-1.40x, 1.24x.
 FLOOR = 0.1
 # --extend-confidence likewise: a deeper level costs a drafter step, the first draft only a
 # slightly wider verify (README, Methods)
@@ -57,11 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-confidence", type=probability_arg, default=None,
                    help="gumiho, eagle2: verify only drafts the drafter gives at least this "
                    "path probability; a cycle whose first draft falls short is a plain step "
-                   f"(default {FLOOR}, measured on a 2-core CPU; 0 = off)")
+                   f"(default {FLOOR} in float32, measured on a 2-core CPU, else 0; 0 = off)")
     p.add_argument("--extend-confidence", type=probability_arg, default=None,
                    help="gumiho, eagle2: run a deeper drafter level only below a node of at "
-                   f"least this path probability (default {EXTEND}; 0 = the "
-                   "--min-confidence floor)")
+                   f"least this path probability (default {EXTEND} in float32, else 0; 0 = "
+                   "the --min-confidence floor)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a "
                    "CPU (exactly plain decoding's output only in float32)")
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         raise GumihoError("empty prompt: give some text to answer")
     check_context_room("smollm2", args.max_new_tokens)
     floor, extend = args.min_confidence, args.extend_confidence
-    if "min_confidence" in method_spec(args.method).tree_flags:
+    _, dtype = choose_device_dtype(args.device, args.dtype)
+    if "min_confidence" in method_spec(args.method).tree_flags and dtype == torch.float32:
         floor = FLOOR if floor is None else floor
         extend = EXTEND if extend is None else extend
     logging.basicConfig(level=logging.WARNING, format="gumiho: %(message)s")
