@@ -424,7 +424,9 @@ def load_drafter(method: str, target, draft: str | None = None,
         ids = torch.arange(random_vocab, device=target.device) if random_vocab else None
         model = random_drafter_model(method, target, seed, ids) if draft == "random" else \
             load_drafter_model(draft, target, method)
-        pack_linears(model.eval().requires_grad_(False))  # bf16 on the CPU (linear.py)
+        model.eval().requires_grad_(False)
+        if engine != "compile":  # inductor cannot lower the packed product
+            pack_linears(model)  # bf16 on the CPU (linear.py)
         drafter = (SerialDrafter if spec.serial else MedusaDrafter)(model, tree, engine=engine)
         if tree.draft_gate and engine == "eager":
             drafter = GatedDrafter(drafter, tree.draft_gate)

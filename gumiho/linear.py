@@ -18,11 +18,13 @@ the product is left to inductor (which picks its own kernel; it cannot lower thi
 
 `pack_linears` is the bfloat16 counterpart for a model's layers on the CPU. On a CPU with
 AMX (Sapphire Rapids and later), oneDNN multiplies bf16 matrices in tiles of 16 rows, so a
-projection costs about the same for 1 to 16 input rows, where float32 MKL costs 1.9x more
-for 16 (a whole SmolLM2 step, 2026-11-26 dev machine: fp32 56.4 -> 107 ms from 1 to 16
-tree tokens, bf16 51 -> 58 ms). oneDNN reorders a plain weight into its blocked layout on
-every call; reordering once at load (`PackedLinear`) makes a bf16 step about 15% faster
-(51 vs 58-65 ms for one token) and gives bit-identical results (the same kernel runs).
+projection costs about the same for 1 to 16 input rows, where float32 MKL costs much more
+(a whole SmolLM2 step on the 2026-11-26 dev machine: fp32 41 ms for 1 token, 77 for 16;
+bf16 39 and 44). oneDNN reorders a plain weight into its blocked layout on every call;
+reordering once at load (`PackedLinear`) makes a bf16 step about 20% faster (39 against
+50 ms for one token; README, bfloat16 on a CPU) and gives bit-identical results (the same
+kernel runs). torch.compile cannot lower the packed product: its engine unpacks
+(`unpack_linears`).
 """
 
 from __future__ import annotations
@@ -140,5 +142,22 @@ def pack_linears(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
             if (type(child) is nn.Linear and not any(child is s for s in skip)
                     and not child.weight.requires_grad and can_pack(child.weight)):
                 setattr(parent, name, PackedLinear(child))
+                count += 1
+    return count
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Undo `pack_linears` in place (for torch.compile, whose inductor cannot lower the packed
+    product); returns how many layers went back to `nn.Linear`."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is PackedLinear:
+                layer = nn.Linear(child.in_features, child.out_features,
+                                  bias=child.bias is not None, device="meta")
+                layer.weight = nn.Parameter(child.weight, requires_grad=False)
+                if child.bias is not None:
+                    layer.bias = child.bias
+                setattr(parent, name, layer)
                 count += 1
     return count

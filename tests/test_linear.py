@@ -204,3 +204,24 @@ def test_gumiho_pack_0_turns_packing_off(monkeypatch):
     assert linear.can_pack(weight)
     monkeypatch.setenv("GUMIHO_PACK", "0")
     assert not linear.can_pack(weight) and linear.pack_weight(weight) is None
+
+
+@needs_packing
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="packing is the CPU's")
+def test_the_compile_engine_unpacks(tiny_target_dir):
+    """inductor cannot lower oneDNN's packed product: a compile runner puts nn.Linear back
+    (the same weights), and a drafter for the compile engine is never packed."""
+    from gumiho.engine import TargetRunner
+    from gumiho.target import load_target
+
+    target = load_target(tiny_target_dir, device="cpu", dtype="bfloat16")
+    ids = torch.tensor([target.chat_ids("Name a colour.")])
+    before = target.features(ids)
+    TargetRunner(target, "compile")
+    assert not any(type(m) is linear.PackedLinear for m in target.model.modules())
+    assert target._packed_head is None
+    assert torch.equal(target.features(ids), before)
+    drafter = load_drafter("gumiho", target, "random", engine="compile")
+    assert not any(type(m) is linear.PackedLinear for m in drafter.model.modules())
+    assert any(type(m) is linear.PackedLinear
+               for m in load_drafter("gumiho", target, "random").model.modules())
