@@ -12,6 +12,9 @@ With --dtype bfloat16 the last column is the weight reordered once (`linear.pack
 what a bf16 CPU target's layers and heads use) instead of `vocab_linear`:
 
     python scripts/linear_rows.py --dtype bfloat16 --outputs 1536 --inputs 576  # a layer
+
+The last columns say whether the first row's result is bit for bit what it is when that row
+is multiplied alone (batch invariance, on which a tree verify's exactness rests).
 """
 
 from __future__ import annotations
@@ -56,15 +59,26 @@ def main() -> int:
 
     print(f"weight {args.outputs} x {args.inputs} {args.dtype}, {torch.get_num_threads()} "
           "threads; ms per call")
-    print(f"rows  default  onednn  {'packed' if packed is not None else 'vocab_linear':>12s}")
+    print(f"rows  default  onednn  {'packed' if packed is not None else 'vocab_linear':>12s}"
+          "  row 0 as alone (default / onednn / last column)")
+    products = {
+        "default": lambda x: torch.nn.functional.linear(x, weight),
+        "onednn": (lambda x: ONEDNN_LINEAR(x, weight, None, "none", [], ""))
+        if ONEDNN_LINEAR is not None else None,
+        "ours": lambda x: vocab_linear(x, weight, None, packed),
+    }
+    first = torch.randn(1, args.inputs).to(dtype)
     with torch.no_grad():
+        alone = {k: f(first) for k, f in products.items() if f is not None}
         for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, args.inputs).to(dtype)
-            default = median_ms(lambda x=x: torch.nn.functional.linear(x, weight))
-            onednn = median_ms(lambda x=x: ONEDNN_LINEAR(x, weight, None, "none", [], "")) \
-                if ONEDNN_LINEAR is not None else float("nan")
-            ours = median_ms(lambda x=x: vocab_linear(x, weight, None, packed))
-            print(f"{rows:4d}  {default:7.2f}  {onednn:6.2f}  {ours:12.2f}")
+            x = torch.cat([first, torch.randn(rows - 1, args.inputs).to(dtype)])
+            ms, same = {}, {}
+            for k, f in products.items():
+                ms[k] = median_ms(lambda f=f, x=x: f(x)) if f is not None else float("nan")
+                # batch invariance: is row 0 bit for bit what it is when multiplied alone?
+                same[k] = "yes" if f is not None and torch.equal(f(x)[0], alone[k][0]) else "no"
+            print(f"{rows:4d}  {ms['default']:7.2f}  {ms['onednn']:6.2f}  {ms['ours']:12.2f}"
+                  f"  {same['default']} / {same['onednn']} / {same['ours']}")
     return 0
 
 
