@@ -60,9 +60,10 @@ class ParallelHeads(nn.Module):
         """h (..., n, H) by each head's own weight (n, H, H): out[..., i, :] = h[..., i, :]
         @ weight[i].T. Never copies the weight (a strided slice of the stacked one): einsum
         copied it on every call (3.3-6.6 MB a layer, 5 layers a drafting pass). For inference
-        one product per head (bf16 batched products copy it too); in training one batched
-        product, whose backward keeps a single gradient for the stack."""
-        if not torch.is_grad_enabled():
+        on the CPU one product per head (its bf16 batched products copy the weight too);
+        elsewhere one batched product (strided batches need no copy on a GPU, one launch,
+        and in training one gradient for the stack)."""
+        if h.device.type == "cpu" and not torch.is_grad_enabled():
             return torch.stack([F.linear(h[..., i, :], weight[i])
                                 for i in range(weight.shape[0])], -2)
         lead = h.shape[:-2]
