@@ -114,6 +114,16 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+def amx_cpu() -> bool:
+    """Whether this CPU has AMX tiles (torch's own check; False where torch cannot tell):
+    there bf16 products cost about the same for 1 to 16 rows (module doc)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:
+        return False
+
+
 def can_pack(weight: Tensor) -> bool:
     """Whether `pack_linears` packs a weight like this one: a CPU bfloat16 weight, oneDNN
     present, not inside torch.compile, and $GUMIHO_PACK not "0" (to compare, or to rule

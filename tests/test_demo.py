@@ -47,3 +47,13 @@ def test_demo_in_bf16_drafts_without_the_float32_floors(capsys):
     assert code == 0, out
     assert "speedup" in out and "path probability" not in out and "deeper levels" not in out
     assert "outputs identical" in out or "near-tie" in out
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the hint is for CPUs")
+@pytest.mark.parametrize("amx", [True, False])
+def test_demo_points_an_amx_cpu_to_bf16(smollm2, capsys, monkeypatch, amx):
+    monkeypatch.setattr(demo, "amx_cpu", lambda: amx)
+    code = demo.main(["--max-new-tokens", "8", "--total-tokens", "4"])
+    out = capsys.readouterr().out
+    assert code == 0 and "outputs identical" in out
+    assert ("--dtype bfloat16" in out) == amx

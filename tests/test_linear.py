@@ -225,3 +225,16 @@ def test_the_compile_engine_unpacks(tiny_target_dir):
     assert not any(type(m) is linear.PackedLinear for m in drafter.model.modules())
     assert any(type(m) is linear.PackedLinear
                for m in load_drafter("gumiho", target, "random").model.modules())
+
+
+@pytest.mark.host
+def test_amx_cpu_is_false_where_torch_cannot_tell(monkeypatch):
+    assert isinstance(linear.amx_cpu(), bool)
+
+    def broken():
+        raise RuntimeError("no cpuinfo")
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", broken, raising=False)
+    assert linear.amx_cpu() is False
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert linear.amx_cpu() is False
