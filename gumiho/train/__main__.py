@@ -267,21 +267,23 @@ def bf16_slowdown(rows: int = 512, width: int = 576, out: int = 1536) -> float:
     width. CPUs differ by an order of magnitude: one AVX2 machine here ran bf16 about 2x as
     fast as fp32, another (AMD EPYC, AVX2) fell back to a scalar loop, 7x slower for x W^T
     and 76x for g W (at 512 rows, as measured here, this returns about 9 there). Takes a few
-    milliseconds, or about a second on such a CPU."""
+    milliseconds, or a few seconds on such a CPU. One warm-up pass was not enough on an AMX
+    CPU: the first timed bf16 pass there read 2-3x slower than fp32 (oneDNN compiles its kernels
+    and the process starts AMX on first use), later ones 0.2x."""
     gen = torch.Generator().manual_seed(0)
     x, g, w = (torch.randn(shape, generator=gen, device="cpu")
                for shape in ((rows, width), (rows, out), (out, width)))
 
-    def best_of_two(dtype: torch.dtype) -> float:
-        a, b, c = x.to(dtype), g.to(dtype), w.to(dtype)
-        times = []
-        for _ in range(3):  # the first is a warm-up
+    operands = {dtype: (x.to(dtype), g.to(dtype), w.to(dtype))
+                for dtype in (torch.bfloat16, torch.float32)}
+    best = dict.fromkeys(operands, float("inf"))
+    for rnd in range(5):  # dtypes alternating; two warm-up rounds (kernel JIT, AMX start-up)
+        for dtype, (a, b, c) in operands.items():
             start = time.perf_counter()
             a @ c.t(), b @ c, b.t() @ a
-            times.append(time.perf_counter() - start)
-        return min(times[1:])
-
-    return best_of_two(torch.bfloat16) / best_of_two(torch.float32)
+            if rnd >= 2:
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.bfloat16] / best[torch.float32]
 
 
 def fresh_accelerator_state(mixed: str) -> None:
