@@ -51,6 +51,7 @@ def _onednn_linear():
 
 ONEDNN_LINEAR = _onednn_linear()
 PACKED_DTYPES = (torch.bfloat16,)  # float32 packed runs slower than MKL for 1-3 rows
+PACK_ROWS = 16  # the row count oneDNN lays a packed weight out for (a tree verify's width)
 
 
 def _reorder():
@@ -96,10 +97,10 @@ class PackedLinear(nn.Module):
     layout (see the module doc). Same outputs as the `nn.Linear` it replaces; `weight`
     unpacks a copy on demand (nothing on the hot path reads it)."""
 
-    def __init__(self, linear: nn.Linear, rows: int = 16):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = ONEDNN_REORDER(linear.weight.detach(), rows)
+        self.packed = ONEDNN_REORDER(linear.weight.detach(), PACK_ROWS)
         self.bias = None if linear.bias is None else \
             nn.Parameter(linear.bias.detach(), requires_grad=False)
 
@@ -138,7 +139,7 @@ def pack_weight(weight: Tensor) -> Tensor | None:
     `can_pack` says no."""
     if weight.requires_grad or not can_pack(weight):
         return None
-    return ONEDNN_REORDER(weight.detach(), 16)
+    return ONEDNN_REORDER(weight.detach(), PACK_ROWS)
 
 
 def pack_linears(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
@@ -146,28 +147,35 @@ def pack_linears(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
     `can_pack` by a `PackedLinear` (modules in `skip`, e.g. an lm_head read elsewhere, stay).
     Returns how many were packed. Never for a model being trained: the packed copy does not
     follow its weight."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if (type(child) is nn.Linear and not any(child is s for s in skip)
-                    and not child.weight.requires_grad and can_pack(child.weight)):
-                setattr(parent, name, PackedLinear(child))
-                count += 1
-    return count
+    return _swap_children(model, lambda child: PackedLinear(child) if (
+        type(child) is nn.Linear and not any(child is s for s in skip)
+        and not child.weight.requires_grad and can_pack(child.weight)) else None)
 
 
 def unpack_linears(model: nn.Module) -> int:
     """Undo `pack_linears` in place (for torch.compile, whose inductor cannot lower the packed
     product); returns how many layers went back to `nn.Linear`."""
+    def unpacked(child: nn.Module) -> nn.Linear | None:
+        if type(child) is not PackedLinear:
+            return None
+        layer = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                          device="meta")
+        layer.weight = nn.Parameter(child.weight, requires_grad=False)
+        if child.bias is not None:
+            layer.bias = child.bias
+        return layer
+
+    return _swap_children(model, unpacked)
+
+
+def _swap_children(model: nn.Module, swap) -> int:
+    """Replace in place every submodule for which `swap(child)` returns a module; returns
+    how many were replaced."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is PackedLinear:
-                layer = nn.Linear(child.in_features, child.out_features,
-                                  bias=child.bias is not None, device="meta")
-                layer.weight = nn.Parameter(child.weight, requires_grad=False)
-                if child.bias is not None:
-                    layer.bias = child.bias
-                setattr(parent, name, layer)
+            new = swap(child)
+            if new is not None:
+                setattr(parent, name, new)
                 count += 1
     return count
