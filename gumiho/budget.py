@@ -40,6 +40,7 @@ import torch
 
 from gumiho.config import TreeConfig
 from gumiho.engine import GenerateConfig, TargetRunner, prefill, run, verify_tree
+from gumiho.linear import PackedLinear
 from gumiho.methods import method_spec
 from gumiho.paths import cache_dir
 from gumiho.profiling import timed
@@ -234,10 +235,12 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     device = target.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     # the first item versions what the costs measure (5: wide verifies' logits via oneDNN;
-    # 6: bf16 CPU projections packed, MLP heads without weight copies)
-    key = json.dumps([6, target.name, method, str(draft_path), stamp,
-                      asdict(without_wrappers(tree)),
-                      device_name, str(target.dtype), engine, torch.__version__], default=str)
+    # 6: bf16 CPU projections packed, MLP heads without weight copies; 7: float32 ones
+    # packed for MKL); whether the target's layers are packed ($GUMIHO_PACK) changes them
+    packed = any(type(m) is PackedLinear for m in target.model.modules())
+    key = json.dumps([7, target.name, method, str(draft_path), stamp,
+                      asdict(without_wrappers(tree)), device_name, str(target.dtype),
+                      engine, torch.__version__, packed], default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 

@@ -426,7 +426,7 @@ def load_drafter(method: str, target, draft: str | None = None,
             load_drafter_model(draft, target, method)
         model.eval().requires_grad_(False)
         if engine != "compile":  # inductor cannot lower the packed product
-            pack_linears(model)  # bf16 on the CPU (linear.py)
+            pack_linears(model)  # on the CPU (linear.py)
         drafter = (SerialDrafter if spec.serial else MedusaDrafter)(model, tree, engine=engine)
         if tree.draft_gate and engine == "eager":
             drafter = GatedDrafter(drafter, tree.draft_gate)

@@ -296,11 +296,11 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
     if chat_template:
         tokenizer.chat_template = TEMPLATES.get(chat_template, chat_template)
     target = wrap_target(model.to(dev).eval(), tokenizer, name=name_or_path)
-    # bf16 on the CPU: layers reordered once for oneDNN (linear.py); the lm_head stays, the
-    # drafters' heads and the logits read its weight
+    # on the CPU: layers reordered once for oneDNN (bf16) or MKL (fp32) (linear.py); the
+    # lm_head stays, the drafters' heads and the logits read its weight
     packed = pack_linears(model, skip=(model.get_output_embeddings(),))
     if packed:
-        log.info("packed %d bf16 projections for oneDNN", packed)
+        log.info("packed %d %s projections for the CPU", packed, target.dtype)
     if chat_template:
         target.chat_ids("Hello")  # a broken template fails here, in one line
     return target

@@ -99,21 +99,54 @@ def test_a_packed_linear_is_the_same_product(bias):
     assert torch.equal(packed.weight, layer.weight)
 
 
-@needs_packing
+needs_mkl_packing = pytest.mark.skipif(linear.MKL_REORDER is None, reason="torch without MKL")
+
+
+@needs_mkl_packing
 @pytest.mark.host
-def test_pack_linears_takes_frozen_bf16_cpu_layers_only():
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_float32_packed_linear_is_the_same_product(bias):
+    """float32 layers packed for MKL: below MIN_ROWS rows the plain weight runs (bit for bit
+    nn.Linear, so a plain decode step is unchanged); from there on MKL's packed GEMM, the
+    same product up to the order of float additions, for any batch shape."""
+    torch.manual_seed(0)
+    for shape in ((96, 64), (1536, 576), (576, 1536)):
+        layer = torch.nn.Linear(shape[1], shape[0], bias=bias).requires_grad_(False)
+        packed = linear.PackedLinear(layer)
+        assert torch.equal(packed.weight, layer.weight)
+        with torch.no_grad():
+            for rows in (1, 2, 3):
+                x = torch.randn(rows, shape[1])
+                assert torch.equal(packed(x), layer(x))
+            for x in (torch.randn(4, shape[1]), torch.randn(13, shape[1]),
+                      torch.randn(2, 7, shape[1]), torch.randn(1, 80, shape[1])):
+                got = packed(x)
+                assert got.shape == x.shape[:-1] + (shape[0],)
+                torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+@needs_mkl_packing
+@pytest.mark.host
+def test_pack_linears_takes_frozen_bf16_and_float32_cpu_layers_only():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8),
                                 torch.nn.Sequential(torch.nn.Linear(8, 8)),
-                                torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+                                torch.nn.Linear(8, 8), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 8))
     model.bfloat16().requires_grad_(False)
-    model[1].float()  # float32 stays: MKL is faster there for 1-3 rows
+    model[1].float()  # MKL's packed GEMM
     model[3].requires_grad_(True)  # a layer being trained stays
-    assert linear.pack_linears(model, skip=(model[4],)) == 2
-    assert [type(m).__name__ for m in (model[0], model[1], model[2][0], model[3], model[4])] \
-        == ["PackedLinear", "Linear", "PackedLinear", "Linear", "Linear"]
+    model[5].double()  # no packed GEMM for float64
+    assert linear.pack_linears(model, skip=(model[4],)) == 3
+    assert [type(m).__name__ for m in (model[0], model[1], model[2][0], model[3], model[4],
+                                       model[5])] \
+        == ["PackedLinear", "PackedLinear", "PackedLinear", "Linear", "Linear", "Linear"]
+    assert model[1].mkl and not model[0].mkl
     assert linear.pack_weight(model[3].weight) is None  # trainable
-    assert linear.pack_weight(model[1].weight) is None  # float32
+    assert linear.pack_weight(model[1].weight.detach()) is None  # vocabulary heads: bf16 only
+    assert linear.unpack_linears(model) == 3
+    assert type(model[1]) is torch.nn.Linear and model[1].weight.dtype == torch.float32
 
 
 @needs_packing
@@ -159,6 +192,29 @@ def test_a_bf16_target_is_packed_and_decodes_as_unpacked(tiny_target_dir, monkey
         out = [run(t, drafter or load_drafter("gumiho", t, "random"), ids, config).token_ids
                for t in (packed, plain)]
         assert out[0] == out[1]
+
+
+@needs_mkl_packing
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="packing is the CPU's")
+def test_a_float32_target_is_packed_and_decodes_as_unpacked(smollm2, reference, monkeypatch):
+    """load_target packs a float32 CPU target's layers for MKL (the lm_head stays); plain
+    decoding (one row a step: the plain weights) gives the unpacked target's answer, and
+    the prompt's features (many rows: MKL's packed GEMM) agree to float32 rounding."""
+    import gumiho.target as target_module
+    from gumiho.target import load_target
+
+    assert smollm2.dtype == torch.float32
+    kinds = {type(m).__name__ for m in smollm2.model.model.layers.modules()}
+    assert "PackedLinear" in kinds and "Linear" not in kinds
+    assert type(smollm2.model.lm_head) is torch.nn.Linear and smollm2._packed_head is None
+    monkeypatch.setattr(target_module, "pack_linears", lambda *a, **k: 0)
+    plain = load_target("smollm2", device="cpu")
+    assert not any(type(m).__name__ == "PackedLinear" for m in plain.model.modules())
+    ids, result = reference
+    torch.testing.assert_close(smollm2.features(torch.tensor([ids])),
+                               plain.features(torch.tensor([ids])), rtol=1e-4, atol=1e-4)
+    config = GenerateConfig(max_new_tokens=len(result.token_ids))
+    assert run(plain, PlainDrafter(), ids, config).token_ids == result.token_ids
 
 
 @pytest.mark.host

@@ -1,0 +1,54 @@
+"""Target steps with the layers packed for the CPU's GEMM library against the same target
+unpacked, in one process, the two alternating (gumiho/linear.py).
+
+    python scripts/pack_ab.py [--target smollm2] [--dtype float32] [--widths 1,4,8,16]
+                              [--rounds 6] [--repeats 5] [--context 128]
+
+Loads the target twice (packed as `load_target` leaves it, and unpacked with
+`linear.unpack_linears`), then per round times a verify step of each width (a balanced
+binary tree; width 1 is a plain decode step) on each copy in turn. Prints the median over
+the rounds of each copy's median step, and their ratio. Alternating in one process keeps
+the machine's drift off the ratio; both copies are in memory throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from gumiho.budget import verify_step_seconds
+from gumiho.linear import unpack_linears
+from gumiho.target import load_target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--widths", default="1,4,8,16")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--context", type=int, default=128)
+    args = parser.parse_args()
+    widths = [int(w) for w in args.widths.split(",")]
+    packed = load_target(args.target, device="cpu", dtype=args.dtype)
+    plain = load_target(args.target, device="cpu", dtype=args.dtype)
+    count = unpack_linears(plain.model)
+    plain.__dict__["_packed_head"] = None  # the lm_head unpacked too (bf16)
+    print(f"{args.target} {args.dtype}: {count} layers packed in one copy, none in the other")
+    ms: dict[tuple[int, str], list[float]] = {}
+    for _ in range(args.rounds):
+        for width in widths:
+            for name, target in (("packed", packed), ("unpacked", plain)):
+                seconds = verify_step_seconds(target, width, args.context, args.repeats)
+                ms.setdefault((width, name), []).append(seconds * 1e3)
+    print("| tree tokens | packed ms | unpacked ms | packed / unpacked |")
+    print("|---|---|---|---|")
+    for width in widths:
+        a = statistics.median(ms[(width, "packed")])
+        b = statistics.median(ms[(width, "unpacked")])
+        print(f"| {width} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
