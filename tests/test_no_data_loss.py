@@ -78,6 +78,22 @@ def test_other_settings_are_refused_unless_overwrite(tmp_path, tiny_target_dir, 
     assert len(records) == 1 and records[0]["settings"]["seed"] == 3
 
 
+def test_answers_timed_by_other_code_or_hardware_are_refused(tmp_path, tiny_target_dir,
+                                                              capsys, monkeypatch):
+    """Speeds in one answer file must compare: a resume under another dtype, another
+    commit of the code or another torch is refused, naming what differs."""
+    path = tmp_path / "a.jsonl"
+    assert gen_answers.main(answer_args(tiny_target_dir, path, 1)) == 0
+    before = path.read_bytes()
+    assert gen_answers.main(answer_args(tiny_target_dir, path, 2, "--dtype", "bfloat16")) == 2
+    assert "dtype='torch.float32' in the file, 'torch.bfloat16' now" in capsys.readouterr().err
+    monkeypatch.setattr(gen_answers, "code_version", lambda: "0123abc")
+    assert gen_answers.main(answer_args(tiny_target_dir, path, 2)) == 2
+    err = capsys.readouterr().err
+    assert "git_commit=" in err and "'0123abc' now" in err, err
+    assert path.read_bytes() == before
+
+
 def test_nothing_to_do_leaves_the_file_alone(tmp_path, tiny_target_dir, capsys):
     path = tmp_path / "a.jsonl"
     assert gen_answers.main(answer_args(tiny_target_dir, path, 2)) == 0
@@ -117,6 +133,16 @@ def test_speed_refuses_to_pool_different_runs(tmp_path, capsys):
     assert speed.main(["--answers", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"),
                        "--out", str(tmp_path / "r")]) == 2
     assert "made differently (draft=" in capsys.readouterr().err
+    # the same drafter timed in another dtype
+    other = rec(2, "runs/a")
+    other["env"] = {"device": "cpu", "dtype": "torch.bfloat16"}
+    first = rec(1, "runs/a")
+    first["env"] = {"device": "cpu", "dtype": "torch.float32"}
+    (tmp_path / "a.jsonl").write_text(json.dumps(first) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps(other) + "\n")
+    assert speed.main(["--answers", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"),
+                       "--out", str(tmp_path / "r")]) == 2
+    assert "made differently (dtype=" in capsys.readouterr().err
 
 
 def test_malformed_conversations_are_counted(tmp_path):

@@ -102,9 +102,9 @@ def _refusal(path: Path, number: int, problem: str, has_records: bool) -> str:
             "fix or delete that line, then rerun to resume")
 
 
-def settings_mismatch(old: dict, new: dict) -> str | None:
-    """The first setting in RESUME_KEYS on which two records' settings differ."""
-    for key in RESUME_KEYS:
+def settings_mismatch(old: dict, new: dict, keys: tuple[str, ...] = RESUME_KEYS) -> str | None:
+    """The first of `keys` on which two records' settings differ."""
+    for key in keys:
         a, b = old.get(key), new.get(key)
         if key in ("target", "draft") and a != b and a and b and _same_path(a, b):
             continue

@@ -4,8 +4,9 @@ Writes one JSONL line per question: per turn the text, token count, cycles, wall
 per-cycle accept lengths, plus the full settings, device, dtype, versions and git commit.
 A warm-up generation runs before any timed one. Rerunning the same command resumes: it
 skips answered questions and drops only a half-written last record. A file that is not an
-answer file, has a damaged line, or holds answers made with other settings is refused and
-left untouched (`--overwrite` starts an answer file over).
+answer file, has a damaged line, or holds answers made with other settings, on other
+hardware or by other code (`ENV_KEYS`: their speeds would not compare) is refused and left
+untouched (`--overwrite` starts an answer file over).
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ from gumiho.generate import (
 from gumiho.methods import METHODS
 from gumiho.version import code_version
 
-ENV_KEYS = ("device", "dtype")  # answers timed elsewhere must not share a file
+# answers timed elsewhere, or by other code, must not share a file: their speeds would not
+# compare (a resume after a commit that changes the package is refused; --overwrite)
+ENV_KEYS = ("device", "device_name", "dtype", "torch", "transformers", "git_commit",
+            "threads")
 
 
 def environment(gen: SpeculativeGenerator) -> dict:
@@ -129,11 +133,9 @@ def check_resume(path: Path, found: AnswerFile | None, settings: dict,
     """Refuse to append answers made with other settings (naming the first that differs)."""
     for rec, line in zip(found.records if found else [], found.lines if found else [],
                          strict=True):
-        diff = settings_mismatch({k: rec["settings"].get(k) for k in keys},
-                                 {k: settings.get(k) for k in keys})
+        diff = settings_mismatch(rec["settings"], settings, keys)
         if diff is None and env is not None:
-            diff = settings_mismatch({k: rec.get("env", {}).get(k) for k in ENV_KEYS},
-                                     {k: env.get(k) for k in ENV_KEYS})
+            diff = settings_mismatch(rec.get("env", {}), env, ENV_KEYS)
         if diff:
             raise GumihoError(f"{path} holds answers made with other settings (line {line}: "
                               f"{diff}): use another --answer-file, the same settings to "

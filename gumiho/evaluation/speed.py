@@ -92,10 +92,8 @@ def read_answers(paths: list[str]) -> dict[tuple, dict]:
 
 def run_mismatch(a: dict, b: dict, keys: tuple[str, ...]) -> str | None:
     """The first setting (or device/dtype) on which two answer records' runs differ."""
-    return settings_mismatch({k: a["settings"].get(k) for k in keys},
-                             {k: b["settings"].get(k) for k in keys}) or settings_mismatch(
-        {k: a.get("env", {}).get(k) for k in ("device", "dtype")},
-        {k: b.get("env", {}).get(k) for k in ("device", "dtype")})
+    return settings_mismatch(a["settings"], b["settings"], keys) or settings_mismatch(
+        a.get("env", {}), b.get("env", {}), ("device", "dtype"))
 
 
 def stats(records: list[dict]) -> dict:
