@@ -30,10 +30,13 @@ float32 layers are packed too, for MKL's packed GEMM (`cblas_sgemm_pack`/`_compu
 op torch's CPU compiler emits for frozen float32 weights), which skips repacking the
 weight on each call: the layers of a SmolLM2 step (30 x 7 projections) cost 29-34 ms
 instead of 41-45 ms for 8 rows and 22-29 instead of 28-39 for 4, the same for 1-3 rows
-(2026-11-26 dev machine). Below `MIN_ROWS` rows a packed float32 layer uses the plain
-weight it keeps (so a plain decode step is bit for bit unchanged, at the cost of a second
-copy of the weights in memory); from there on the product differs from torch's only in
-the order of float additions, as between any two batch shapes.
+(2026-11-26 dev machine), as fast from ~48 to ~256 rows and slower from ~512 (a whole
+SmolLM2 forward over 4 x 512 tokens: 2.05 against 1.81 s). So a packed float32 layer uses
+MKL's product for `MIN_ROWS` to `MKL_MAX_ROWS` rows (tree verifies) and the plain weight
+it keeps otherwise (a plain decode step, a prefill and a training batch are bit for bit
+unchanged, at the cost of a second copy of the weights in memory); the packed product
+differs from torch's only in the order of float additions, as between any two batch
+shapes.
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ def _onednn_linear():
 ONEDNN_LINEAR = _onednn_linear()
 PACKED_DTYPES = (torch.bfloat16,)  # vocabulary heads packed for oneDNN (float32: uses_onednn)
 PACK_ROWS = 16  # the row count oneDNN lays a packed weight out for (a tree verify's width)
+# float32: MKL's packed GEMM is faster from 4 to ~32 rows, as fast to ~256, slower from ~512
+# (a prefill, a training batch: 2,048 rows 14-19% slower); past this, the plain weight runs
+MKL_MAX_ROWS = 80  # a 64-token verify plus an 11-token lookup chain
 
 
 def _reorder():
@@ -139,7 +145,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.mkl:
             rows = x.numel() // self.in_features
-            if rows < MIN_ROWS:
+            if not MIN_ROWS <= rows <= MKL_MAX_ROWS:
                 return functional.linear(x, self.plain, self.bias)
             # the packed product runs when the row count passed equals the input's
             return MKL_LINEAR(x.contiguous(), self.packed, self.plain, self.bias, rows)

@@ -106,16 +106,16 @@ needs_mkl_packing = pytest.mark.skipif(linear.MKL_REORDER is None, reason="torch
 @pytest.mark.host
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_float32_packed_linear_is_the_same_product(bias):
-    """float32 layers packed for MKL: below MIN_ROWS rows the plain weight runs (bit for bit
-    nn.Linear, so a plain decode step is unchanged); from there on MKL's packed GEMM, the
-    same product up to the order of float additions, for any batch shape."""
+    """float32 layers packed for MKL: below MIN_ROWS rows and above MKL_MAX_ROWS the plain
+    weight runs (bit for bit nn.Linear: a plain decode step, a prefill, a training batch);
+    in between MKL's packed GEMM, the same product up to the order of float additions."""
     torch.manual_seed(0)
     for shape in ((96, 64), (1536, 576), (576, 1536)):
         layer = torch.nn.Linear(shape[1], shape[0], bias=bias).requires_grad_(False)
         packed = linear.PackedLinear(layer)
         assert torch.equal(packed.weight, layer.weight)
         with torch.no_grad():
-            for rows in (1, 2, 3):
+            for rows in (1, 2, 3, linear.MKL_MAX_ROWS + 1, 300):
                 x = torch.randn(rows, shape[1])
                 assert torch.equal(packed(x), layer(x))
             for x in (torch.randn(4, shape[1]), torch.randn(13, shape[1]),
