@@ -28,15 +28,15 @@ kernel runs). torch.compile cannot lower the packed product: its engine unpacks
 
 float32 layers are packed too, for MKL's packed GEMM (`cblas_sgemm_pack`/`_compute`, the
 op torch's CPU compiler emits for frozen float32 weights), which skips repacking the
-weight on each call: the layers of a SmolLM2 step (30 x 7 projections) cost 29-34 ms
-instead of 41-45 ms for 8 rows and 22-29 instead of 28-39 for 4, the same for 1-3 rows
-(2026-11-26 dev machine), as fast from ~48 to ~256 rows and slower from ~512 (a whole
-SmolLM2 forward over 4 x 512 tokens: 2.05 against 1.81 s). So a packed float32 layer uses
-MKL's product for `MIN_ROWS` to `MKL_MAX_ROWS` rows (tree verifies) and the plain weight
-it keeps otherwise (a plain decode step, a prefill and a training batch are bit for bit
-unchanged, at the cost of a second copy of the weights in memory); the packed product
-differs from torch's only in the order of float additions, as between any two batch
-shapes.
+weight on each call: whole SmolLM2 verify steps of 4, 8 and 16 tokens cost 8-13% less, a
+plain step the same (scripts/pack_ab.py, 2026-11-26 dev machine). For many rows the
+packed product is slower (a SmolLM2 forward over 4 x 512 tokens took 1.08x as long,
+`scripts/pack_ab.py --forward 4x512 --max-rows 100000`).
+So a packed float32 layer uses MKL's product for `MIN_ROWS` to `MKL_MAX_ROWS` rows (tree
+verifies) and the plain weight it keeps otherwise (a plain decode step, a prefill and a
+training batch are bit for bit unchanged, at the cost of a second copy of the weights in
+memory); the packed product differs from torch's only in the order of float additions,
+as between any two batch shapes.
 """
 
 from __future__ import annotations
