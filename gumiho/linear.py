@@ -41,11 +41,14 @@ as between any two batch shapes.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional
+
+log = logging.getLogger("gumiho")
 
 MIN_ROWS = 4  # from here on MKL is slower than oneDNN for a vocabulary-sized weight
 MIN_OUTPUTS = 16384  # below this MKL is as fast at every row count (scripts/linear_rows.py)
@@ -188,10 +191,38 @@ def pack_linears(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
     """Replace, in place, every frozen `nn.Linear` of an inference model whose weight
     `can_pack` by a `PackedLinear` (modules in `skip`, e.g. an lm_head read elsewhere, stay).
     Returns how many were packed. Never for a model being trained: the packed copy does not
-    follow its weight."""
-    return _swap_children(model, lambda child: PackedLinear(child) if (
-        type(child) is nn.Linear and not any(child is s for s in skip)
-        and not child.weight.requires_grad and can_pack(child.weight)) else None)
+    follow its weight. float32 layers keep their plain weight beside the packed one, so
+    they are packed only while that second copy takes at most half the memory available."""
+    def packable(child: nn.Module) -> bool:
+        return (type(child) is nn.Linear and not any(child is s for s in skip)
+                and not child.weight.requires_grad and can_pack(child.weight))
+
+    extra = sum(m.weight.numel() * 4 for m in model.modules()
+                if packable(m) and m.weight.dtype == torch.float32)
+    room = available_memory()
+    fp32 = room is None or extra <= room // 2
+    if not fp32:
+        log.warning("float32 layers not packed for MKL: their second copy (%.1f GB) would "
+                    "take more than half the memory available (%.1f GB)", extra / 1e9,
+                    room / 1e9)
+    return _swap_children(model, lambda child: PackedLinear(child) if packable(child) and (
+        fp32 or child.weight.dtype != torch.float32) else None)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux's MemAvailable, else what
+    sysconf says), or None where neither tells."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def unpack_linears(model: nn.Module) -> int:

@@ -150,6 +150,33 @@ def test_pack_linears_takes_frozen_bf16_and_float32_cpu_layers_only():
 
 
 @needs_packing
+@needs_mkl_packing
+@pytest.mark.host
+def test_float32_layers_stay_unpacked_where_their_second_copy_would_not_fit(monkeypatch,
+                                                                            caplog):
+    """A packed float32 layer keeps its plain weight too: where that copy would take more
+    than half the available memory, float32 layers are left alone (said in one warning);
+    bf16 ones, packed in place, still are."""
+    def model():
+        torch.manual_seed(0)
+        layers = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+        layers.requires_grad_(False)
+        layers[1].bfloat16()
+        return layers
+
+    monkeypatch.setattr(linear, "available_memory", lambda: 2 * 64 * 64 * 4 - 2)
+    tight = model()
+    assert linear.pack_linears(tight) == 1
+    assert type(tight[0]) is torch.nn.Linear and type(tight[1]) is linear.PackedLinear
+    assert "float32 layers not packed" in caplog.text
+    for room in (2 * 64 * 64 * 4, None):
+        monkeypatch.setattr(linear, "available_memory", lambda room=room: room)
+        assert linear.pack_linears(model()) == 2
+    monkeypatch.undo()
+    assert linear.available_memory() is None or linear.available_memory() > 0
+
+
+@needs_packing
 @pytest.mark.host
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_vocab_linear_with_a_packed_weight_is_the_same_product(rows):
