@@ -67,8 +67,8 @@ def _onednn_linear():
 ONEDNN_LINEAR = _onednn_linear()
 PACKED_DTYPES = (torch.bfloat16,)  # vocabulary heads packed for oneDNN (float32: uses_onednn)
 PACK_ROWS = 16  # the row count oneDNN lays a packed weight out for (a tree verify's width)
-# float32: MKL's packed GEMM is faster from 4 to ~32 rows, as fast to ~256, slower from ~512
-# (a prefill, a training batch: 2,048 rows 14-19% slower); past this, the plain weight runs
+# float32: MKL's packed GEMM pays for a tree verify's rows and is slower for many (a
+# SmolLM2 forward over 4 x 512 tokens 1.08x as long); past this, the plain weight runs
 MKL_MAX_ROWS = 80  # a 64-token verify plus an 11-token lookup chain
 
 
@@ -84,7 +84,8 @@ ONEDNN_REORDER = _reorder() if ONEDNN_LINEAR is not None else None
 
 def _mkl_ops():
     """MKL's packed float32 GEMM (reorder, product), the ops torch's CPU compiler emits for
-    frozen float32 weights; (None, None) without MKL."""
+    frozen float32 weights (registered with oneDNN's, whose tensor holds the packed weight);
+    (None, None) without MKL or oneDNN."""
     if not torch.backends.mkl.is_available() or ONEDNN_LINEAR is None:
         return None, None
     try:
@@ -127,8 +128,9 @@ def vocab_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None = None,
 class PackedLinear(nn.Module):
     """An inference-only `nn.Linear` whose weight was reordered once for the CPU's GEMM
     library (see the module doc): bf16 for oneDNN (`weight` unpacks a copy on demand),
-    float32 for MKL's packed GEMM, which runs from `MIN_ROWS` rows on (fewer rows, and
-    `weight`, read the plain weight it keeps). Same outputs as the `nn.Linear` it replaces."""
+    float32 for MKL's packed GEMM, which runs for `MIN_ROWS` to `MKL_MAX_ROWS` rows (other
+    row counts, and `weight`, read the plain weight it keeps). Same outputs as the
+    `nn.Linear` it replaces (float32: up to the order of float additions)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
