@@ -9,6 +9,12 @@ the fused kernels that take a mask do not take grouped heads, so there we keep t
 
 `use_grouped_sdpa(model)` switches a loaded sdpa model to this function by name
 (`SDPA_GQA`); masks are built as for sdpa.
+
+`sdpa_invariant` (`SDPA_INVARIANT`, chosen with `load_target(...,
+attn_implementation="sdpa_invariant")` or `--attention`) computes every row of a call as
+one-token decoding would (see `invariant_sdpa_forward`): with row-independent products
+(`linear.rows_independent`: bf16 on an AMX CPU) a tree verify then gives exactly plain
+decoding's tokens.
 """
 
 from __future__ import annotations
@@ -49,3 +55,92 @@ def use_grouped_sdpa(model: torch.nn.Module) -> None:
     if (model.config._attn_implementation == "sdpa"
             and (getattr(config, "num_key_value_heads", None) or heads) < heads):
         model.set_attn_implementation(SDPA_GQA)
+
+
+SDPA_INVARIANT = "sdpa_invariant"
+INVARIANT_MAX_QUERIES = 96  # longer calls (a prompt's prefill) take the grouped sdpa
+INVARIANT_BUCKET = 64  # a row attends over its visible keys padded to a multiple of this
+
+
+def invariant_sdpa_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                           attention_mask: Tensor | None, dropout: float = 0.0,
+                           scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
+    """Attention whose every query row is computed as it would be alone, in one-token
+    decoding: the row's visible keys, in cache order, at the front of a buffer whose length
+    depends only on how many they are (rounded up to `INVARIANT_BUCKET`, the rest masked),
+    each row its own batch element. torch's kernel rounds differently for other buffer
+    lengths (masked keys or not), so this is what makes a tree node's row see exactly what
+    the same token sees decoded alone; with row-independent products a verify then gives
+    its tokens bit for bit the hidden states sequential decoding would. A decode step's
+    keys are already in place (padded, not gathered). CPU only: the row counts are read on
+    the host, which is free there."""
+    if (attention_mask is None or attention_mask.dtype != torch.bool or query.shape[0] != 1
+            or query.device.type != "cpu" or query.shape[2] > INVARIANT_MAX_QUERIES or dropout
+            or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")):
+        return grouped_sdpa_forward(module, query, key, value, attention_mask,
+                                    dropout=dropout, scaling=scaling, **kwargs)
+    rows, length = query.shape[2], key.shape[2]
+    gqa = key.shape[1] != query.shape[1]
+    out = query.new_empty(rows, query.shape[1], 1, query.shape[3])
+    queries = query[0].transpose(0, 1)[:, :, None]  # (Q, heads, 1, D)
+    for picked, take, front in _invariant_plan(attention_mask, rows, length):
+        if take is None:  # a decode step's keys: in place, padded
+            keys, values = key, value
+            pad = (0, 0, 0, front.shape[1] - length)
+            if pad[3]:  # the values there never count
+                keys, values = (torch.nn.functional.pad(t, pad) for t in (key, value))
+        else:
+            keys, values = (t[0].index_select(1, take.flatten()).view(
+                t.shape[1], *take.shape, t.shape[3]).transpose(0, 1) for t in (key, value))
+        rows_in = queries if picked is None else queries[picked]
+        got = torch.nn.functional.scaled_dot_product_attention(
+            rows_in, keys, values, attn_mask=front[:, None, None], scale=scaling,
+            enable_gqa=gqa)  # (R, heads, 1, D)
+        if picked is None:
+            out = got
+        else:
+            out[picked] = got
+    return out.transpose(1, 2).reshape(1, rows, query.shape[1], query.shape[3]), None
+
+
+# (the mask itself, its version, rows, length; its plan): the layers of a step share one
+# mask; holding it keeps its memory from being reused by another mask
+_plan_memo: list = [None, None]
+
+
+def _invariant_plan(attention_mask: Tensor, rows: int, length: int) -> list:
+    """Per group of rows with one buffer length: (rows or None for all, the key slots to
+    gather (R, n) or None for the cache as it is, the buffer's mask (R, n padded))."""
+    identity = (attention_mask, attention_mask._version, rows, length)
+    seen = _plan_memo[0]
+    if seen is not None and seen[0] is attention_mask and seen[1:] == identity[1:]:
+        return _plan_memo[1]
+    mask = attention_mask[0, 0].expand(rows, length)  # (Q, K)
+    slots = torch.arange(length, device=mask.device)
+
+    def front(visible: Tensor) -> Tensor:  # visible keys first, in a bucket-long buffer
+        size = -(-int(visible.max()) // INVARIANT_BUCKET) * INVARIANT_BUCKET
+        return torch.arange(size, device=mask.device) < visible[:, None]
+
+    if rows == 1 and bool(mask.all()):  # a decode step: the cache is already in order
+        plan = [(None, None, front(torch.full((1,), length, device=mask.device)))]
+    else:
+        order = torch.where(mask, slots, slots + length).sort(dim=-1).indices  # visible first
+        visible = mask.sum(-1)  # (Q,)
+        buckets = -(-visible // INVARIANT_BUCKET)
+        groups = buckets.unique().tolist()
+        plan = []
+        for bucket in groups:  # rows of one buffer length: one call
+            picked = (buckets == bucket).nonzero().flatten()
+            take = order[picked, :min(bucket * INVARIANT_BUCKET, length)]  # (R, n)
+            shown = front(visible[picked])
+            if take.shape[1] < shown.shape[1]:  # a buffer past the cache: pad the slots
+                take = torch.cat([take, take[:, -1:].expand(-1, shown.shape[1] -
+                                                            take.shape[1])], 1)
+            plan.append((None if len(groups) == 1 else picked, take, shown))
+    _plan_memo[:] = [identity, plan]
+    return plan
+
+
+AttentionInterface.register(SDPA_INVARIANT, invariant_sdpa_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_INVARIANT, sdpa_mask)

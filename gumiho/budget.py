@@ -240,7 +240,8 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     packed = any(type(m) is PackedLinear for m in target.model.modules())
     key = json.dumps([7, target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
-                      engine, torch.__version__, packed], default=str)
+                      engine, torch.__version__, packed, target.config._attn_implementation],
+                     default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from gumiho.attention import SDPA_INVARIANT
 from gumiho.drafters import PlainDrafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.errors import (
@@ -20,9 +21,14 @@ from gumiho.errors import (
     positive_int,
     probability_arg,
 )
-from gumiho.generate import SpeculativeGenerator, check_context_room, total_tokens_arg
+from gumiho.generate import (
+    ATTENTION_CHOICES,
+    SpeculativeGenerator,
+    check_context_room,
+    total_tokens_arg,
+)
 from gumiho.graphs import ENGINES
-from gumiho.linear import amx_cpu
+from gumiho.linear import amx_cpu, rows_independent
 from gumiho.methods import DRAFTER_METHODS, method_spec
 from gumiho.target import choose_device_dtype
 
@@ -71,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                    "CPU (exactly plain decoding's output only in float32)")
     p.add_argument("--engine", default=None, choices=ENGINES, help="default: graphs on a "
                    "GPU, eager on a CPU")
+    p.add_argument("--attention", default=None, choices=ATTENTION_CHOICES,
+                   help="the target's attention; sdpa_invariant: bf16 on a CPU gives plain "
+                   "decoding's output bit for bit (README, bfloat16 on a CPU)")
     args = p.parse_args(argv)
     if not args.prompt.strip():  # before the slow load and tree-size calibration
         raise GumihoError("empty prompt: give some text to answer")
@@ -83,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="gumiho: %(message)s")
     gen = SpeculativeGenerator.load("smollm2", args.method,
                                     str(shipped_drafter(args.method)), device=args.device,
-                                    dtype=args.dtype,
+                                    dtype=args.dtype, attention=args.attention,
                                     engine=args.engine, total_tokens=args.total_tokens,
                                     lookup=args.lookup,
                                     lookup_first=True if args.lookup else None,
@@ -105,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n\n(decoding the same prompt plainly for comparison ...)", flush=True)
     run(target, PlainDrafter(), ids, GenerateConfig(max_new_tokens=8, engine=gen.engine))
     plain = run(target, PlainDrafter(), ids, config)
-    exact = target.dtype == torch.float32  # what "lossless" guarantees exactly (README)
+    # what "lossless" guarantees exactly (README): fp32, or a row-invariant attention on a
+    # CPU whose products are row-independent (bf16 on AMX)
+    invariant = (target.config._attn_implementation == SDPA_INVARIANT
+                 and target.device.type == "cpu" and rows_independent(target.dtype))
+    exact = target.dtype == torch.float32 or invariant
     if plain.token_ids == fast.token_ids:
         same = "identical"
     elif exact:
@@ -113,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         same = (f"different: in {str(target.dtype).removeprefix('torch.')} a tree-shaped "
                 "verify can break a near-tie of the top two logits otherwise than a one-token "
-                "step (README, Lossless); --dtype float32 is exact")
+                "step (README, Lossless); --dtype float32 or --attention sdpa_invariant is "
+                "exact")
     extra = f" + a prompt-lookup chain of up to {tree.lookup}" if tree.lookup else ""
     if tree.min_confidence and gen.engine == "eager":  # captured steps keep one shape
         extra += f", drafts of path probability >= {tree.min_confidence:g}"
@@ -125,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{fast.tokens_per_s:.1f} tokens/s")
     print(f"plain decoding: {plain.tokens_per_s:.1f} tokens/s -> speedup "
           f"{fast.tokens_per_s / plain.tokens_per_s:.2f}x; outputs {same}")
-    if exact and target.device.type == "cpu" and amx_cpu():
+    if target.dtype == torch.float32 and target.device.type == "cpu" and amx_cpu():
         print("(this CPU has AMX, where a bf16 verify of 8-16 tokens costs about one plain "
-              "step: `gumiho demo --dtype bfloat16` drafts a wider tree, its output equal to "
-              "bf16 plain decoding's up to near-ties; README, bfloat16 on a CPU)")
+              "step: `gumiho demo --dtype bfloat16 --attention sdpa_invariant` drafts a wider "
+              "tree, its output bit for bit bf16 plain decoding's; README, bfloat16 on a CPU)")
     return 0 if plain.token_ids == fast.token_ids or not exact else 1
 
 

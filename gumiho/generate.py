@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from gumiho.attention import SDPA_INVARIANT
 from gumiho.budget import choose_tree
 from gumiho.checkpoint import check_drafter_dir
 from gumiho.config import FTA_MODES, TreeConfig, check_tree_options
@@ -63,18 +64,21 @@ class SpeculativeGenerator:
              draft: str | None = None,
              device: str | None = None, dtype: str | None = None,
              chat_template: str | None = None, verify_width: int | None = None,
-             engine: str | None = None, **tree_options):
+             engine: str | None = None, attention: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
         fta, lookup, lookup_first, draft_gate, min_confidence, extend_confidence); unset ones
         take the method's reference defaults. total_tokens="auto" times this device and the
         drafter and picks the fastest tree shape (budget.py); its report (`auto_report`)
         holds the shape's break-even, a value for draft_gate (gate.py). A loaded Target is
-        shared as it is (several generators on one model): device, dtype and chat_template
-        then stay unset."""
+        shared as it is (several generators on one model): device, dtype, chat_template and
+        attention then stay unset. attention: the target's attention implementation
+        (load_target's `attn_implementation`; "sdpa_invariant" makes bf16 verifies on a CPU
+        bit for bit sequential decoding's, attention.py)."""
         check_load_args(target, method, draft, tree_options)
-        if isinstance(target, Target) and (device, dtype, chat_template) != (None,) * 3:
-            raise TypeError("device, dtype and chat_template belong to loading a target; "
-                            "an already loaded Target keeps its own")
+        if isinstance(target, Target) and (device, dtype, chat_template, attention) != \
+                (None,) * 4:
+            raise TypeError("device, dtype, chat_template and attention belong to loading a "
+                            "target; an already loaded Target keeps its own")
         if verify_width is not None:
             check_positive_int("verify_width", verify_width)
         auto = tree_options.get("total_tokens") == "auto"
@@ -86,7 +90,8 @@ class SpeculativeGenerator:
         if auto and draft is None:
             raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
         loaded = target if isinstance(target, Target) else load_target(
-            str(target), device=device, dtype=dtype, chat_template=chat_template)
+            str(target), device=device, dtype=dtype, chat_template=chat_template,
+            attn_implementation=attention)
         engine = resolve_engine(engine, loaded.device)
         tree.check_vocab(loaded.lm_head.weight.shape[0])
         report = None
@@ -213,6 +218,9 @@ def check_context_room(target: str, max_new_tokens: int) -> None:
                           f"{target}'s context of {limit} tokens: ask for fewer")
 
 
+ATTENTION_CHOICES = ("sdpa", "eager", SDPA_INVARIANT)
+
+
 def add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2",
                         help="local Hugging Face model dir, 'smollm2' (the embedded default) "
@@ -222,6 +230,10 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
                         "(default: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--chat-template", default=None,
                         help="for tokenizers without one: 'vicuna' or a Jinja template")
+    parser.add_argument("--attention", default=None, choices=ATTENTION_CHOICES,
+                        help="the target's attention: sdpa (default), eager, or sdpa_invariant "
+                        "(CPU: each row of a verify computed as in one-token decoding, so bf16 "
+                        "output is bit for bit plain decoding's; slower verifies)")
     parser.add_argument("--engine", default=None, choices=ENGINES,
                         help="how steps run: eager, graphs (CUDA graphs) or compile "
                         "(torch.compile); default graphs on a GPU, eager on a CPU")
@@ -314,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                                     device=args.device, dtype=args.dtype,
                                     chat_template=args.chat_template,
                                     verify_width=args.verify_width, engine=args.engine,
+                                    attention=args.attention,
                                     **tree_options(args))
     pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed)
     for piece in pieces:

@@ -41,6 +41,7 @@ as between any two batch shapes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -170,6 +171,25 @@ def amx_cpu() -> bool:
         return bool(check()) if check is not None else False
     except RuntimeError:
         return False
+
+
+@functools.cache
+def rows_independent(dtype: torch.dtype = torch.bfloat16, rows: int = 32) -> bool:
+    """Whether this CPU's products of layer shape in `dtype` (packed where `pack_linears`
+    packs) give each of up to `rows` input rows bit for bit what it gets alone. oneDNN's
+    AMX bf16 kernels do, for up to 32 rows on the 2026-11-26 dev machine (not for 40);
+    float32 MKL's do not. With it and a row-invariant attention (attention.py), a verify's
+    tokens get exactly the hidden states of one-token steps."""
+    g = torch.Generator().manual_seed(0)  # the caller's random state stays as it was
+    layer = nn.Linear(576, 1536, bias=False, device="meta")
+    layer.weight = nn.Parameter((torch.randn(1536, 576, generator=g) * 0.05).to(dtype),
+                                requires_grad=False)
+    if can_pack(layer.weight):
+        layer = PackedLinear(layer)
+    x = torch.randn(1, rows, 576, generator=g).to(dtype)
+    with torch.no_grad():
+        out = layer(x)
+        return all(torch.equal(out[0, r], layer(x[:, r:r + 1])[0, 0]) for r in range(rows))
 
 
 def can_pack(weight: Tensor) -> bool:

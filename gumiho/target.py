@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gumiho.attention import SDPA_GQA, use_grouped_sdpa
+from gumiho.attention import SDPA_GQA, SDPA_INVARIANT, use_grouped_sdpa
 from gumiho.embedded import EMBEDDED, SMOLLM2_ALIAS
 from gumiho.errors import GumihoError
 from gumiho.kv_cache import attention_kinds
@@ -31,7 +31,7 @@ log = logging.getLogger("gumiho")
 # Chat end markers of common families; whichever exist in a vocabulary stop generation.
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
 # Attention implementations that take an arbitrary 4D mask (the tree mask).
-MASKED_ATTENTION = ("sdpa", "eager", SDPA_GQA)
+MASKED_ATTENTION = ("sdpa", "eager", SDPA_GQA, SDPA_INVARIANT)
 
 
 class SoftcappedHead(torch.nn.Module):

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
+from gumiho.config import TreeConfig  # noqa: E402
 from gumiho.drafters import PlainDrafter, load_drafter  # noqa: E402
 from gumiho.engine import GenerateConfig, run  # noqa: E402
 from gumiho.evaluation.benchmarks import load_questions  # noqa: E402
@@ -46,10 +47,17 @@ def main() -> None:
     p.add_argument("--questions", type=int, default=10)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--methods", default="gumiho,eagle2,medusa")
+    p.add_argument("--total-tokens", type=int, default=None,
+                   help="tree size (default: each method's reference tree)")
+    p.add_argument("--attention", default=None,
+                   help="the target's attention implementation (default: load_target's); "
+                        "sdpa_invariant computes each row of a verify as alone")
     args = p.parse_args()
-    target = load_target("smollm2", device=args.device, dtype=args.dtype)
+    target = load_target("smollm2", device=args.device, dtype=args.dtype,
+                         attn_implementation=args.attention)
     config = GenerateConfig(max_new_tokens=args.new_tokens)
-    drafters = {m: load_drafter(m, target, DRAFTS[m]) for m in args.methods.split(",")}
+    drafters = {m: load_drafter(m, target, DRAFTS[m], tree=TreeConfig.for_method(
+        m, total_tokens=args.total_tokens)) for m in args.methods.split(",")}
     rows = []
     for q in load_questions("mt_bench")[: args.questions]:
         prompt = target.chat_ids(q["turns"][0])
@@ -67,6 +75,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     same = sum(r["identical"] for r in rows)
     print(json.dumps({"dtype": args.dtype, "device": str(target.device),
+                      "attention": target.config._attn_implementation,
                       "new_tokens": args.new_tokens, "runs": len(rows), "identical": same,
                       "margins_where_different": sorted(r["margin"] for r in rows
                                                         if not r["identical"])}))

@@ -42,3 +42,48 @@ def test_grouped_kv_sdpa_targets_switch_and_others_do_not():
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                          attn_implementation="eager")
     assert wrap_target(LlamaForCausalLM(config)).config._attn_implementation == "eager"
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_sdpa_computes_each_tree_row_as_one_token_decoding_would(dtype):
+    """A tree over a 10-token prefix (cache slots 10..14, node parents -1, 0, -1, 2, 1):
+    each node's row of one verify call is bit for bit the row that decoding the node alone
+    gives, with its ancestors committed at slots 10, 11, ... in depth order (what sequential
+    decoding's cache holds) and the rest of the cache anything, masked; and the call agrees
+    with plain sdpa to float rounding."""
+    from gumiho.attention import invariant_sdpa_forward
+
+    g = torch.Generator().manual_seed(0)
+    prefix, capacity, parents = 10, 20, [-1, 0, -1, 2, 1]
+    q, k, v = (torch.randn(shape, generator=g).to(dtype) for shape in
+               ((1, 6, 5, 16), (1, 2, capacity, 16), (1, 2, capacity, 16)))
+    mask = torch.zeros(1, 1, 5, capacity, dtype=torch.bool)
+    mask[..., :prefix] = True
+    chains = []
+    for node, parent in enumerate(parents):
+        chain = (chains[parent] if parent >= 0 else []) + [node]
+        chains.append(chain)
+        mask[0, 0, node, [prefix + n for n in chain]] = True
+    tree, _ = invariant_sdpa_forward(Module(), q, k, v, mask, scaling=0.25)
+    plain, _ = sdpa_attention_forward(Module(), q.float(), k.float(), v.float(), mask,
+                                      scaling=0.25)
+    torch.testing.assert_close(tree.float(), plain, atol=2e-2 if dtype != torch.float32
+                               else 1e-6, rtol=0)
+    for node, chain in enumerate(chains):
+        k1, v1 = (torch.randn((1, 2, capacity, 16), generator=g).to(dtype) for _ in range(2))
+        k1[..., :prefix, :], v1[..., :prefix, :] = k[..., :prefix, :], v[..., :prefix, :]
+        for depth, n in enumerate(chain):  # the path committed in depth order
+            k1[..., prefix + depth, :], v1[..., prefix + depth, :] = \
+                k[..., prefix + n, :], v[..., prefix + n, :]
+        seen = prefix + len(chain)
+        alone_mask = torch.zeros(1, 1, 1, capacity, dtype=torch.bool)
+        alone_mask[..., :seen] = True
+        alone, _ = invariant_sdpa_forward(Module(), q[:, :, node:node + 1], k1, v1,
+                                          alone_mask, scaling=0.25)
+        assert torch.equal(tree[0, node], alone[0, 0]), node
+        # as a decode step gets it: the cache up to this token, all of it visible
+        step, _ = invariant_sdpa_forward(Module(), q[:, :, node:node + 1], k1[..., :seen, :],
+                                         v1[..., :seen, :], alone_mask[..., :seen],
+                                         scaling=0.25)
+        assert torch.equal(tree[0, node], step[0, 0]), node

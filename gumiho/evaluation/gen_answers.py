@@ -49,8 +49,8 @@ from gumiho.version import code_version
 
 # answers timed elsewhere, or by other code, must not share a file: their speeds would not
 # compare (a resume after a commit that changes the package is refused; --overwrite)
-ENV_KEYS = ("device", "device_name", "dtype", "torch", "transformers", "git_commit",
-            "threads")
+ENV_KEYS = ("device", "device_name", "dtype", "attention", "torch", "transformers",
+            "git_commit", "threads")
 
 
 def environment(gen: SpeculativeGenerator) -> dict:
@@ -59,6 +59,7 @@ def environment(gen: SpeculativeGenerator) -> dict:
     device = gen.target.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device": str(device), "device_name": name, "dtype": str(gen.target.dtype),
+            "attention": gen.target.config._attn_implementation,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "git_commit": code_version(), "threads": torch.get_num_threads()}
 
@@ -197,7 +198,8 @@ class Job:
         """The generator; `target` (a loaded Target) is shared instead of loading another."""
         a = self.args
         where = {} if target is not None else {
-            "device": a.device, "dtype": a.dtype, "chat_template": a.chat_template}
+            "device": a.device, "dtype": a.dtype, "chat_template": a.chat_template,
+            "attention": a.attention}
         return SpeculativeGenerator.load(a.target if target is None else target, a.method,
                                          a.draft, engine=a.engine, **where,
                                          **tree_options(a))

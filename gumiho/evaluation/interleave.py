@@ -31,9 +31,9 @@ from gumiho.generate import check_context_room
 from gumiho.target import load_target
 
 # flags that must be the same for every run: one target, one question list
-COMMON = ("--target", "--device", "--dtype", "--chat-template", "--bench", "--temperature",
-          "--max-new-tokens", "--question-begin", "--question-end", "--seed", "--warmup",
-          "--overwrite")
+COMMON = ("--target", "--device", "--dtype", "--chat-template", "--attention", "--bench",
+          "--temperature", "--max-new-tokens", "--question-begin", "--question-end", "--seed",
+          "--warmup", "--overwrite")
 
 
 def parse_runs(argv: list[str] | None) -> list:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     check_context_room(first.target, first.max_new_tokens)
     target = load_target(first.target, device=first.device, dtype=first.dtype,
-                         chat_template=first.chat_template)
+                         chat_template=first.chat_template, attn_implementation=first.attention)
     pending = [{t["question_id"] for t in job.todo} for job in jobs]
     try:
         for job in busy:

@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape:
         target = shape_target(args.shape, args.device, args.dtype, args.layers)
     else:
-        target = load_target(args.target, device=args.device, dtype=args.dtype)
+        target = load_target(args.target, device=args.device, dtype=args.dtype,
+                             attn_implementation=args.attention)
     engine = resolve_engine(args.engine, target.device)
     check_room(target, args, methods)
     report = {"target": target.name, "device": str(target.device),
