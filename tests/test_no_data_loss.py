@@ -143,6 +143,12 @@ def test_speed_refuses_to_pool_different_runs(tmp_path, capsys):
     assert speed.main(["--answers", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"),
                        "--out", str(tmp_path / "r")]) == 2
     assert "made differently (dtype=" in capsys.readouterr().err
+    # ... and with another attention (sdpa_invariant's bf16 is exact, sdpa's is not)
+    other["env"] = {"device": "cpu", "dtype": "torch.float32", "attention": "sdpa_invariant"}
+    (tmp_path / "b.jsonl").write_text(json.dumps(other) + "\n")
+    assert speed.main(["--answers", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"),
+                       "--out", str(tmp_path / "r")]) == 2
+    assert "made differently (attention=" in capsys.readouterr().err
 
 
 def test_malformed_conversations_are_counted(tmp_path):

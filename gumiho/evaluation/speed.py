@@ -91,9 +91,10 @@ def read_answers(paths: list[str]) -> dict[tuple, dict]:
 
 
 def run_mismatch(a: dict, b: dict, keys: tuple[str, ...]) -> str | None:
-    """The first setting (or device/dtype) on which two answer records' runs differ."""
+    """The first setting (or device/dtype/attention) on which two answer records' runs
+    differ."""
     return settings_mismatch(a["settings"], b["settings"], keys) or settings_mismatch(
-        a.get("env", {}), b.get("env", {}), ("device", "dtype"))
+        a.get("env", {}), b.get("env", {}), ("device", "dtype", "attention"))
 
 
 def stats(records: list[dict]) -> dict:
@@ -230,7 +231,9 @@ def report(groups: dict[tuple, dict], baseline: str = "ar",
 
 def markdown(rep: dict, env: dict, engine: str = "eager", versus: str = "lookup") -> str:
     lines = [f"Device: {env.get('device_name', '?')} ({env.get('device', '?')}), dtype "
-             f"{env.get('dtype', '?')}, engine {engine}, torch {env.get('torch', '?')}, "
+             f"{env.get('dtype', '?')}"
+             + (f", attention {env['attention']}" if env.get("attention") else "")
+             + f", engine {engine}, torch {env.get('torch', '?')}, "
              f"transformers {env.get('transformers', '?')}, commit "
              f"{env.get('git_commit', '?')[:10]}.", ""]
     for temp, benches in rep.items():
