@@ -8,7 +8,11 @@ and with each method (the shipped drafters). Where a method's output first diffe
 recomputes the target's logits at that position from scratch (one causal pass over the
 common prefix, no cache) and prints the top-2 margin: in a 16-bit dtype a margin within the
 dtype's rounding of the logits is a near-tie that batch-shape numerics (a 64-token verify
-vs a 1-token step) may break either way. fp32 is expected to give identical output.
+vs a 1-token step) may break either way. fp32 is expected to give identical output, and
+so is bf16 with `--attention sdpa_invariant` on a CPU whose bf16 products are
+row-independent (`gumiho.linear.rows_independent`; trees of up to 32 tokens there):
+
+    python scripts/greedy_equality.py --dtype bfloat16 --total-tokens 8 --attention sdpa_invariant
 """
 
 from __future__ import annotations
