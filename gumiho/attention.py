@@ -84,14 +84,13 @@ def invariant_sdpa_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
     out = query.new_empty(rows, query.shape[1], 1, query.shape[3])
     queries = query[0].transpose(0, 1)[:, :, None]  # (Q, heads, 1, D)
     for picked, take, front in _invariant_plan(attention_mask, rows, length):
-        if take is None:  # a decode step's keys: in place, padded
-            keys, values = key, value
-            pad = (0, 0, 0, front.shape[1] - length)
-            if pad[3]:  # the values there never count
-                keys, values = (torch.nn.functional.pad(t, pad) for t in (key, value))
-        else:
-            keys, values = (t[0].index_select(1, take.flatten()).view(
-                t.shape[1], *take.shape, t.shape[3]).transpose(0, 1) for t in (key, value))
+        keys, values = (key, value) if take is None else (  # a decode step's: in place
+            t[0].index_select(1, take.flatten()).view(t.shape[1], *take.shape, t.shape[3])
+            .transpose(0, 1) for t in (key, value))
+        missing = front.shape[1] - keys.shape[2]
+        if missing:  # a buffer past the cache: padded (the values there never count)
+            keys, values = (torch.nn.functional.pad(t, (0, 0, 0, missing))
+                            for t in (keys, values))
         rows_in = queries if picked is None else queries[picked]
         got = torch.nn.functional.scaled_dot_product_attention(
             rows_in, keys, values, attn_mask=front[:, None, None], scale=scaling,
@@ -110,7 +109,7 @@ _plan_memo: list = [None, None]
 
 def _invariant_plan(attention_mask: Tensor, rows: int, length: int) -> list:
     """Per group of rows with one buffer length: (rows or None for all, the key slots to
-    gather (R, n) or None for the cache as it is, the buffer's mask (R, n padded))."""
+    gather (R, up to n) or None for the cache as it is, the buffer's mask (R, n))."""
     identity = (attention_mask, attention_mask._version, rows, length)
     seen = _plan_memo[0]
     if seen is not None and seen[0] is attention_mask and seen[1:] == identity[1:]:
@@ -132,12 +131,8 @@ def _invariant_plan(attention_mask: Tensor, rows: int, length: int) -> list:
         plan = []
         for bucket in groups:  # rows of one buffer length: one call
             picked = (buckets == bucket).nonzero().flatten()
-            take = order[picked, :min(bucket * INVARIANT_BUCKET, length)]  # (R, n)
-            shown = front(visible[picked])
-            if take.shape[1] < shown.shape[1]:  # a buffer past the cache: pad the slots
-                take = torch.cat([take, take[:, -1:].expand(-1, shown.shape[1] -
-                                                            take.shape[1])], 1)
-            plan.append((None if len(groups) == 1 else picked, take, shown))
+            take = order[picked, :min(bucket * INVARIANT_BUCKET, length)]  # (R, <= n)
+            plan.append((None if len(groups) == 1 else picked, take, front(visible[picked])))
     _plan_memo[:] = [identity, plan]
     return plan
 
