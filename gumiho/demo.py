@@ -21,16 +21,11 @@ from gumiho.errors import (
     positive_int,
     probability_arg,
 )
-from gumiho.generate import (
-    ATTENTION_CHOICES,
-    SpeculativeGenerator,
-    check_context_room,
-    total_tokens_arg,
-)
+from gumiho.generate import SpeculativeGenerator, check_context_room, total_tokens_arg
 from gumiho.graphs import ENGINES
 from gumiho.linear import amx_cpu, rows_independent
 from gumiho.methods import DRAFTER_METHODS, method_spec
-from gumiho.target import choose_device_dtype
+from gumiho.target import ATTENTION_CHOICES, choose_device_dtype
 
 SHIPPED = Path(__file__).parent / "assets" / "smollm2"
 PROMPT = "Explain in a few sentences why the sky is blue."

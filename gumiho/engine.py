@@ -25,7 +25,6 @@ from gumiho.errors import GumihoError, check_positive_int
 from gumiho.fta import official_for_sampling
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
-from gumiho.linear import unpack_linears
 from gumiho.profiling import PhaseTimer
 from gumiho.sampling import Acceptance, accept, match_picks, sample_tokens
 from gumiho.target import Target
@@ -153,9 +152,8 @@ class TargetRunner:
 
     def __init__(self, target: Target, engine: str):
         self.target, self.engine = target, engine
-        if engine == "compile":  # inductor cannot lower oneDNN's packed product (linear.py)
-            unpack_linears(target.model)
-            target.__dict__["_packed_head"] = None  # the logits too
+        if engine == "compile":  # inductor cannot lower the packed products (linear.py)
+            target.unpack()
         self.cache: KVCache | None = None
         self.step: StaticStep | None = None
         # acceptance's device part (tensors only), recorded per tree size like any step

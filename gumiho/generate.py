@@ -21,7 +21,6 @@ from dataclasses import replace
 
 import torch
 
-from gumiho.attention import SDPA_INVARIANT
 from gumiho.budget import choose_tree
 from gumiho.checkpoint import check_drafter_dir
 from gumiho.config import FTA_MODES, TreeConfig, check_tree_options
@@ -39,7 +38,7 @@ from gumiho.errors import (
 )
 from gumiho.graphs import ENGINES, resolve_engine
 from gumiho.methods import METHODS, method_spec
-from gumiho.target import Target, load_target, resolve_target_path
+from gumiho.target import ATTENTION_CHOICES, Target, load_target, resolve_target_path
 
 log = logging.getLogger("gumiho")
 Prompt = str | list[dict] | list[int]
@@ -216,9 +215,6 @@ def check_context_room(target: str, max_new_tokens: int) -> None:
     if isinstance(limit, int) and max_new_tokens >= limit:
         raise GumihoError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in "
                           f"{target}'s context of {limit} tokens: ask for fewer")
-
-
-ATTENTION_CHOICES = ("sdpa", "eager", SDPA_INVARIANT)
 
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:

@@ -23,15 +23,17 @@ from gumiho.attention import SDPA_GQA, SDPA_INVARIANT, use_grouped_sdpa
 from gumiho.embedded import EMBEDDED, SMOLLM2_ALIAS
 from gumiho.errors import GumihoError
 from gumiho.kv_cache import attention_kinds
-from gumiho.linear import pack_linears, pack_weight, softcap, vocab_linear
+from gumiho.linear import pack_linears, pack_weight, softcap, unpack_linears, vocab_linear
 from gumiho.templates import TEMPLATES, turn_end_token
 
 log = logging.getLogger("gumiho")
 
 # Chat end markers of common families; whichever exist in a vocabulary stop generation.
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
-# Attention implementations that take an arbitrary 4D mask (the tree mask).
-MASKED_ATTENTION = ("sdpa", "eager", SDPA_GQA, SDPA_INVARIANT)
+# Attention implementations a user may ask for (sdpa becomes SDPA_GQA by itself), and all
+# those that take an arbitrary 4D mask (the tree mask).
+ATTENTION_CHOICES = ("sdpa", "eager", SDPA_INVARIANT)
+MASKED_ATTENTION = (*ATTENTION_CHOICES, SDPA_GQA)
 
 
 class SoftcappedHead(torch.nn.Module):
@@ -148,6 +150,13 @@ class Target:
         """A plain linear lm_head reordered once for oneDNN (bf16 on the CPU), else None."""
         head = self.model.get_output_embeddings()
         return pack_weight(head.weight) if type(head) is torch.nn.Linear else None
+
+    def unpack(self) -> int:
+        """Undo the CPU packing of the layers and the lm_head (for torch.compile, whose
+        inductor cannot lower the packed products; or to compare); returns how many layers
+        went back to `nn.Linear`."""
+        self.__dict__["_packed_head"] = None  # the cached property, settled to "none"
+        return unpack_linears(self.model)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """lm_head(hidden) in float32, the softcap included; a plain linear head goes

@@ -25,7 +25,6 @@ import torch
 
 from gumiho import linear
 from gumiho.budget import verify_step_seconds
-from gumiho.linear import unpack_linears
 from gumiho.target import load_target
 
 
@@ -46,8 +45,7 @@ def main() -> None:
     batch = tuple(int(n) for n in args.forward.split("x")) if args.forward else None
     packed = load_target(args.target, device="cpu", dtype=args.dtype)
     plain = load_target(args.target, device="cpu", dtype=args.dtype)
-    count = unpack_linears(plain.model)
-    plain.__dict__["_packed_head"] = None  # the lm_head unpacked too (bf16)
+    count = plain.unpack()
     print(f"{args.target} {args.dtype}: {count} layers packed in one copy, none in the other")
     ms: dict[tuple[int, str], list[float]] = {}
     for _ in range(args.rounds):
