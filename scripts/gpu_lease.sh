@@ -168,11 +168,18 @@ suite() {  # the whole suite on the GPU
 
 testbed() {  # every method vs plain decoding on an idle GPU, greedy, with equality counts
   need SmolLM2; need drafters
-  local drafts=gumiho/assets/smollm2
-  [[ ${USE_CAMPAIGN:-0} == 1 && -f $LEASE_ROOT/runs/gumiho/model.safetensors ]] \
-    && drafts=$LEASE_ROOT/runs
+  # USE_CAMPAIGN=1: each method's campaign drafter where this machine trained one (a
+  # campaign of CAMPAIGN_METHODS=gumiho leaves the others shipped).
+  local m drafts="" gumiho eagle2 medusa
+  for m in gumiho eagle2 medusa; do
+    local dir=gumiho/assets/smollm2/$m
+    [[ ${USE_CAMPAIGN:-0} == 1 && -f $LEASE_ROOT/runs/$m/model.safetensors ]] \
+      && dir=$LEASE_ROOT/runs/$m
+    printf -v "$m" %s "$dir"
+    drafts+="$m=$dir "
+  done
   set +e  # a run cut by TESTBED_LIMIT still reports the questions every method answered
-  GUMIHO_DRAFT=$drafts/gumiho EAGLE_DRAFT=$drafts/eagle2 MEDUSA_DRAFT=$drafts/medusa \
+  GUMIHO_DRAFT=$gumiho EAGLE_DRAFT=$eagle2 MEDUSA_DRAFT=$medusa \
     OUT=$LEASE_ROOT/eval TEMPS=0 QEND=${QEND:-8} MAXNEW=${MAXNEW:-256} \
     BENCHES=${BENCHES:-"mt_bench humaneval cnndm_like"} COMMON_ARGS="--device $DEVICE" \
     timeout "${TESTBED_LIMIT:-240}" bash scripts/eval_smollm2.sh > "$LEASE_ROOT/eval.log" 2>&1

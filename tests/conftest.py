@@ -36,14 +36,17 @@ def _test_device(request, monkeypatch):
 
 
 def pytest_runtest_logreport(report):
-    """With GUMIHO_TEST_FAILURES=FILE, each failure's traceback is appended to FILE as it
-    happens (a run cut short, as on a lent GPU machine, still tells why; pytest prints
-    tracebacks only in its closing summary)."""
+    """With GUMIHO_TEST_FAILURES=FILE, each failure's traceback and the end of what it
+    printed (a CLI's `error: ...` line is often all that says why) are appended to FILE as
+    it happens (a run cut short, as on a lent GPU machine, still tells why; pytest prints
+    both only in its closing summary)."""
     path = os.environ.get("GUMIHO_TEST_FAILURES")
     # under xdist the controller gets every worker's reports: write there only
     if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        printed = "".join(f"--- {name}\n{text[-2000:]}\n" for name, text in report.sections
+                          if name.startswith("Captured std") and text.strip())
         with open(path, "a") as f:
-            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n{printed}\n")
 
 
 def tiny_llama(vocab_size: int = 97, seed: int = 0, logit_scale: float = 1.0,

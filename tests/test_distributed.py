@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from gumiho.config import TrainConfig
 from gumiho.errors import GumihoError
 from gumiho.train.__main__ import check_process_group, configure_deepspeed, main
+from gumiho.train.state import wait_for_everyone
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,6 +82,23 @@ def test_processes_that_train_alone_are_refused(monkeypatch):
         check_process_group(SimpleNamespace(num_processes=1))
     monkeypatch.setenv("WORLD_SIZE", "1")
     check_process_group(SimpleNamespace(num_processes=1))
+
+
+def test_a_cpu_group_waits_without_naming_a_gpu(monkeypatch):
+    """accelerate's barrier passes device_ids=[local rank] even for a gloo group of CPU
+    processes, so on a machine with one GPU the second process failed (invalid device
+    ordinal; found on an H100). A CPU group waits with a plain gloo barrier."""
+    barriers, waits = [], []
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: barriers.append((a, k)))
+
+    def accelerator(processes, device):
+        return SimpleNamespace(num_processes=processes, device=torch.device(device),
+                               wait_for_everyone=lambda: waits.append(device))
+    wait_for_everyone(accelerator(2, "cpu"))
+    assert barriers == [((), {})] and waits == []
+    wait_for_everyone(accelerator(2, "cuda"))  # GPU groups: accelerate's own (NCCL)
+    wait_for_everyone(accelerator(1, "cpu"))
+    assert waits == ["cuda", "cpu"] and len(barriers) == 1
 
 
 def test_deepspeed_zero2_config_leaves_batch_and_clipping_to_the_trainer():

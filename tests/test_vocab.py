@@ -13,10 +13,24 @@ from gumiho.drafters import MedusaDrafter, SerialDrafter, random_drafter_model
 from gumiho.engine import GenerateConfig, run
 from gumiho.modeling import DraftHead, draft_vocabulary
 from gumiho.modeling.vocab import draft_ids_of, vocab_buffers
+from gumiho.train.dataset import token_counts
 
 from conftest import tiny_llama
 from drafters_for_tests import OracleHead, oracle_drafter
 from test_sampling import chi_square_rejects, exact_marginals
+
+
+@pytest.mark.host
+def test_token_counts_count_assistant_tokens_on_the_host():
+    """Under another default device (a GPU suite runs tests inside `with torch.device`, a
+    notebook may set one) the counts still come out on the host, beside the samples."""
+    samples = [{"input_ids": torch.tensor([4, 2, 2, 7], dtype=torch.int32),
+                "loss_mask": torch.tensor([0, 1, 1, 1], dtype=torch.uint8)},
+               {"input_ids": torch.tensor([7, 9], dtype=torch.int32),
+                "loss_mask": torch.tensor([1, 0], dtype=torch.uint8)}]
+    with torch.device("meta"):
+        counts = token_counts(samples, 8)  # ids past the vocabulary count as the last id
+    assert counts.device.type == "cpu" and counts.tolist() == [0, 0, 2, 0, 0, 0, 0, 2]
 
 
 @pytest.mark.host

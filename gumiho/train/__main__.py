@@ -38,7 +38,7 @@ from gumiho.train.dataset import (
     token_counts,
 )
 from gumiho.train.loss import REFERENCE_WEIGHTS, LossWeights, medusa_loss, serial_loss
-from gumiho.train.state import LOG, RunState, load_run_state, save_run_state
+from gumiho.train.state import LOG, RunState, load_run_state, save_run_state, wait_for_everyone
 
 EXPORT_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # --precision bf16 on a CPU is refused where bf16 products are this many times slower.
@@ -477,7 +477,7 @@ def save(accelerator, model, scheduler, state: RunState, out: Path, settings: di
         extra = {"training": settings, "trained_steps": state.step}
         save_drafter(accelerator.unwrap_model(model), out / name if name else out,
                      dtype=EXPORT_DTYPE[config.export_dtype], extra_config=extra)
-    accelerator.wait_for_everyone()
+    wait_for_everyone(accelerator)
 
 
 if __name__ == "__main__":

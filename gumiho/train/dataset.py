@@ -44,10 +44,11 @@ def online_samples(target, source: str, count: int, max_len: int,
 
 
 def token_counts(samples: list[dict], vocab_size: int) -> Tensor:
-    """(V,) how often each token is an assistant token (what the drafter must predict)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
+    """(V,) how often each token is an assistant token (what the drafter must predict), on
+    the host whatever the default device (training samples live there)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long, device="cpu")
     for s in samples:
-        ids = s["input_ids"].long()[s["loss_mask"].bool()]
+        ids = s["input_ids"].long().cpu()[s["loss_mask"].bool().cpu()]
         counts += torch.bincount(ids.clamp(max=vocab_size - 1), minlength=vocab_size)
     return counts
 

@@ -87,12 +87,23 @@ def trim_log(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
+def wait_for_everyone(accelerator) -> None:
+    """accelerator.wait_for_everyone(), except in a group of CPU processes: accelerate's
+    barrier names each process's local GPU (`device_ids=[local rank]`) even then, which
+    fails on a machine with fewer GPUs than processes (invalid device ordinal) and wakes
+    a GPU for every CPU process otherwise; a gloo group's barrier needs no device."""
+    if accelerator.num_processes > 1 and accelerator.device.type == "cpu":
+        torch.distributed.barrier()
+    else:
+        accelerator.wait_for_everyone()
+
+
 def save_run_state(accelerator, out: Path, state: RunState, settings: dict, scheduler) -> None:
     """Write the state beside the old one, then swap it in (see the module docstring)."""
     tmp, final, old = out / "state.tmp", out / "state", out / "state.old"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    wait_for_everyone(accelerator)
     accelerator.save_state(str(tmp))
     if accelerator.is_main_process:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -105,4 +116,4 @@ def save_run_state(accelerator, out: Path, state: RunState, settings: dict, sche
             shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    wait_for_everyone(accelerator)
