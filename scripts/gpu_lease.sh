@@ -27,12 +27,18 @@
 #          bash scripts/gpu_lease.sh testbed
 #   here:  mv /tmp/assets.hold gumiho/assets; bash scripts/gpu_lease.sh unpack DIR_OF_CALL_4
 # Size MAX_STEPS from the probe: the trainings must end inside calls 3 and 4.
-# Next lease (what is still open, 2026-11-26): the suite first and alone (`suite`, ~200 s;
-# the failures' tracebacks land in suite_failures.txt), the cycle with the squaring tree
-# step and a 32k draft vocabulary (`cycle`, ~100 s), then Gumiho alone from the shipped
-# drafter for 2-3 epochs (INIT=gumiho/assets/smollm2 CAMPAIGN_METHODS=gumiho MAX_STEPS=
-# 952..1428; one epoch is 476 steps, ~2 min alone) and a six-benchmark testbed with it
-# (USE_CAMPAIGN=1 BENCHES="mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like").
+# The third lease (H100, 757 s, docs/results/gpu_h100_third): start ~37 s; `cycle` with the
+# 32k-vocabulary run 138 s; `heldout` (with SmolLM2's conversion) 74 s; then in one call
+# campaign (Gumiho) + suite (cut at 250 s at 96 %, sharing the GPU) + wait 90 + fetch +
+# a 3-benchmark testbed, 482 s. Training beside the suite ran at 15k-30k tokens/s (374 steps
+# in ~6 minutes), alone ~60k.
+# Next lease (what is still open): the suite alone first (SUITE_LIMIT=300; two
+# test_interleave failures were unexplained, and suite_failures.txt now keeps each
+# failure's printed `error:` line), then Gumiho alone from the shipped drafter for 1-2
+# epochs (INIT=gumiho/assets/smollm2 CAMPAIGN_METHODS=gumiho MAX_STEPS=476..952 LR=3e-4;
+# the third lease's 350 steps at lr 5e-4 gave serial-1 0.517 -> 0.529, the curve flattening)
+# and a six-benchmark testbed with it (USE_CAMPAIGN=1 BENCHES="mt_bench humaneval gsm8k_like
+# alpaca_like cnndm_like nq_like" QEND=2: ~40 s a benchmark).
 # A variant beside it: CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight
 # 0.1" with the same INIT/MAX_STEPS runs into runs/gumiho_mlpw (`progress` and `fetch` take
 # the same RUN_SUFFIX; the held-out rows are in its train_log.jsonl).
