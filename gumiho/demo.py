@@ -1,6 +1,7 @@
 """`gumiho demo`: the embedded default, SmolLM2-135M-Instruct with the Gumiho drafter
 shipped for it, on the CPU. Streams an answer, then decodes the same prompt plainly and
-prints tau, tokens/s and the speedup (greedy: in float32 both outputs must be identical)."""
+prints tau, tokens/s and the speedup (greedy: in float32, and in bfloat16 with the
+row-invariant attention on a CPU with AMX, both outputs must be identical)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ FLOOR = 0.1
 EXTEND = 0.4
 
 
+def exact_bf16_here(device: torch.device) -> bool:
+    """Whether the demo's default on `device` is bfloat16 with the row-invariant attention:
+    a CPU with AMX, whose bf16 products give each of a verify's rows what it gets alone.
+    There a bf16 verify of 8-16 tokens costs about one plain step, and the output is bf16
+    plain decoding's bit for bit (README, Exact bfloat16 on a CPU); elsewhere float32."""
+    return device.type == "cpu" and amx_cpu() and rows_independent(torch.bfloat16)
+
+
 def shipped_drafter(method: str = "gumiho") -> Path:
     path = SHIPPED / method
     if not (path / "model.safetensors").exists():
@@ -68,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                    f"least this path probability (default {EXTEND} in float32, else 0; 0 = "
                    "the --min-confidence floor)")
     p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a "
-                   "CPU (exactly plain decoding's output only in float32)")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU and on a CPU "
+                   "with AMX (there with --attention sdpa_invariant, exact), else float32")
     p.add_argument("--engine", default=None, choices=ENGINES, help="default: graphs on a "
                    "GPU, eager on a CPU")
     p.add_argument("--attention", default=None, choices=ATTENTION_CHOICES,
@@ -80,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         raise GumihoError("empty prompt: give some text to answer")
     check_context_room("smollm2", args.max_new_tokens)
     floor, extend = args.min_confidence, args.extend_confidence
+    device, _ = choose_device_dtype(args.device, args.dtype)
+    if args.dtype is None and args.attention is None and exact_bf16_here(device):
+        args.dtype, args.attention = "bfloat16", SDPA_INVARIANT
+        print("(this CPU has AMX: bfloat16 with the row-invariant attention, whose output is "
+              "bf16 plain decoding's bit for bit; --dtype float32 for float32)")
     _, dtype = choose_device_dtype(args.device, args.dtype)
     if "min_confidence" in method_spec(args.method).tree_flags and dtype == torch.float32:
         floor = FLOOR if floor is None else floor
@@ -130,15 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     if tree.extend_confidence > tree.min_confidence and gen.engine == "eager":
         extra += f", deeper levels below >= {tree.extend_confidence:g}"
     print(f"\n{args.method} ({tree.total_tokens}-token tree of depth {tree.depth}{extra}, "
-          f"fta {tree.fta}) on "
-          f"{target.device}: {fast.new_tokens} tokens, tau {fast.tau:.2f}, "
-          f"{fast.tokens_per_s:.1f} tokens/s")
+          f"fta {tree.fta}) on {target.device} in {str(target.dtype).removeprefix('torch.')}: "
+          f"{fast.new_tokens} tokens, tau {fast.tau:.2f}, {fast.tokens_per_s:.1f} tokens/s")
     print(f"plain decoding: {plain.tokens_per_s:.1f} tokens/s -> speedup "
           f"{fast.tokens_per_s / plain.tokens_per_s:.2f}x; outputs {same}")
-    if target.dtype == torch.float32 and target.device.type == "cpu" and amx_cpu():
-        print("(this CPU has AMX, where a bf16 verify of 8-16 tokens costs about one plain "
-              "step: `gumiho demo --dtype bfloat16 --attention sdpa_invariant` drafts a wider "
-              "tree, its output bit for bit bf16 plain decoding's; README, bfloat16 on a CPU)")
     return 0 if plain.token_ids == fast.token_ids or not exact else 1
 
 

@@ -1,9 +1,11 @@
 """`gumiho demo` runs the embedded default with the shipped drafter, losslessly."""
 
 import pytest
+import torch
 
 from gumiho import demo
 from gumiho.graphs import resolve_engine
+from gumiho.linear import rows_independent
 
 from conftest import DEVICE
 
@@ -17,7 +19,9 @@ def test_shipped_drafters_load_and_decode_like_plain(smollm2, method, capsys):
     assert "prompt-lookup chain of up to 10" in out  # the demo's default beside the drafter
     # its confidence floor, for the methods that take one, where it applies: the eager
     # engine (captured steps keep one tree shape, so a GPU's default graphs ignore floors)
-    floors = method != "medusa" and resolve_engine(None, DEVICE) == "eager"
+    # (float32 only: on a CPU with AMX the demo runs exact bf16, where they cost speed)
+    floors = method != "medusa" and resolve_engine(None, DEVICE) == "eager" \
+        and not demo.exact_bf16_here(DEVICE)
     assert ("path probability >= 0.1" in out) == floors
     assert ("deeper levels below >= 0.4" in out) == floors
 
@@ -49,11 +53,18 @@ def test_demo_in_bf16_drafts_without_the_float32_floors(capsys):
     assert "outputs identical" in out or "near-tie" in out
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="the hint is for CPUs")
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the choice is for CPUs")
 @pytest.mark.parametrize("amx", [True, False])
-def test_demo_points_an_amx_cpu_to_bf16(smollm2, capsys, monkeypatch, amx):
+def test_demo_runs_exact_bf16_on_an_amx_cpu(smollm2, capsys, monkeypatch, amx):
+    """With AMX (and bf16 products that keep rows independent, which this machine's probe
+    decides) the demo's default is bf16 with the row-invariant attention, and its output is
+    still plain decoding's bit for bit; otherwise float32. An explicit --dtype wins."""
     monkeypatch.setattr(demo, "amx_cpu", lambda: amx)
     code = demo.main(["--max-new-tokens", "8", "--total-tokens", "4"])
     out = capsys.readouterr().out
-    assert code == 0 and "outputs identical" in out
-    assert ("--dtype bfloat16" in out) == amx
+    assert code == 0 and "outputs identical" in out, out
+    bf16 = amx and rows_independent(torch.bfloat16)
+    assert ("in bfloat16:" in out) == bf16 and ("in float32:" in out) != bf16
+    assert ("row-invariant attention" in out) == bf16
+    assert demo.main(["--max-new-tokens", "4", "--total-tokens", "4", "--dtype", "float32"]) == 0
+    assert "in float32:" in capsys.readouterr().out
