@@ -68,38 +68,56 @@ def invariant_sdpa_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
     """Attention whose every query row is computed as it would be alone, in one-token
     decoding: the row's visible keys, in cache order, at the front of a buffer whose length
     depends only on how many they are (rounded up to `INVARIANT_BUCKET`, the rest masked),
-    each row its own batch element. torch's kernel rounds differently for other buffer
-    lengths (masked keys or not), so this is what makes a tree node's row see exactly what
-    the same token sees decoded alone; with row-independent products a verify then gives
-    its tokens bit for bit the hidden states sequential decoding would. A decode step's
-    keys are already in place (padded, not gathered). CPU only: the row counts are read on
-    the host, which is free there."""
+    each row its own batch element, the query heads that share a KV head as that element's
+    query rows. torch's kernel rounds differently for other buffer lengths (masked keys or
+    not), so this is what makes a tree node's row see exactly what the same token sees
+    decoded alone; with row-independent products a verify then gives its tokens bit for bit
+    the hidden states sequential decoding would. A decode step's keys are already in place
+    (the cache's own slots past them fill the buffer, masked); a tree row's are gathered.
+    CPU only: the row counts are read on the host, which is free there."""
     if (attention_mask is None or attention_mask.dtype != torch.bool or query.shape[0] != 1
             or query.device.type != "cpu" or query.shape[2] > INVARIANT_MAX_QUERIES or dropout
+            or key.shape[1] == 0 or query.shape[1] % key.shape[1]
             or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")):
         return grouped_sdpa_forward(module, query, key, value, attention_mask,
                                     dropout=dropout, scaling=scaling, **kwargs)
-    rows, length = query.shape[2], key.shape[2]
-    gqa = key.shape[1] != query.shape[1]
-    out = query.new_empty(rows, query.shape[1], 1, query.shape[3])
-    queries = query[0].transpose(0, 1)[:, :, None]  # (Q, heads, 1, D)
-    for picked, take, front in _invariant_plan(attention_mask, rows, length):
-        keys, values = (key, value) if take is None else (  # a decode step's: in place
-            t[0].index_select(1, take.flatten()).view(t.shape[1], *take.shape, t.shape[3])
-            .transpose(0, 1) for t in (key, value))
-        missing = front.shape[1] - keys.shape[2]
-        if missing:  # a buffer past the cache: padded (the values there never count)
-            keys, values = (torch.nn.functional.pad(t, (0, 0, 0, missing))
-                            for t in (keys, values))
-        rows_in = queries if picked is None else queries[picked]
+    rows, heads, dim = query.shape[2], query.shape[1], query.shape[3]
+    kv_heads = key.shape[1]
+    # (Q, kv heads, heads per KV head, D): one element per row, a KV head's query heads
+    # as its query rows (one kernel unit per KV head instead of one per query head)
+    queries = query[0].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)
+    out = None
+    for picked, take, front in _invariant_plan(attention_mask, rows, key.shape[2]):
+        if take is None:  # a decode step: the cache as it is, in a bucket-long buffer
+            keys, values = (_in_place(t, front.shape[1]) for t in (key, value))
+        else:
+            keys, values = (t[0].index_select(1, take.flatten())
+                            .view(kv_heads, *take.shape, dim).transpose(0, 1)
+                            for t in (key, value))
         got = torch.nn.functional.scaled_dot_product_attention(
-            rows_in, keys, values, attn_mask=front[:, None, None], scale=scaling,
-            enable_gqa=gqa)  # (R, heads, 1, D)
+            queries if picked is None else queries[picked], keys, values,
+            attn_mask=front[:, None, None], scale=scaling)  # (R, kv heads, per KV, D)
         if picked is None:
             out = got
         else:
+            if out is None:
+                out = got.new_empty(queries.shape)
             out[picked] = got
-    return out.transpose(1, 2).reshape(1, rows, query.shape[1], query.shape[3]), None
+    return out.reshape(1, rows, heads, dim), None
+
+
+def _in_place(t: Tensor, size: int) -> Tensor:
+    """(1, kv heads, K, D) cache keys seen as `size` slots: the cache's own slots past K
+    (whatever they hold, masked: finite values never count) where its storage has them,
+    else zeros padded on."""
+    missing = size - t.shape[2]
+    if missing <= 0:
+        return t
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    if t.stride(2) > 0 and (last + missing * t.stride(2) + 1) * t.element_size() \
+            <= t.untyped_storage().nbytes():
+        return t.as_strided((*t.shape[:2], size, t.shape[3]), t.stride(), t.storage_offset())
+    return torch.nn.functional.pad(t, (0, 0, 0, missing))
 
 
 # (the mask itself, its version, rows, length; its plan): the layers of a step share one
@@ -109,7 +127,7 @@ _plan_memo: list = [None, None]
 
 def _invariant_plan(attention_mask: Tensor, rows: int, length: int) -> list:
     """Per group of rows with one buffer length: (rows or None for all, the key slots to
-    gather (R, up to n) or None for the cache as it is, the buffer's mask (R, n))."""
+    gather (R, n) or None for the cache as it is, the buffer's mask (R, n))."""
     identity = (attention_mask, attention_mask._version, rows, length)
     seen = _plan_memo[0]
     if seen is not None and seen[0] is attention_mask and seen[1:] == identity[1:]:
@@ -131,7 +149,9 @@ def _invariant_plan(attention_mask: Tensor, rows: int, length: int) -> list:
         plan = []
         for bucket in groups:  # rows of one buffer length: one call
             picked = (buckets == bucket).nonzero().flatten()
-            take = order[picked, :min(bucket * INVARIANT_BUCKET, length)]  # (R, <= n)
+            size = bucket * INVARIANT_BUCKET
+            # (R, n): past the cache's length the last slot again (masked, never counts)
+            take = order[picked][:, torch.arange(size, device=mask.device).clamp(max=length - 1)]
             plan.append((None if len(groups) == 1 else picked, take, front(visible[picked])))
     _plan_memo[:] = [identity, plan]
     return plan
