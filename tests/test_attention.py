@@ -87,3 +87,28 @@ def test_invariant_sdpa_computes_each_tree_row_as_one_token_decoding_would(dtype
                                          v1[..., :seen, :], alone_mask[..., :seen],
                                          scaling=0.25)
         assert torch.equal(tree[0, node], step[0, 0]), node
+
+
+@pytest.mark.host
+def test_a_decode_steps_buffer_runs_on_into_the_cache_or_is_padded():
+    """A decode step's keys are a view of a preallocated cache: its bucket-long buffer is
+    the cache's own next slots (no copy; whatever they hold is masked and never counts),
+    and a tensor without room behind it is padded with zeros; both give the same row."""
+    from gumiho.attention import INVARIANT_BUCKET, _in_place, invariant_sdpa_forward
+
+    g = torch.Generator().manual_seed(1)
+    seen = 70
+    cache_k, cache_v = (torch.randn(1, 2, 256, 16, generator=g).to(torch.bfloat16)
+                        for _ in range(2))
+    k, v = cache_k[:, :, :seen], cache_v[:, :, :seen]
+    size = 2 * INVARIANT_BUCKET
+    longer = _in_place(k, size)
+    assert longer.shape[2] == size and longer.data_ptr() == k.data_ptr()
+    assert torch.equal(longer[:, :, :seen], k) and torch.equal(longer, cache_k[:, :, :size])
+    tight = _in_place(k.clone(), size)
+    assert torch.equal(tight[:, :, :seen], k) and not tight[:, :, seen:].any()
+    q = torch.randn(1, 6, 1, 16, generator=g).to(torch.bfloat16)
+    mask = torch.ones(1, 1, 1, seen, dtype=torch.bool)
+    in_cache, _ = invariant_sdpa_forward(Module(), q, k, v, mask, scaling=0.25)
+    padded, _ = invariant_sdpa_forward(Module(), q, k.clone(), v.clone(), mask, scaling=0.25)
+    assert torch.equal(in_cache, padded)
