@@ -30,7 +30,7 @@ from gumiho.config import TreeConfig  # noqa: E402
 from gumiho.drafters import PlainDrafter, load_drafter  # noqa: E402
 from gumiho.engine import GenerateConfig, run  # noqa: E402
 from gumiho.evaluation.benchmarks import load_questions  # noqa: E402
-from gumiho.target import load_target  # noqa: E402
+from gumiho.target import ATTENTION_CHOICES, load_target  # noqa: E402
 
 DRAFTS = {"gumiho": "gumiho/assets/smollm2/gumiho", "eagle2": "gumiho/assets/smollm2/eagle2",
           "medusa": "gumiho/assets/smollm2/medusa"}
@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--methods", default="gumiho,eagle2,medusa")
     p.add_argument("--total-tokens", type=int, default=None,
                    help="tree size (default: each method's reference tree)")
-    p.add_argument("--attention", default=None,
+    p.add_argument("--attention", default=None, choices=ATTENTION_CHOICES,
                    help="the target's attention implementation (default: load_target's); "
                         "sdpa_invariant computes each row of a verify as alone")
     args = p.parse_args()

@@ -6,7 +6,7 @@ unpacked, in one process, the two alternating (gumiho/linear.py).
                               [--forward 4x512] [--max-rows N]
 
 Loads the target twice (packed as `load_target` leaves it, and unpacked with
-`linear.unpack_linears`), then per round times a verify step of each width (a balanced
+`Target.unpack`), then per round times a verify step of each width (a balanced
 binary tree; width 1 is a plain decode step) on each copy in turn. Prints the median over
 the rounds of each copy's median step, and their ratio. Alternating in one process keeps
 the machine's drift off the ratio; both copies are in memory throughout. `--forward BxL`
