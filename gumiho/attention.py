@@ -14,10 +14,14 @@ the fused kernels that take a mask do not take grouped heads, so there we keep t
 attn_implementation="sdpa_invariant")` or `--attention`) computes every row of a call as
 one-token decoding would (see `invariant_sdpa_forward`): with row-independent products
 (`linear.rows_independent`: bf16 on an AMX CPU) a tree verify then gives exactly plain
-decoding's tokens.
+decoding's tokens, where torch's own attention kernel gives a row the same bits wherever
+its operands lie (`invariant_here` probes it: true on the AMX dev machine in both dtypes,
+false for float32 on an AVX2-only CPU, whose float32 products round by layout).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -104,6 +108,37 @@ def invariant_sdpa_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
                 out = got.new_empty(queries.shape)
             out[picked] = got
     return out.reshape(1, rows, heads, dim), None
+
+
+@functools.cache
+def invariant_here(dtype: torch.dtype) -> bool:
+    """Whether `invariant_sdpa_forward` in `dtype` gives a tree's rows, here, the bits each
+    gets as a decode step (its keys in place in the cache, the tree's gathered): a probe on
+    a small random tree (three query heads per KV head, 40 cached keys, two chains)."""
+    g = torch.Generator().manual_seed(0)  # the caller's random state stays as it was
+    prefix, capacity, parents = 40, 64, [-1, 0, 1, -1, 3]
+    q, k, v = (torch.randn(shape, generator=g).to(dtype) for shape in
+               ((1, 6, len(parents), 64), (1, 2, capacity, 64), (1, 2, capacity, 64)))
+    mask = torch.zeros(1, 1, len(parents), capacity, dtype=torch.bool)
+    mask[..., :prefix] = True
+    chains: list[list[int]] = []
+    for node, parent in enumerate(parents):
+        chains.append((chains[parent] if parent >= 0 else []) + [node])
+        mask[0, 0, node, [prefix + n for n in chains[-1]]] = True
+    module = torch.nn.Module()
+    tree, _ = invariant_sdpa_forward(module, q, k, v, mask, scaling=0.125)
+    for node, chain in enumerate(chains):
+        k1, v1 = k.clone(), v.clone()
+        for depth, n in enumerate(chain):  # the path committed in depth order
+            k1[..., prefix + depth, :], v1[..., prefix + depth, :] = \
+                k[..., prefix + n, :], v[..., prefix + n, :]
+        step_mask = torch.zeros(1, 1, 1, capacity, dtype=torch.bool)
+        step_mask[..., :prefix + len(chain)] = True
+        step, _ = invariant_sdpa_forward(module, q[:, :, node:node + 1], k1, v1, step_mask,
+                                         scaling=0.125)
+        if not torch.equal(tree[0, node], step[0, 0]):
+            return False
+    return True
 
 
 def _in_place(t: Tensor, size: int) -> Tensor:

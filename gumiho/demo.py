@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from gumiho.attention import SDPA_INVARIANT
+from gumiho.attention import SDPA_INVARIANT, invariant_here
 from gumiho.drafters import PlainDrafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.errors import (
@@ -45,7 +45,8 @@ def exact_bf16_here(device: torch.device) -> bool:
     a CPU with AMX, whose bf16 products give each of a verify's rows what it gets alone.
     There a bf16 verify of 8-16 tokens costs about one plain step, and the output is bf16
     plain decoding's bit for bit (README, Exact bfloat16 on a CPU); elsewhere float32."""
-    return device.type == "cpu" and amx_cpu() and rows_independent(torch.bfloat16)
+    return (device.type == "cpu" and amx_cpu() and rows_independent(torch.bfloat16)
+            and invariant_here(torch.bfloat16))
 
 
 def shipped_drafter(method: str = "gumiho") -> Path:
@@ -127,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     # CPU whose products are row-independent for a verify's rows (bf16 on AMX, <= 32 rows)
     widest = tree.total_tokens + tree.lookup  # the most rows a verify had
     invariant = (target.config._attn_implementation == SDPA_INVARIANT
-                 and target.device.type == "cpu" and rows_independent(target.dtype, widest))
+                 and target.device.type == "cpu" and rows_independent(target.dtype, widest)
+                 and invariant_here(target.dtype))
     exact = target.dtype == torch.float32 or invariant
     if plain.token_ids == fast.token_ids:
         same = "identical"

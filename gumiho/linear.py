@@ -74,10 +74,15 @@ MKL_MAX_ROWS = 80  # a 64-token verify plus an 11-token lookup chain
 
 
 def _reorder():
+    """oneDNN's bf16 weight reorder where this CPU runs it: oneDNN's bf16 kernels need
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and on an AVX2-only CPU the reorder raises
+    (probed once on a tiny weight); None there and without oneDNN."""
     try:
-        return torch.ops.mkldnn._reorder_linear_weight
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        reorder(torch.zeros(PACK_ROWS, PACK_ROWS, dtype=torch.bfloat16), PACK_ROWS)
     except (AttributeError, RuntimeError):
         return None
+    return reorder
 
 
 ONEDNN_REORDER = _reorder() if ONEDNN_LINEAR is not None else None

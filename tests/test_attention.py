@@ -52,7 +52,7 @@ def test_invariant_sdpa_computes_each_tree_row_as_one_token_decoding_would(dtype
     gives, with its ancestors committed at slots 10, 11, ... in depth order (what sequential
     decoding's cache holds) and the rest of the cache anything, masked; and the call agrees
     with plain sdpa to float rounding."""
-    from gumiho.attention import invariant_sdpa_forward
+    from gumiho.attention import invariant_here, invariant_sdpa_forward
 
     g = torch.Generator().manual_seed(0)
     prefix, capacity, parents = 10, 20, [-1, 0, -1, 2, 1]
@@ -70,6 +70,8 @@ def test_invariant_sdpa_computes_each_tree_row_as_one_token_decoding_would(dtype
                                       scaling=0.25)
     torch.testing.assert_close(tree.float(), plain, atol=2e-2 if dtype != torch.float32
                                else 1e-6, rtol=0)
+    if not invariant_here(dtype):  # e.g. float32 on an AVX2-only CPU (attention.py)
+        pytest.skip(f"this CPU's {dtype} attention kernel rounds a row by its operands' layout")
     for node, chain in enumerate(chains):
         k1, v1 = (torch.randn((1, 2, capacity, 16), generator=g).to(dtype) for _ in range(2))
         k1[..., :prefix, :], v1[..., :prefix, :] = k[..., :prefix, :], v[..., :prefix, :]

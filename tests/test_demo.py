@@ -5,7 +5,6 @@ import torch
 
 from gumiho import demo
 from gumiho.graphs import resolve_engine
-from gumiho.linear import rows_independent
 
 from conftest import DEVICE
 
@@ -63,7 +62,7 @@ def test_demo_runs_exact_bf16_on_an_amx_cpu(smollm2, capsys, monkeypatch, amx):
     code = demo.main(["--max-new-tokens", "8", "--total-tokens", "4"])
     out = capsys.readouterr().out
     assert code == 0 and "outputs identical" in out, out
-    bf16 = amx and rows_independent(torch.bfloat16)
+    bf16 = demo.exact_bf16_here(torch.device("cpu"))  # amx as patched, and the probes
     assert ("in bfloat16:" in out) == bf16 and ("in float32:" in out) != bf16
     assert ("row-invariant attention" in out) == bf16
     assert demo.main(["--max-new-tokens", "4", "--total-tokens", "4", "--dtype", "float32"]) == 0

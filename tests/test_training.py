@@ -178,6 +178,29 @@ def test_bf16_on_a_cpu_with_slow_bf16_products_is_refused(tiny_target_dir, tiny_
 
 
 @pytest.mark.host
+@pytest.mark.host
+def test_training_on_the_cpu_after_a_gpu_state_in_the_same_process():
+    """A GPU session's test suite ran a CPU-only training test in a worker whose accelerate
+    state was already on the GPU: accelerate refused cpu=True. The state moves now (faked
+    here: the CPU machine's state is relabelled as a GPU one); another precision too."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+
+    try:
+        Accelerator(cpu=True)
+        PartialState._shared_state["device"] = torch.device("cuda")
+        with pytest.raises(ValueError, match="cpu=True"):  # what accelerate alone does
+            Accelerator(cpu=True)
+        trainer.fresh_accelerator_state("no", on_cpu=True)
+        assert Accelerator(cpu=True).device.type == "cpu"
+        with pytest.raises(ValueError, match="mixed_precision"):
+            Accelerator(cpu=True, mixed_precision="bf16")
+        trainer.fresh_accelerator_state("bf16", on_cpu=True)
+        assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
+    finally:  # the next test starts from no state at all
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def test_bf16_slowdown_is_a_measured_ratio():
     ratio = bf16_slowdown(rows=16, width=32, out=48)
     assert 0 < ratio < float("inf")

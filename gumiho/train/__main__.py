@@ -286,12 +286,23 @@ def bf16_slowdown(rows: int = 512, width: int = 576, out: int = 1536) -> float:
     return best[torch.bfloat16] / best[torch.float32]
 
 
-def fresh_accelerator_state(mixed: str) -> None:
+def fresh_accelerator_state(mixed: str, on_cpu: bool) -> None:
     """accelerate keeps one process-wide state and refuses an Accelerator with another
-    mixed precision than the first one's (a notebook training twice, the test suite): drop
-    that part of it. The process group (PartialState) is kept."""
-    from accelerate.state import AcceleratorState
+    mixed precision than the first one's, or cpu=True once a GPU state exists (and keeps a
+    CPU state's device when the GPU is wanted): a notebook training twice, the test suite
+    on a GPU with its CPU-only tests. Another precision drops the precision part; another
+    device, in a single process, the whole state (a launched group cannot move)."""
+    from accelerate.state import AcceleratorState, PartialState
 
+    if PartialState._shared_state:
+        partial = PartialState()
+        if (partial.device.type == "cpu") != on_cpu:
+            if partial.num_processes > 1:
+                raise GumihoError(f"this process is one of {partial.num_processes} launched "
+                                  f"on {partial.device.type}: it cannot train on "
+                                  f"{'the CPU' if on_cpu else 'a GPU'} as well")
+            AcceleratorState._reset_state(reset_partial_state=True)
+            return
     if AcceleratorState._shared_state and AcceleratorState().mixed_precision != mixed:
         AcceleratorState._reset_state()
 
@@ -303,11 +314,11 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
     from accelerate.utils import set_seed
 
     mixed, target_dtype = precision(config)
-    fresh_accelerator_state(mixed)
     # cpu=True without a GPU (or with GUMIHO_DEVICE=cpu): several launched processes then
     # form one gloo group (without it accelerate leaves each CPU process on its own,
     # silently training separate models)
     on_cpu = choose_device_dtype()[0].type == "cpu"
+    fresh_accelerator_state(mixed, on_cpu)
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum,
                               mixed_precision=mixed, cpu=on_cpu)
     check_process_group(accelerator)
