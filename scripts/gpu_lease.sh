@@ -32,13 +32,20 @@
 # campaign (Gumiho) + suite (cut at 250 s at 96 %, sharing the GPU) + wait 90 + fetch +
 # a 3-benchmark testbed, 482 s. Training beside the suite ran at 15k-30k tokens/s (374 steps
 # in ~6 minutes), alone ~60k.
-# Next lease (what is still open): the suite alone first (SUITE_LIMIT=300; two
-# test_interleave failures were unexplained, and suite_failures.txt now keeps each
-# failure's printed `error:` line), then Gumiho alone from the shipped drafter for 1-2
-# epochs (INIT=gumiho/assets/smollm2 CAMPAIGN_METHODS=gumiho MAX_STEPS=476..952 LR=3e-4;
-# the third lease's 350 steps at lr 5e-4 gave serial-1 0.517 -> 0.529, the curve flattening)
-# and a six-benchmark testbed with it (USE_CAMPAIGN=1 BENCHES="mt_bench humaneval gsm8k_like
-# alpaca_like cnndm_like nq_like" QEND=2: ~40 s a benchmark).
+# The fourth lease (H100, 831 s, docs/results/gpu_h100_fourth): the drafters' piece first
+# (.stage/3, so the campaign can start --init-from them once SmolLM2 and ShareGPT arrive),
+# then .stage/1, then .stage/2 with campaign + suite (230 s, 490 passed, 1 failed, 18 not
+# reached), then wait 140 + fetch: Gumiho 650 steps (17k tokens/s beside the suite, 38k
+# alone), held-out serial-1 0.529 -> 0.573. A few tests alone: SUITE_ARGS=tests/test_x.py
+# with the suite phase (a bare pytest there lacks the staged packages on PYTHONPATH).
+# `--engine compile` at the 8B shape did not finish in 200 s (inductor skips CUDA graphs:
+# the cache's index_copy_ mutates an input); not worth a call again.
+# Next lease (what is still open): the suite alone first (SUITE_LIMIT=300: 18 tests have
+# not been reached on a GPU yet), then Gumiho alone from the shipped drafter again
+# (INIT=gumiho/assets/smollm2 CAMPAIGN_METHODS=gumiho MAX_STEPS=952 LR=3e-4: +0.007
+# serial-1 per 100 steps, still rising at 650) and a six-benchmark testbed with it
+# (USE_CAMPAIGN=1 BENCHES="mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like"
+# QEND=2: ~40 s a benchmark).
 # A variant beside it: CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight
 # 0.1" with the same INIT/MAX_STEPS runs into runs/gumiho_mlpw (`progress` and `fetch` take
 # the same RUN_SUFFIX; the held-out rows are in its train_log.jsonl).
