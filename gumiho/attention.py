@@ -15,8 +15,9 @@ attn_implementation="sdpa_invariant")` or `--attention`) computes every row of a
 one-token decoding would (see `invariant_sdpa_forward`): with row-independent products
 (`linear.rows_independent`: bf16 on an AMX CPU) a tree verify then gives exactly plain
 decoding's tokens, where torch's own attention kernel gives a row the same bits wherever
-its operands lie (`invariant_here` probes it: true on the AMX dev machine in both dtypes,
-false for float32 on an AVX2-only CPU, whose float32 products round by layout).
+its operands lie (`invariant_here` probes it; tests/test_attention.py held in both dtypes
+on the AMX dev machine, and in bf16 only on an AVX2-only AMD EPYC, whose float32 products
+round by operand layout).
 """
 
 from __future__ import annotations
