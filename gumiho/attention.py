@@ -30,6 +30,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from gumiho.tree import walk_ancestors
+
 SDPA_GQA = "sdpa_gqa"
 
 
@@ -117,18 +119,18 @@ def invariant_here(dtype: torch.dtype) -> bool:
     gets as a decode step (its keys in place in the cache, the tree's gathered): a probe on
     a small random tree (three query heads per KV head, 40 cached keys, two chains)."""
     g = torch.Generator().manual_seed(0)  # the caller's random state stays as it was
-    prefix, capacity, parents = 40, 64, [-1, 0, 1, -1, 3]
+    prefix, capacity, parents = 40, 64, torch.tensor([-1, 0, 1, -1, 3])
+    nodes = len(parents)
     q, k, v = (torch.randn(shape, generator=g).to(dtype) for shape in
-               ((1, 6, len(parents), 64), (1, 2, capacity, 64), (1, 2, capacity, 64)))
-    mask = torch.zeros(1, 1, len(parents), capacity, dtype=torch.bool)
+               ((1, 6, nodes, 64), (1, 2, capacity, 64), (1, 2, capacity, 64)))
+    ancestors = walk_ancestors(parents, None)  # (nodes, nodes): a node and its ancestors
+    mask = torch.zeros(1, 1, nodes, capacity, dtype=torch.bool)
     mask[..., :prefix] = True
-    chains: list[list[int]] = []
-    for node, parent in enumerate(parents):
-        chains.append((chains[parent] if parent >= 0 else []) + [node])
-        mask[0, 0, node, [prefix + n for n in chains[-1]]] = True
+    mask[0, 0, :, prefix:prefix + nodes] = ancestors
     module = torch.nn.Module()
     tree, _ = invariant_sdpa_forward(module, q, k, v, mask, scaling=0.125)
-    for node, chain in enumerate(chains):
+    for node in range(nodes):
+        chain = ancestors[node].nonzero().flatten().tolist()  # root first (parents[i] < i)
         k1, v1 = k.clone(), v.clone()
         for depth, n in enumerate(chain):  # the path committed in depth order
             k1[..., prefix + depth, :], v1[..., prefix + depth, :] = \

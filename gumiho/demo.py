@@ -90,12 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         raise GumihoError("empty prompt: give some text to answer")
     check_context_room("smollm2", args.max_new_tokens)
     floor, extend = args.min_confidence, args.extend_confidence
-    device, _ = choose_device_dtype(args.device, args.dtype)
+    device, dtype = choose_device_dtype(args.device, args.dtype)
     if args.dtype is None and args.attention is None and exact_bf16_here(device):
-        args.dtype, args.attention = "bfloat16", SDPA_INVARIANT
+        args.dtype, args.attention, dtype = "bfloat16", SDPA_INVARIANT, torch.bfloat16
         print("(this CPU has AMX: bfloat16 with the row-invariant attention, whose output is "
               "bf16 plain decoding's bit for bit; --dtype float32 for float32)")
-    _, dtype = choose_device_dtype(args.device, args.dtype)
     if "min_confidence" in method_spec(args.method).tree_flags and dtype == torch.float32:
         floor = FLOOR if floor is None else floor
         extend = EXTEND if extend is None else extend
