@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from gumiho import rowgemm
 from gumiho.config import TreeConfig
 from gumiho.engine import GenerateConfig, TargetRunner, prefill, run, verify_tree
 from gumiho.linear import PackedLinear
@@ -236,9 +237,11 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     # the first item versions what the costs measure (5: wide verifies' logits via oneDNN;
     # 6: bf16 CPU projections packed, MLP heads without weight copies; 7: float32 ones
-    # packed for MKL); whether the target's layers are packed ($GUMIHO_PACK) changes them
+    # packed for MKL; 8: float32 ones through rowgemm.c); whether the target's layers are
+    # packed ($GUMIHO_PACK) and whether rowgemm built here ($GUMIHO_ROWGEMM) change them
     packed = any(type(m) is PackedLinear for m in target.model.modules())
-    key = json.dumps([7, target.name, method, str(draft_path), stamp,
+    packed = [packed, rowgemm.kernel() is not None]
+    key = json.dumps([8, target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, target.config._attn_implementation],
                      default=str)

@@ -49,6 +49,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional
 
+from gumiho import rowgemm
+
 log = logging.getLogger("gumiho")
 
 MIN_ROWS = 4  # from here on MKL is slower than oneDNN for a vocabulary-sized weight
@@ -121,11 +123,14 @@ def softcap(logits: Tensor, cap: float | None) -> Tensor:
 def vocab_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None = None,
                  packed: Tensor | None = None) -> Tensor:
     """hidden (..., H) @ weight (V, H).T (+ bias): `functional.linear`, faster where MKL is
-    slow (see the module doc). `packed`: the weight as `pack_weight` returned it, used where
-    no gradient has to flow (the same product)."""
+    slow (see the module doc; float32 rows up to rowgemm.MAX_ROWS run rowgemm.c). `packed`:
+    the weight as `pack_weight` returned it, used where no gradient has to flow (the same
+    product)."""
     if packed is not None and hidden.device.type == "cpu" and not (
             torch.compiler.is_compiling() or (torch.is_grad_enabled() and hidden.requires_grad)):
         return ONEDNN_LINEAR(hidden.to(packed.dtype), packed, bias, "none", [], "")
+    if rowgemm.takes(hidden, weight):
+        return rowgemm.linear(hidden, weight, bias)
     if uses_onednn(hidden, weight):
         return ONEDNN_LINEAR(hidden, weight, bias, "none", [], "")
     return functional.linear(hidden, weight, bias)
@@ -134,7 +139,8 @@ def vocab_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None = None,
 class PackedLinear(nn.Module):
     """An inference-only `nn.Linear` whose weight was reordered once for the CPU's GEMM
     library (see the module doc): bf16 for oneDNN (`weight` unpacks a copy on demand),
-    float32 for MKL's packed GEMM, which runs for `MIN_ROWS` to `MKL_MAX_ROWS` rows (other
+    float32 for rowgemm.c where it built here (1 to rowgemm.MAX_ROWS rows; nothing to
+    pack), else for MKL's packed GEMM, which runs for `MIN_ROWS` to `MKL_MAX_ROWS` rows (other
     row counts, and `weight`, read the plain weight it keeps). Same outputs as the
     `nn.Linear` it replaces (float32: up to the order of float additions)."""
 
@@ -143,8 +149,9 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.mkl = weight.dtype == torch.float32
-        self.plain = weight if self.mkl else None
-        self.packed = MKL_REORDER(weight, PACK_ROWS) if self.mkl else \
+        self.plain = weight.contiguous() if self.mkl else None
+        self.rows = self.mkl and rowgemm.kernel() is not None
+        self.packed = None if self.rows else MKL_REORDER(weight, PACK_ROWS) if self.mkl else \
             ONEDNN_REORDER(weight, PACK_ROWS)
         self.bias = None if linear.bias is None else \
             nn.Parameter(linear.bias.detach(), requires_grad=False)
@@ -154,16 +161,18 @@ class PackedLinear(nn.Module):
         return self.plain if self.mkl else self.packed.to_dense()
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.rows and rowgemm.takes(x, self.plain):
+            return rowgemm.linear(x, self.plain, self.bias)
         if self.mkl:
             rows = x.numel() // self.in_features
-            if not MIN_ROWS <= rows <= MKL_MAX_ROWS:
+            if self.rows or not MIN_ROWS <= rows <= MKL_MAX_ROWS:
                 return functional.linear(x, self.plain, self.bias)
             # the packed product runs when the row count passed equals the input's
             return MKL_LINEAR(x.contiguous(), self.packed, self.plain, self.bias, rows)
         return ONEDNN_LINEAR(x.to(self.packed.dtype), self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        kind = "MKL" if self.mkl else "oneDNN"
+        kind = "rowgemm" if self.rows else "MKL" if self.mkl else "oneDNN"
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"packed for {kind}"
 
@@ -183,7 +192,7 @@ def rows_independent(dtype: torch.dtype = torch.bfloat16, rows: int = 32) -> boo
     """Whether this CPU's products of layer shape in `dtype` (packed where `pack_linears`
     packs) give each of up to `rows` input rows bit for bit what it gets alone. oneDNN's
     AMX bf16 kernels do, for up to 32 rows on the 2026-11-26 dev machine (not for 40);
-    float32 MKL's do not. With it and a row-invariant attention (attention.py), a verify's
+    float32 MKL's do not, rowgemm.c's do (up to rowgemm.MAX_ROWS rows). With it and a row-invariant attention (attention.py), a verify's
     tokens get exactly the hidden states of one-token steps."""
     g = torch.Generator().manual_seed(0)  # the caller's random state stays as it was
     layer = nn.Linear(576, 1536, bias=False, device="meta")
@@ -224,8 +233,9 @@ def pack_linears(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
         return (type(child) is nn.Linear and not any(child is s for s in skip)
                 and not child.weight.requires_grad and can_pack(child.weight))
 
-    extra = sum(m.weight.numel() * 4 for m in model.modules()
-                if packable(m) and m.weight.dtype == torch.float32)
+    extra = 0 if rowgemm.kernel() is not None else sum(  # rowgemm packs nothing
+        m.weight.numel() * 4 for m in model.modules()
+        if packable(m) and m.weight.dtype == torch.float32)
     room = available_memory()
     fp32 = room is None or extra <= room // 2
     if not fp32:

@@ -4,7 +4,7 @@ the loop's wide verifies going through it while output stays plain decoding's.""
 import pytest
 import torch
 
-from gumiho import linear
+from gumiho import linear, rowgemm
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.linear import MIN_OUTPUTS, uses_onednn, vocab_linear
@@ -12,6 +12,13 @@ from gumiho.linear import MIN_OUTPUTS, uses_onednn, vocab_linear
 from conftest import DEVICE
 
 needs_onednn = pytest.mark.skipif(linear.ONEDNN_LINEAR is None, reason="torch without oneDNN")
+
+
+@pytest.fixture
+def no_rowgemm(monkeypatch):
+    """torch's products as on a machine where rowgemm.c does not build (the paths below
+    are that machine's; tests/test_rowgemm.py holds rowgemm's)."""
+    monkeypatch.setattr(rowgemm, "kernel", lambda: None)
 
 
 @needs_onednn
@@ -58,7 +65,7 @@ def test_vocab_linear_compiles():
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or linear.ONEDNN_LINEAR is None,
                     reason="the oneDNN path is the CPU's")
-def test_wide_verifies_use_onednn_and_equal_plain(smollm2, monkeypatch):
+def test_wide_verifies_use_onednn_and_equal_plain(smollm2, monkeypatch, no_rowgemm):
     """A prompt-lookup chain makes verifies of up to 11 rows: their logits come from oneDNN,
     plain decoding's single rows from torch's default, and the tokens are the same."""
     calls = []
@@ -105,7 +112,7 @@ needs_mkl_packing = pytest.mark.skipif(linear.MKL_REORDER is None, reason="torch
 @needs_mkl_packing
 @pytest.mark.host
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_float32_packed_linear_is_the_same_product(bias):
+def test_a_float32_packed_linear_is_the_same_product(bias, no_rowgemm):
     """float32 layers packed for MKL: below MIN_ROWS rows and above MKL_MAX_ROWS the plain
     weight runs (bit for bit nn.Linear: a plain decode step, a prefill, a training batch);
     in between MKL's packed GEMM, the same product up to the order of float additions."""
@@ -153,7 +160,7 @@ def test_pack_linears_takes_frozen_bf16_and_float32_cpu_layers_only():
 @needs_mkl_packing
 @pytest.mark.host
 def test_float32_layers_stay_unpacked_where_their_second_copy_would_not_fit(monkeypatch,
-                                                                            caplog):
+                                                                            caplog, no_rowgemm):
     """A packed float32 layer keeps its plain weight too: where that copy would take more
     than half the available memory, float32 layers are left alone (said in one warning);
     bf16 ones, packed in place, still are."""

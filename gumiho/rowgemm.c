@@ -1,0 +1,85 @@
+/* Row-invariant float32 products for a few rows: y[m, n] = x[m, :] . w[n, :] (+ b[n]).
+ *
+ * Every output is summed the same way whatever the number of rows, the tile it falls in
+ * and the number of threads: eight lanes accumulate k = lane, lane + 8, ... in order with
+ * fused multiply-adds, the lanes are added pairwise in a fixed order, then the k % 8 tail
+ * and the bias. So a row's result is bit for bit the one it gets alone. Each tile keeps
+ * up to four weight rows in L1 while every input row passes over them, so a verify's
+ * few rows cost little more than one row's (the weights are read from memory once).
+ * Needs AVX2 and FMA. Threads split the columns; they are OpenMP's, torch's own runtime
+ * where rowgemm.py finds it (one pool, sized by torch.set_num_threads). */
+#include <immintrin.h>
+#include <stddef.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static inline float lanes(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* R input rows (from x) times C weight rows (from w), R and C constants after inlining */
+static inline __attribute__((always_inline)) void block(
+        const float *x, const float *w, const float *b, float *y,
+        int K, int N, int R, int C) {
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 v[4];
+        for (int c = 0; c < C; c++) v[c] = _mm256_loadu_ps(w + (size_t)c * K + k);
+        for (int r = 0; r < R; r++) {
+            __m256 u = _mm256_loadu_ps(x + (size_t)r * K + k);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(u, v[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = lanes(acc[r][c]);
+            for (int t = k; t < K; t++) s += x[(size_t)r * K + t] * w[(size_t)c * K + t];
+            y[(size_t)r * N + c] = b ? s + b[c] : s;
+        }
+}
+
+#define ROWS(R, C) case C: block(x, w, b, y, K, N, R, C); break;
+#define COLS(R) case R: switch (C) { ROWS(R, 1) ROWS(R, 2) ROWS(R, 3) ROWS(R, 4) } break;
+
+static void tile(const float *x, const float *w, const float *b, float *y,
+                 int K, int N, int R, int C) {
+    switch (R) { COLS(1) COLS(2) COLS(3) COLS(4) }
+}
+
+/* rows 4 at a time over columns n0..n1, 4 weight rows at a time (3 for 3-4 rows:
+   twelve accumulators fit AVX2's sixteen registers beside the loads) */
+static void span(const float *x, const float *w, const float *b, float *y,
+                 int M, int K, int N, int n0, int n1) {
+    int width = M >= 3 ? 3 : 4;
+    for (int n = n0; n < n1; n += width) {
+        int C = n1 - n < width ? n1 - n : width;
+        for (int m = 0; m < M; m += 4) {
+            int R = M - m < 4 ? M - m : 4;
+            tile(x + (size_t)m * K, w + (size_t)n * K, b ? b + n : NULL,
+                 y + (size_t)m * N + n, K, N, R, C);
+        }
+    }
+}
+
+void rowgemm(const float *x, const float *w, const float *b, float *y, int M, int K, int N) {
+    #pragma omp parallel
+    {
+#ifdef _OPENMP
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        int t = 0, T = 1;
+#endif
+        int per = (N + T - 1) / T;
+        per = (per + 11) / 12 * 12;  /* whole tiles of 3 or 4 columns per thread */
+        int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
+        if (n0 < n1) span(x, w, b, y, M, K, N, n0, n1);
+    }
+}

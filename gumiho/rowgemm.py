@@ -1,0 +1,133 @@
+"""Float32 products of a few rows on an x86 CPU: as fast for a tree verify's rows as for
+one, and the same bits for a row whatever rows come with it.
+
+A tree verify multiplies 4 to 80 rows by every weight of the target, a plain step one. On
+the 2-core AVX2 dev machine (AMD EPYC, 2026-11-26) torch's float32 products (MKL, packed or
+not) cost 2 to 3 times as much for 4 rows as for 1, which made every verify ~1.8 plain
+steps there and speculation a loss. `rowgemm.c` keeps each group of up to four weight rows
+in L1 while all input rows pass over it, so the weights are read once; SmolLM2's
+1536 x 576 projection (`scripts/rowgemm_bench.py`): 1 row 0.16 ms (torch 0.26, MKL packed
+0.19), 4 rows 0.22 (0.45, 0.58), 16 rows 0.40 (0.51, 0.62); its 49,152-token head: 1 row
+6.0 ms (10.5, 5.5), 4 rows 7.2 (25.4, 20.4), 16 rows 12.4 (29.3, 25.7). Past 64 rows torch
+is as fast, so prefills and training batches keep torch's product.
+
+Each output is summed in one fixed order (rowgemm.c), so a row gets bit for bit what it
+gets alone, whatever the row count, tile or thread count: `linear.rows_independent` holds
+in float32 where it runs. It differs from torch's product only in the order of float
+additions (about 1e-6 relative), as torch's own does between two batch shapes.
+
+The C source is compiled once per machine with the system's C compiler into the cache
+folder (paths.cache_dir, about a second) and loaded with ctypes; its threads are torch's
+OpenMP runtime (one pool, sized by torch.set_num_threads). Without a compiler, AVX2 and FMA,
+or on another architecture, nothing changes: torch's products run. $GUMIHO_ROWGEMM=0 turns
+it off (to compare, or when chasing a problem).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from gumiho.paths import cache_dir
+
+log = logging.getLogger("gumiho")
+
+SOURCE = Path(__file__).with_name("rowgemm.c")
+MAX_ROWS = 80  # a 64-token verify plus an 11-token lookup chain; torch is as fast past 64
+FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
+
+
+def _openmp_flags() -> list[str]:
+    """Link torch's own OpenMP runtime where the wheel ships one (so both share one pool);
+    without it the kernel runs on one thread rather than start a second pool."""
+    lib = Path(torch.__file__).parent / "lib"
+    if not (lib / "libgomp.so.1").exists():
+        return []
+    return ["-fopenmp", f"-L{lib}", f"-Wl,-rpath,{lib}"]
+
+
+def _build(compiler: str, flags: list[str], out: Path) -> None:
+    """Compile the kernel to `out`, atomically (concurrent processes may race to it)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        subprocess.run([compiler, *FLAGS, *flags, str(SOURCE), "-o", str(built)],
+                       check=True, capture_output=True, timeout=120)
+        os.replace(built, out)
+
+
+def _works(function) -> bool:
+    """The built kernel computes torch's product (to float rounding), each row as alone."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(5, 37, generator=g), torch.randn(11, 37, generator=g),
+               torch.randn(11, generator=g))
+    y = torch.empty(5, 11)
+    function(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 5, 37, 11)
+    alone = torch.empty(1, 11)
+    function(x[3:].data_ptr(), w.data_ptr(), b.data_ptr(), alone.data_ptr(), 1, 37, 11)
+    return torch.allclose(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5) \
+        and torch.equal(alone[0], y[3])
+
+
+@functools.cache
+def kernel():
+    """The compiled product (a ctypes function), or None where it cannot run here."""
+    if os.environ.get("GUMIHO_ROWGEMM", "1") == "0":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64") or \
+            torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler: float32 CPU products stay torch's (rowgemm.py)")
+        return None
+    flags = _openmp_flags()
+    key = hashlib.sha1(repr([SOURCE.read_bytes(), FLAGS, flags, compiler]).encode())
+    path = cache_dir() / "kernels" / f"rowgemm-{key.hexdigest()[:16]}.so"
+    try:
+        if not path.exists():
+            _build(compiler, flags, path)
+        function = ctypes.CDLL(str(path)).rowgemm
+        function.restype = None
+        function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+        if not _works(function):
+            log.warning("rowgemm gave wrong products here; torch's run instead")
+            return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("rowgemm not built (%s): float32 CPU products stay torch's",
+                 str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc)
+        return None
+    return function
+
+
+def takes(x: Tensor, weight: Tensor) -> bool:
+    """Whether `linear` runs this product: float32 on the CPU, 1 to MAX_ROWS rows, a
+    contiguous weight, no gradient wanted, not under torch.compile, the kernel built here."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
+            and 1 <= rows <= MAX_ROWS and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and kernel() is not None)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., K) @ weight (N, K).T (+ bias), for a product `takes` accepts."""
+    n, k = weight.shape
+    x = x.contiguous()
+    bias = None if bias is None else bias.detach().float().contiguous()
+    y = torch.empty(*x.shape[:-1], n)
+    kernel()(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+             y.data_ptr(), x.numel() // k, k, n)
+    return y
