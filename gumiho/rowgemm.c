@@ -32,7 +32,12 @@ static inline __attribute__((always_inline)) void block(
     int k = 0;
     for (; k + 8 <= K; k += 8) {
         __m256 v[4];
-        for (int c = 0; c < C; c++) v[c] = _mm256_loadu_ps(w + (size_t)c * K + k);
+        for (int c = 0; c < C; c++) {
+            v[c] = _mm256_loadu_ps(w + (size_t)c * K + k);
+            /* the next tile's rows (the C after these) come in while this one computes: a
+               verify's rows then cost little more than one (past the end: a hint, no fault) */
+            _mm_prefetch((const char *)(w + (size_t)(c + C) * K + k), _MM_HINT_T0);
+        }
         for (int r = 0; r < R; r++) {
             __m256 u = _mm256_loadu_ps(x + (size_t)r * K + k);
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(u, v[c], acc[r][c]);
