@@ -80,9 +80,8 @@ def _works(function) -> bool:
         and torch.equal(alone[0], y[3])
 
 
-@functools.cache
-def kernel():
-    """The compiled product (a ctypes function), or None where it cannot run here."""
+def _library() -> tuple[str, list[str], Path] | None:
+    """(compiler, flags, the built library's path) where the kernel can run here."""
     if os.environ.get("GUMIHO_ROWGEMM", "1") == "0":
         return None
     if platform.machine().lower() not in ("x86_64", "amd64") or \
@@ -94,7 +93,22 @@ def kernel():
         return None
     flags = _openmp_flags()
     key = hashlib.sha1(repr([SOURCE.read_bytes(), FLAGS, flags, compiler]).encode())
-    path = cache_dir() / "kernels" / f"rowgemm-{key.hexdigest()[:16]}.so"
+    return compiler, flags, cache_dir() / "kernels" / f"rowgemm-{key.hexdigest()[:16]}.so"
+
+
+def identity() -> str | None:
+    """Which kernel runs here (its build's name, which changes with its source), or None:
+    part of what measured costs are cached under (budget.py)."""
+    return _library()[2].stem if kernel() is not None else None
+
+
+@functools.cache
+def kernel():
+    """The compiled product (a ctypes function), or None where it cannot run here."""
+    library = _library()
+    if library is None:
+        return None
+    compiler, flags, path = library
     try:
         if not path.exists():
             _build(compiler, flags, path)
