@@ -1,4 +1,10 @@
-"""Vocabulary-sized projections (hidden -> logits) at the speed the CPU allows.
+"""Vocabulary-sized projections (hidden -> logits) and a model's layers at the speed the CPU
+allows.
+
+Where rowgemm.c builds (rowgemm.py: an x86 CPU with AVX2 and FMA, and a C compiler), every
+float32 inference product of 1 to rowgemm.MAX_ROWS rows, layers and heads alike, runs it:
+a verify's rows cost little more than one row's and each row gets exactly what it gets
+alone. The float32 paths below (MKL, oneDNN) are what runs where it does not.
 
 On the CPU, torch's float32 GEMM (MKL) handles a vocabulary-sized weight (tens of
 thousands of rows) well for one to three input rows and for sixteen or more, but from four
@@ -192,8 +198,9 @@ def rows_independent(dtype: torch.dtype = torch.bfloat16, rows: int = 32) -> boo
     """Whether this CPU's products of layer shape in `dtype` (packed where `pack_linears`
     packs) give each of up to `rows` input rows bit for bit what it gets alone. oneDNN's
     AMX bf16 kernels do, for up to 32 rows on the 2026-11-26 dev machine (not for 40);
-    float32 MKL's do not, rowgemm.c's do (up to rowgemm.MAX_ROWS rows). With it and a row-invariant attention (attention.py), a verify's
-    tokens get exactly the hidden states of one-token steps."""
+    float32 MKL's do not, rowgemm.c's do (up to rowgemm.MAX_ROWS rows). With it and a
+    row-invariant attention (attention.py), a verify's tokens get exactly the hidden states
+    of one-token steps."""
     g = torch.Generator().manual_seed(0)  # the caller's random state stays as it was
     layer = nn.Linear(576, 1536, bias=False, device="meta")
     layer.weight = nn.Parameter((torch.randn(1536, 576, generator=g) * 0.05).to(dtype),

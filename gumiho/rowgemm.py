@@ -5,11 +5,13 @@ A tree verify multiplies 4 to 80 rows by every weight of the target, a plain ste
 the 2-core AVX2 dev machine (AMD EPYC, 2026-11-26) torch's float32 products (MKL, packed or
 not) cost 2 to 3 times as much for 4 rows as for 1, which made every verify ~1.8 plain
 steps there and speculation a loss. `rowgemm.c` keeps each group of up to four weight rows
-in L1 while all input rows pass over it, so the weights are read once; SmolLM2's
-1536 x 576 projection (`scripts/rowgemm_bench.py`): 1 row 0.16 ms (torch 0.26, MKL packed
-0.19), 4 rows 0.22 (0.45, 0.58), 16 rows 0.40 (0.51, 0.62); its 49,152-token head: 1 row
-6.0 ms (10.5, 5.5), 4 rows 7.2 (25.4, 20.4), 16 rows 12.4 (29.3, 25.7). Past 64 rows torch
-is as fast, so prefills and training batches keep torch's product.
+in L1 while all input rows pass over it and prefetches the next group, so the weights are
+read once. Cold weights, `python scripts/linear_rows.py --outputs 1536 --inputs 576` (one
+of SmolLM2's layers), ms for 1 / 4 / 16 rows: rowgemm 0.29 / 0.37 / 0.56, torch 0.46 /
+0.80 / 1.12, MKL packed 0.36 / 0.84 / 1.04; its 49,152-token head: 6.1 / 5.3 / 8.8, torch
+8.8 / 22.5 / 25.8, MKL packed 4.8 / 19.4 / 25.0 (one row: within this machine's noise). At
+64 rows oneDNN is as fast; past MAX_ROWS, prefills and training batches keep torch's
+product.
 
 Each output is summed in one fixed order (rowgemm.c), so a row gets bit for bit what it
 gets alone, whatever the row count, tile or thread count: `linear.rows_independent` holds

@@ -1,5 +1,6 @@
 """Time a projection against the number of input rows: torch's default (MKL on x86 CPUs),
-oneDNN, and `gumiho.linear.vocab_linear` (which picks between them).
+oneDNN, MKL's packed GEMM, rowgemm.c (where it builds here) and
+`gumiho.linear.vocab_linear` (which picks among them).
 
 Each call reads a weight that a 256 MB sweep has just pushed out of the caches, as in the
 loop, where the target's other weights pass through between two uses of its head. The
@@ -7,14 +8,16 @@ median of `--repeats` calls is printed in milliseconds. The figures behind linea
 
     python scripts/linear_rows.py --outputs 49152 --inputs 576   # SmolLM2's lm_head
     python scripts/linear_rows.py --outputs 8192 --inputs 576    # a reduced draft head
+    python scripts/linear_rows.py --outputs 1536 --inputs 576    # a layer (rowgemm.py)
 
 With --dtype bfloat16 the last column is the weight reordered once (`linear.pack_weight`,
 what a bf16 CPU target's layers and heads use) instead of `vocab_linear`:
 
     python scripts/linear_rows.py --dtype bfloat16 --outputs 1536 --inputs 576  # a layer
 
-The last columns say whether the first row's result is bit for bit what it is when that row
-is multiplied alone (batch invariance, on which a tree verify's exactness rests).
+The last column says, per product, whether the first row's result is bit for bit what it is
+when that row is multiplied alone (batch invariance, on which a tree verify's exactness
+rests).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ ROWS = "1,2,3,4,5,7,9,12,15,16,20,24,32,64"
 def main() -> int:
     import torch
 
-    from gumiho.linear import ONEDNN_LINEAR, pack_weight, vocab_linear
+    from gumiho import rowgemm
+    from gumiho.linear import MKL_LINEAR, MKL_REORDER, ONEDNN_LINEAR, pack_weight, vocab_linear
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--outputs", type=int, default=49152)
@@ -59,14 +63,20 @@ def main() -> int:
 
     print(f"weight {args.outputs} x {args.inputs} {args.dtype}, {torch.get_num_threads()} "
           "threads; ms per call")
-    print(f"rows  default  onednn  {'packed' if packed is not None else 'vocab_linear':>12s}"
-          "  row 0 as alone (default / onednn / last column)")
+    float32 = dtype == torch.float32
+    mkl = MKL_REORDER(weight, 16) if float32 and MKL_REORDER is not None else None
     products = {
         "default": lambda x: torch.nn.functional.linear(x, weight),
         "onednn": (lambda x: ONEDNN_LINEAR(x, weight, None, "none", [], ""))
         if ONEDNN_LINEAR is not None else None,
-        "ours": lambda x: vocab_linear(x, weight, None, packed),
+        "mkl-packed": (lambda x: MKL_LINEAR(x, mkl, weight, None, x.shape[0]))
+        if mkl is not None else None,
+        "rowgemm": (lambda x: rowgemm.linear(x, weight))
+        if float32 and rowgemm.kernel() is not None else None,
+        "packed" if packed is not None else "vocab_linear":
+            lambda x: vocab_linear(x, weight, None, packed),
     }
+    print("rows" + "".join(f"{k:>13s}" for k in products) + "  row 0 as alone")
     first = torch.randn(1, args.inputs).to(dtype)
     with torch.no_grad():
         alone = {k: f(first) for k, f in products.items() if f is not None}
@@ -76,9 +86,10 @@ def main() -> int:
             for k, f in products.items():
                 ms[k] = median_ms(lambda f=f, x=x: f(x)) if f is not None else float("nan")
                 # batch invariance: is row 0 bit for bit what it is when multiplied alone?
-                same[k] = "yes" if f is not None and torch.equal(f(x)[0], alone[k][0]) else "no"
-            print(f"{rows:4d}  {ms['default']:7.2f}  {ms['onednn']:6.2f}  {ms['ours']:12.2f}"
-                  f"  {same['default']} / {same['onednn']} / {same['ours']}")
+                same[k] = "-" if f is None else \
+                    "yes" if torch.equal(f(x)[0], alone[k][0]) else "no"
+            print(f"{rows:4d}" + "".join(f"{ms[k]:13.2f}" for k in products)
+                  + "  " + " / ".join(same.values()))
     return 0
 
 
