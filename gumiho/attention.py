@@ -30,6 +30,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from gumiho import rowgemm
 from gumiho.tree import walk_ancestors
 
 SDPA_GQA = "sdpa_gqa"
@@ -81,7 +82,14 @@ def invariant_sdpa_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
     decoded alone; with row-independent products a verify then gives its tokens bit for bit
     the hidden states sequential decoding would. A decode step's keys are already in place
     (the cache's own slots past them fill the buffer, masked); a tree row's are gathered.
-    CPU only: the row counts are read on the host, which is free there."""
+    CPU only: the row counts are read on the host, which is free there. In float32, where
+    rowattention.c builds (rowgemm.py), it computes each row alone by construction."""
+    if (query.shape[2] <= INVARIANT_MAX_QUERIES and not dropout
+            and rowgemm.attends(query, key, value, attention_mask)
+            and kwargs.get("position_bias") is None and not kwargs.get("output_attentions")
+            and not kwargs.get("softcap")):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return rowgemm.attention(query, key, value, attention_mask, scale), None
     if (attention_mask is None or attention_mask.dtype != torch.bool or query.shape[0] != 1
             or query.device.type != "cpu" or query.shape[2] > INVARIANT_MAX_QUERIES or dropout
             or key.shape[1] == 0 or query.shape[1] % key.shape[1]

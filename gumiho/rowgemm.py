@@ -45,9 +45,10 @@ from gumiho.paths import cache_dir
 
 log = logging.getLogger("gumiho")
 
-SOURCE = Path(__file__).with_name("rowgemm.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("rowgemm.c", "rowattention.c")]
 MAX_ROWS = 80  # a 64-token verify plus an 11-token lookup chain; torch is as fast past 64
 FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
+LIBS = ["-lm"]
 
 
 def _openmp_flags() -> list[str]:
@@ -64,13 +65,19 @@ def _build(compiler: str, flags: list[str], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        subprocess.run([compiler, *FLAGS, *flags, str(SOURCE), "-o", str(built)],
+        subprocess.run([compiler, *FLAGS, *flags, *map(str, SOURCES), "-o", str(built), *LIBS],
                        check=True, capture_output=True, timeout=120)
         os.replace(built, out)
 
 
-def _works(function) -> bool:
-    """The built kernel computes torch's product (to float rounding), each row as alone."""
+def _works(function, attend) -> bool:
+    """The built kernels compute torch's product and attention (to float rounding), each
+    row as alone."""
+    with torch.device("cpu"):  # whatever default device the first caller has set
+        return _probe(function, attend)
+
+
+def _probe(function, attend) -> bool:
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(5, 37, generator=g), torch.randn(11, 37, generator=g),
                torch.randn(11, generator=g))
@@ -78,8 +85,16 @@ def _works(function) -> bool:
     function(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 5, 37, 11)
     alone = torch.empty(1, 11)
     function(x[3:].data_ptr(), w.data_ptr(), b.data_ptr(), alone.data_ptr(), 1, 37, 11)
-    return torch.allclose(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5) \
-        and torch.equal(alone[0], y[3])
+    if not (torch.allclose(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            and torch.equal(alone[0], y[3])):
+        return False
+    q, k, v = (torch.randn(1, heads, n, 16, generator=g) for heads, n in ((4, 3), (2, 7), (2, 7)))
+    mask = torch.rand(1, 1, 3, 7, generator=g) < 0.7
+    mask[..., 0] = True
+    got = _attend(attend, q, k, v, mask, 0.25)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True).transpose(1, 2)
+    return got is not None and torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def _library() -> tuple[str, list[str], Path] | None:
@@ -94,7 +109,8 @@ def _library() -> tuple[str, list[str], Path] | None:
         log.info("no C compiler: float32 CPU products stay torch's (rowgemm.py)")
         return None
     flags = _openmp_flags()
-    key = hashlib.sha1(repr([SOURCE.read_bytes(), FLAGS, flags, compiler]).encode())
+    key = hashlib.sha1(repr([[f.read_bytes() for f in SOURCES], FLAGS, flags, compiler])
+                       .encode())
     return compiler, flags, cache_dir() / "kernels" / f"rowgemm-{key.hexdigest()[:16]}.so"
 
 
@@ -114,12 +130,18 @@ def kernel():
     try:
         if not path.exists():
             _build(compiler, flags, path)
-        function = ctypes.CDLL(str(path)).rowgemm
+        library = ctypes.CDLL(str(path))
+        function, attend = library.rowgemm, library.rowattention
         function.restype = None
         function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
-        if not _works(function):
+        attend.restype = ctypes.c_int
+        attend.argtypes = [ctypes.c_void_p, *[ctypes.c_long] * 2] + \
+            [ctypes.c_void_p, *[ctypes.c_long] * 2] * 2 + [ctypes.c_void_p] * 2 + \
+            [ctypes.c_int] * 5 + [ctypes.c_float]
+        if not _works(function, attend):
             log.warning("rowgemm gave wrong products here; torch's run instead")
             return None
+        function.attention = attend
     except (OSError, subprocess.SubprocessError) as exc:
         log.info("rowgemm not built (%s): float32 CPU products stay torch's",
                  str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc)
@@ -131,7 +153,7 @@ def takes(x: Tensor, weight: Tensor) -> bool:
     """Whether `linear` runs this product: float32 on the CPU, 1 to MAX_ROWS rows, a
     contiguous weight, no gradient wanted, not under torch.compile, the kernel built here."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return (x.device.type == "cpu" and x.dtype == torch.float32
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
             and 1 <= rows <= MAX_ROWS and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -143,7 +165,46 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     n, k = weight.shape
     x = x.contiguous()
     bias = None if bias is None else bias.detach().float().contiguous()
-    y = torch.empty(*x.shape[:-1], n)
+    y = torch.empty(*x.shape[:-1], n, device=x.device)  # explicit: the default may differ
     kernel()(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
              y.data_ptr(), x.numel() // k, k, n)
     return y
+
+
+def attends(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> bool:
+    """Whether `attention` runs this call: float32 on the CPU, one sequence, a bool mask,
+    every tensor's last dim contiguous, no gradient wanted, the kernels built here."""
+    tensors = (query, key, value)
+    return (mask is not None and mask.dtype == torch.bool and mask.device.type == "cpu"
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 4
+                    and t.shape[0] == 1 and t.stride(-1) == 1 for t in tensors)
+            and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0
+            and mask.dim() == 4 and mask.shape[0] == 1 and mask.shape[1] == 1
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and kernel() is not None)
+
+
+def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: float
+              ) -> Tensor:
+    """query (1, heads, Q, D), key/value (1, kv heads, K, D), mask (1, 1, Q|1, K) bool ->
+    (1, Q, heads, D), every row as it would be alone (rowattention.c), for a call `attends`
+    accepts; a row that sees no key raises."""
+    out = _attend(kernel().attention, query, key, value, mask, scale)
+    if out is None:
+        raise ValueError("rowattention: a row sees no key")
+    return out
+
+
+def _attend(function, query: Tensor, key: Tensor, value: Tensor, mask: Tensor,
+            scale: float) -> Tensor | None:
+    _, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    visible = mask[0, 0].expand(rows, length).contiguous().view(torch.uint8)
+    out = torch.empty(1, rows, heads, dim, device=query.device)
+    status = function(query.data_ptr(), query.stride(1), query.stride(2),
+                      key.data_ptr(), key.stride(1), key.stride(2),
+                      value.data_ptr(), value.stride(1), value.stride(2),
+                      visible.data_ptr(), out.data_ptr(), rows, heads, kv_heads, length, dim,
+                      scale)
+    return out if status == 0 else None

@@ -113,6 +113,41 @@ def test_a_built_kernel_is_reused_from_the_cache(monkeypatch, tmp_path):
 
 
 @needs_rowgemm
+@pytest.mark.host
+@pytest.mark.parametrize("dim", [64, 128, 80, 20])
+def test_rowattention_is_torchs_attention_and_each_row_its_own(dim):
+    """Against torch's sdpa (grouped heads, a tree-like mask, strided cache views), and
+    each row bit for bit what it gets as a one-row call over a cache holding only the keys
+    it sees, in order (a one-token step's view)."""
+    g = torch.Generator().manual_seed(dim)
+    cache_k, cache_v = (torch.randn(1, 3, 64, dim, generator=g) for _ in range(2))
+    k, v = cache_k[:, :, :50], cache_v[:, :, :50]  # a view of a longer cache
+    q = torch.randn(1, 9, 6, dim, generator=g)
+    mask = torch.zeros(1, 1, 6, 50, dtype=torch.bool)
+    mask[..., :44] = True
+    parents = [-1, 0, 0, 1, 3, 2]
+    for node, parent in enumerate(parents):
+        mask[0, 0, node, 44 + node] = True
+        mask[0, 0, node, 44:50] |= mask[0, 0, parent, 44:50] if parent >= 0 else False
+    assert rowgemm.attends(q, k, v, mask)
+    got = rowgemm.attention(q, k, v, mask, 0.125)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for node in range(6):
+        seen = mask[0, 0, node].nonzero().flatten()
+        alone = rowgemm.attention(q[:, :, node:node + 1], k[:, :, seen], v[:, :, seen],
+                                  torch.ones(1, 1, 1, len(seen), dtype=torch.bool), 0.125)
+        assert torch.equal(alone[0, 0], got[0, node])
+    with pytest.raises(ValueError, match="sees no key"):
+        rowgemm.attention(q, k, v, torch.zeros_like(mask), 0.125)
+    assert not rowgemm.attends(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    assert not rowgemm.attends(q, k, v, mask.float())
+    assert not rowgemm.attends(q, k, v, None)
+    assert not rowgemm.attends(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, mask)
+
+
+@needs_rowgemm
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="rowgemm is the CPU's")
 def test_verifies_run_rowgemm_and_equal_plain(smollm2, monkeypatch):
     """SmolLM2 in float32 on the CPU: every layer product and the logits of plain steps and
@@ -135,3 +170,39 @@ def test_verifies_run_rowgemm_and_equal_plain(smollm2, monkeypatch):
     out = run(smollm2, load_drafter("lookup", smollm2, tree=None), ids, config)
     assert out.token_ids == plain.token_ids
     assert max(out.accept_lengths) >= 4 and any(4 <= rows <= 11 for rows in calls), calls
+
+
+@needs_rowgemm
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="rowgemm is the CPU's")
+def test_float32_tree_rows_are_one_token_steps_bit_for_bit():
+    """With rowgemm's products and `sdpa_invariant` (rowattention.c in float32), a verify's
+    every node gets the features and logits its token gets decoded alone after its
+    ancestors: exact float32 losslessness, not only equal tokens."""
+    from gumiho.engine import TargetRunner, prefill, verify_tree
+    from gumiho.target import load_target
+    from gumiho.tree import DraftTree
+
+    target = load_target("smollm2", device="cpu", dtype="float32",
+                         attn_implementation="sdpa_invariant")
+    prompt = torch.tensor([target.chat_ids("Name three colours.")])
+    tokens = torch.tensor([504, 1205, 4312, 28, 905, 3060, 11])
+    parents = torch.tensor([-1, 0, 0, 1, 3, 2, 4])  # two branches, depth 5
+
+    def fresh():
+        cache = TargetRunner(target, "eager").cache_for(prompt.shape[1] + 16)
+        prefill(target, cache, prompt)
+        return cache
+
+    with torch.no_grad():
+        features, logits = verify_tree(target, fresh(), DraftTree.from_parents(tokens, parents))
+        for node in range(len(tokens)):
+            path = [node]
+            while parents[path[0]] >= 0:
+                path.insert(0, int(parents[path[0]]))
+            cache = fresh()
+            for n in path:  # one-token steps down the node's path
+                one = DraftTree.from_parents(tokens[n:n + 1], torch.tensor([-1]))
+                step_features, step_logits = verify_tree(target, cache, one)
+                cache.commit(1)
+            assert torch.equal(features[node], step_features[0]), node
+            assert torch.equal(logits[node], step_logits[0]), node
