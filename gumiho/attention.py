@@ -13,11 +13,13 @@ the fused kernels that take a mask do not take grouped heads, so there we keep t
 `sdpa_invariant` (`SDPA_INVARIANT`, chosen with `load_target(...,
 attn_implementation="sdpa_invariant")` or `--attention`) computes every row of a call as
 one-token decoding would (see `invariant_sdpa_forward`): with row-independent products
-(`linear.rows_independent`: bf16 on an AMX CPU) a tree verify then gives exactly plain
-decoding's tokens, where torch's own attention kernel gives a row the same bits wherever
-its operands lie (`invariant_here` probes it; tests/test_attention.py held in both dtypes
-on the AMX dev machine, and in bf16 only on an AVX2-only AMD EPYC, whose float32 products
-round by operand layout).
+(`linear.rows_independent`: bf16 on an AMX CPU, float32 where rowgemm.c builds) a tree
+verify then gives exactly plain decoding's tokens, where torch's own attention kernel gives
+a row the same bits wherever its operands lie (`invariant_here` probes it;
+tests/test_attention.py held in both dtypes on the AMX dev machine, and in bf16 only on an
+AVX2-only AMD EPYC, whose float32 attention rounds by operand layout). In float32 on an x86
+CPU where rowgemm.py builds its kernels, rowattention.c computes each row alone by
+construction instead, which holds on that EPYC too.
 """
 
 from __future__ import annotations

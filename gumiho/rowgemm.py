@@ -18,7 +18,12 @@ gets alone, whatever the row count, tile or thread count: `linear.rows_independe
 in float32 where it runs. It differs from torch's product only in the order of float
 additions (about 1e-6 relative), as torch's own does between two batch shapes.
 
-The C source is compiled once per machine with the system's C compiler into the cache
+`rowattention.c`, built into the same library, is the attention counterpart
+(`attention`, used by attention.py's `sdpa_invariant` in float32): each (row, head) from its
+own query and visible keys in slot order, so a tree node gets what its token gets decoded
+alone over the same keys.
+
+The C sources are compiled once per machine with the system's C compiler into the cache
 folder (paths.cache_dir, about a second) and loaded with ctypes; its threads are torch's
 OpenMP runtime (one pool, sized by torch.set_num_threads). Without a compiler, AVX2 and FMA,
 or on another architecture, nothing changes: torch's products run. $GUMIHO_ROWGEMM=0 turns
@@ -115,14 +120,15 @@ def _library() -> tuple[str, list[str], Path] | None:
 
 
 def identity() -> str | None:
-    """Which kernel runs here (its build's name, which changes with its source), or None:
+    """Which kernels run here (their build's name, which changes with the sources), or None:
     part of what measured costs are cached under (budget.py)."""
     return _library()[2].stem if kernel() is not None else None
 
 
 @functools.cache
 def kernel():
-    """The compiled product (a ctypes function), or None where it cannot run here."""
+    """The compiled product (a ctypes function; `.attention` the attention), or None where
+    the kernels cannot run here."""
     library = _library()
     if library is None:
         return None
