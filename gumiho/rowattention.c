@@ -9,20 +9,9 @@
  * one-token decode step over the same keys: with row-invariant products (rowgemm.c) a
  * float32 verify gives exactly sequential decoding's hidden states. Threads take rows and
  * heads (OpenMP, torch's runtime where rowgemm.py finds it). Needs AVX2 and FMA. */
-#include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
-#include <stddef.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-static inline float lanes(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "rowkernels.h"
 
 static inline float dot(const float *a, const float *b, int D) {
     __m256 acc = _mm256_setzero_ps();

@@ -8,19 +8,7 @@
  * few rows cost little more than one row's (the weights are read from memory once).
  * Needs AVX2 and FMA. Threads split the columns; they are OpenMP's, torch's own runtime
  * where rowgemm.py finds it (one pool, sized by torch.set_num_threads). */
-#include <immintrin.h>
-#include <stddef.h>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-static inline float lanes(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "rowkernels.h"
 
 /* R input rows (from x) times C weight rows (from w), R and C constants after inlining */
 static inline __attribute__((always_inline)) void block(

@@ -51,6 +51,7 @@ from gumiho.paths import cache_dir
 log = logging.getLogger("gumiho")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("rowgemm.c", "rowattention.c")]
+HEADER = Path(__file__).with_name("rowkernels.h")  # what both include
 MAX_ROWS = 80  # a 64-token verify plus an 11-token lookup chain; torch is as fast past 64
 FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 LIBS = ["-lm"]
@@ -114,8 +115,8 @@ def _library() -> tuple[str, list[str], Path] | None:
         log.info("no C compiler: float32 CPU products stay torch's (rowgemm.py)")
         return None
     flags = _openmp_flags()
-    key = hashlib.sha1(repr([[f.read_bytes() for f in SOURCES], FLAGS, flags, compiler])
-                       .encode())
+    key = hashlib.sha1(repr([[f.read_bytes() for f in (*SOURCES, HEADER)], FLAGS, flags,
+                             compiler]).encode())
     return compiler, flags, cache_dir() / "kernels" / f"rowgemm-{key.hexdigest()[:16]}.so"
 
 

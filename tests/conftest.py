@@ -23,6 +23,25 @@ os.environ["GUMIHO_DEVICE"] = str(DEVICE)  # the library's default device, subpr
 os.environ.setdefault("GUMIHO_DTYPE", "float32")
 
 
+# a prompt whose answer repeats itself: prompt-lookup chains of up to 11 verify rows
+REPEAT_PROMPT = ("Repeat this sentence exactly three times: the quick brown fox jumps over "
+                 "the lazy dog near the river bank.")
+
+
+def rows_through(monkeypatch, module, name: str) -> list[int]:
+    """Record the row count of every call to `module.name`, a product whose first argument
+    is its input (..., features); returns the list the calls append to."""
+    calls = []
+    product = getattr(module, name)
+
+    def counting(x, *args):
+        calls.append(x.numel() // x.shape[-1])
+        return product(x, *args)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
 @pytest.fixture(autouse=True)
 def _test_device(request, monkeypatch):
     if DEVICE.type == "cpu":

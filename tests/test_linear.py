@@ -9,7 +9,7 @@ from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.linear import MIN_OUTPUTS, uses_onednn, vocab_linear
 
-from conftest import DEVICE
+from conftest import DEVICE, REPEAT_PROMPT, rows_through
 
 needs_onednn = pytest.mark.skipif(linear.ONEDNN_LINEAR is None, reason="torch without oneDNN")
 
@@ -68,16 +68,8 @@ def test_vocab_linear_compiles():
 def test_wide_verifies_use_onednn_and_equal_plain(smollm2, monkeypatch, no_rowgemm):
     """A prompt-lookup chain makes verifies of up to 11 rows: their logits come from oneDNN,
     plain decoding's single rows from torch's default, and the tokens are the same."""
-    calls = []
-    onednn = linear.ONEDNN_LINEAR
-
-    def counting(hidden, *args):
-        calls.append(hidden.numel() // hidden.shape[-1])
-        return onednn(hidden, *args)
-
-    monkeypatch.setattr(linear, "ONEDNN_LINEAR", counting)
-    ids = smollm2.chat_ids("Repeat this sentence exactly three times: the quick brown fox "
-                           "jumps over the lazy dog near the river bank.")
+    calls = rows_through(monkeypatch, linear, "ONEDNN_LINEAR")
+    ids = smollm2.chat_ids(REPEAT_PROMPT)
     config = GenerateConfig(max_new_tokens=48)
     plain = run(smollm2, PlainDrafter(), ids, config)
     assert calls == []  # one row per step (the prompt's logits are its last token's)

@@ -9,7 +9,7 @@ from gumiho import linear, rowgemm
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, run
 
-from conftest import DEVICE
+from conftest import DEVICE, REPEAT_PROMPT, rows_through
 
 needs_rowgemm = pytest.mark.skipif(rowgemm.kernel() is None,
                                    reason="rowgemm.c does not build or run here")
@@ -153,16 +153,8 @@ def test_verifies_run_rowgemm_and_equal_plain(smollm2, monkeypatch):
     """SmolLM2 in float32 on the CPU: every layer product and the logits of plain steps and
     of a prompt-lookup chain's verifies (up to 11 rows) run rowgemm, and the tokens are
     plain decoding's."""
-    calls = []
-    product = rowgemm.linear
-
-    def counting(x, *args):
-        calls.append(x.numel() // x.shape[-1])
-        return product(x, *args)
-
-    monkeypatch.setattr(rowgemm, "linear", counting)
-    ids = smollm2.chat_ids("Repeat this sentence exactly three times: the quick brown fox "
-                           "jumps over the lazy dog near the river bank.")
+    calls = rows_through(monkeypatch, rowgemm, "linear")
+    ids = smollm2.chat_ids(REPEAT_PROMPT)
     config = GenerateConfig(max_new_tokens=32)
     plain = run(smollm2, PlainDrafter(), ids, config)
     assert calls and set(calls[-10:]) == {1}  # one-token steps
