@@ -156,9 +156,10 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.mkl = weight.dtype == torch.float32
         self.plain = weight.contiguous() if self.mkl else None
-        self.rows = self.mkl and rowgemm.kernel() is not None
-        self.packed = None if self.rows else MKL_REORDER(weight, PACK_ROWS) if self.mkl else \
-            ONEDNN_REORDER(weight, PACK_ROWS)
+        self.row_kernel = self.mkl and rowgemm.kernel() is not None
+        reorder = MKL_REORDER if self.mkl else ONEDNN_REORDER
+        # rowgemm.c reads the plain weight: nothing to pack for it
+        self.packed = None if self.row_kernel else reorder(weight, PACK_ROWS)
         self.bias = None if linear.bias is None else \
             nn.Parameter(linear.bias.detach(), requires_grad=False)
 
@@ -167,18 +168,18 @@ class PackedLinear(nn.Module):
         return self.plain if self.mkl else self.packed.to_dense()
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.rows and rowgemm.takes(x, self.plain):
+        if self.row_kernel and rowgemm.takes(x, self.plain):
             return rowgemm.linear(x, self.plain, self.bias)
         if self.mkl:
             rows = x.numel() // self.in_features
-            if self.rows or not MIN_ROWS <= rows <= MKL_MAX_ROWS:
+            if self.row_kernel or not MIN_ROWS <= rows <= MKL_MAX_ROWS:
                 return functional.linear(x, self.plain, self.bias)
             # the packed product runs when the row count passed equals the input's
             return MKL_LINEAR(x.contiguous(), self.packed, self.plain, self.bias, rows)
         return ONEDNN_LINEAR(x.to(self.packed.dtype), self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        kind = "rowgemm" if self.rows else "MKL" if self.mkl else "oneDNN"
+        kind = "rowgemm" if self.row_kernel else "MKL" if self.mkl else "oneDNN"
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"packed for {kind}"
 

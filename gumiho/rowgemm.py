@@ -53,7 +53,9 @@ log = logging.getLogger("gumiho")
 SOURCES = [Path(__file__).with_name(name) for name in ("rowgemm.c", "rowattention.c")]
 HEADER = Path(__file__).with_name("rowkernels.h")  # what both include
 MAX_ROWS = 80  # a 64-token verify plus an 11-token lookup chain; torch is as fast past 64
-FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
+# no contraction of plain C arithmetic into FMAs: the kernels' explicit FMAs are the only
+# ones, so two code paths that sum alike round alike (rowattention.c's dot and dot4)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC"]
 LIBS = ["-lm"]
 
 
