@@ -6,9 +6,10 @@
  * their running sum in slot order, the values weighted and accumulated in slot order (per
  * dimension), divided by the sum at the end. So a tree node's row, whose visible keys are
  * the committed prefix and its ancestors in slot (= depth) order, gets bit for bit what
- * the same token gets as a one-token decode step over the same keys: with row-invariant products (rowgemm.c) a
- * float32 verify gives exactly sequential decoding's hidden states. Threads take rows and
- * heads (OpenMP, torch's runtime where rowgemm.py finds it). Needs AVX2 and FMA. */
+ * the same token gets as a one-token decode step over the same keys: with row-invariant
+ * products (rowgemm.c) a float32 verify gives exactly sequential decoding's hidden states.
+ * Threads take rows and heads (OpenMP, torch's runtime where rowgemm.py finds it). Needs
+ * AVX2 and FMA. */
 #include <math.h>
 #include <stdlib.h>
 #include "rowkernels.h"
