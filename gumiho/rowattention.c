@@ -62,33 +62,35 @@ int rowattention(const float *q, long qh, long qr, const float *k, long kh, long
             #pragma omp atomic write
             failed = 1;
         }
+        int listed = -1, n = 0;  /* the row whose visible keys `seen` holds, and how many */
         #pragma omp for schedule(static)
         for (int task = 0; task < Q * H; task++) {
             if (!p || !seen) continue;
             int r = task / H, h = task % H, g = h / per;
-            const float *qv = q + h * qh + r * qr;
-            const unsigned char *m = mask + (size_t)r * K;
-            int n = 0;
-            for (int j = 0; j < K; j++)  /* the visible keys, in slot order */
-                if (m[j]) seen[n++] = j;
-            const float *kg = k + g * kh;
-            int i = 0;
-            for (; i + 4 <= n; i += 4)  /* four independent dots at a time, each as `dot` */
-                dot4(qv, kg + seen[i] * kj, kg + seen[i + 1] * kj, kg + seen[i + 2] * kj,
-                     kg + seen[i + 3] * kj, D, p + i);
-            for (; i < n; i++) p[i] = dot(qv, kg + seen[i] * kj, D);
-            float top = -INFINITY;
-            for (i = 0; i < n; i++) {
-                p[i] *= scale;
-                if (p[i] > top) top = p[i];
+            if (r != listed) {  /* the visible keys, in slot order (once per row and thread) */
+                const unsigned char *m = mask + (size_t)r * K;
+                n = 0;
+                for (int j = 0; j < K; j++)
+                    if (m[j]) seen[n++] = j;
+                listed = r;
             }
             if (n == 0) {
                 #pragma omp atomic write
                 failed = 1;
                 continue;
             }
-            float sum = 0.0f;
-            for (int i = 0; i < n; i++) {
+            const float *qv = q + h * qh + r * qr, *kg = k + g * kh;
+            int i = 0;
+            for (; i + 4 <= n; i += 4)  /* four independent dots at a time, each as `dot` */
+                dot4(qv, kg + seen[i] * kj, kg + seen[i + 1] * kj, kg + seen[i + 2] * kj,
+                     kg + seen[i + 3] * kj, D, p + i);
+            for (; i < n; i++) p[i] = dot(qv, kg + seen[i] * kj, D);
+            float top = -INFINITY, sum = 0.0f;
+            for (i = 0; i < n; i++) {
+                p[i] *= scale;
+                if (p[i] > top) top = p[i];
+            }
+            for (i = 0; i < n; i++) {
                 p[i] = expf(p[i] - top);
                 sum += p[i];
             }
@@ -97,7 +99,7 @@ int rowattention(const float *q, long qh, long qr, const float *k, long kh, long
             for (; d + 64 <= D; d += 64) {  /* 64 dims at a time in eight registers */
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0,
                        a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-                for (int i = 0; i < n; i++) {
+                for (i = 0; i < n; i++) {
                     const float *vv = v + g * vh + seen[i] * vj + d;
                     __m256 w = _mm256_set1_ps(p[i]);
                     a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv), a0);
@@ -121,7 +123,7 @@ int rowattention(const float *q, long qh, long qr, const float *k, long kh, long
             }
             for (; d < D; d++) {  /* a head size not a multiple of 64 */
                 float a = 0.0f;
-                for (int i = 0; i < n; i++) a += p[i] * v[g * vh + seen[i] * vj + d];
+                for (i = 0; i < n; i++) a += p[i] * v[g * vh + seen[i] * vj + d];
                 o[d] = a / sum;
             }
         }
