@@ -86,18 +86,15 @@ def invariant_sdpa_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
     (the cache's own slots past them fill the buffer, masked); a tree row's are gathered.
     CPU only: the row counts are read on the host, which is free there. In float32, where
     rowattention.c builds (rowgemm.py), it computes each row alone by construction."""
-    if (query.shape[2] <= INVARIANT_MAX_QUERIES and not dropout
-            and rowgemm.attends(query, key, value, attention_mask)
-            and kwargs.get("position_bias") is None and not kwargs.get("output_attentions")
-            and not kwargs.get("softcap")):
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return rowgemm.attention(query, key, value, attention_mask, scale), None
     if (attention_mask is None or attention_mask.dtype != torch.bool or query.shape[0] != 1
             or query.device.type != "cpu" or query.shape[2] > INVARIANT_MAX_QUERIES or dropout
             or key.shape[1] == 0 or query.shape[1] % key.shape[1]
             or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")):
         return grouped_sdpa_forward(module, query, key, value, attention_mask,
                                     dropout=dropout, scaling=scaling, **kwargs)
+    if rowgemm.attends(query, key, value, attention_mask) and not kwargs.get("softcap"):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return rowgemm.attention(query, key, value, attention_mask, scale), None
     rows, heads, dim = query.shape[2], query.shape[1], query.shape[3]
     kv_heads = key.shape[1]
     # (Q, kv heads, heads per KV head, D): one element per row, a KV head's query heads

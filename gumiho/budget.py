@@ -240,11 +240,10 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # packed for MKL; 8: float32 ones through rowgemm.c); whether the target's layers are
     # packed ($GUMIHO_PACK) and whether rowgemm built here ($GUMIHO_ROWGEMM) change them
     packed = any(type(m) is PackedLinear for m in target.model.modules())
-    packed = [packed, rowgemm.identity()]
     key = json.dumps([8, target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
-                      engine, torch.__version__, packed, target.config._attn_implementation],
-                     default=str)
+                      engine, torch.__version__, packed, rowgemm.identity(),
+                      target.config._attn_implementation], default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 
