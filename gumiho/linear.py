@@ -145,34 +145,42 @@ def vocab_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None = None,
 class PackedLinear(nn.Module):
     """An inference-only `nn.Linear` whose weight was reordered once for the CPU's GEMM
     library (see the module doc): bf16 for oneDNN (`weight` unpacks a copy on demand),
-    float32 for rowgemm.c where it built here (1 to rowgemm.MAX_ROWS rows; nothing to
-    pack), else for MKL's packed GEMM, which runs for `MIN_ROWS` to `MKL_MAX_ROWS` rows (other
-    row counts, and `weight`, read the plain weight it keeps). Same outputs as the
-    `nn.Linear` it replaces (float32: up to the order of float additions)."""
+    float32 for rowgemm.c where it built here (1 to rowgemm.MAX_ROWS rows; nothing to pack,
+    but a weight whose values are all exactly 16-bit ones, e.g. a drafter saved in float16,
+    is kept in 16 bits: the same products from half the bytes), else for MKL's packed GEMM,
+    which runs for `MIN_ROWS` to `MKL_MAX_ROWS` rows (other row counts, and `weight`, read
+    the plain weight it keeps). Same outputs as the `nn.Linear` it replaces (float32: up to
+    the order of float additions)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.mkl = weight.dtype == torch.float32
-        self.plain = weight.contiguous() if self.mkl else None
         self.row_kernel = self.mkl and rowgemm.kernel() is not None
+        # rowgemm.c reads the plain weight (in 16 bits where that is exact): nothing to pack
+        self.narrow = rowgemm.narrowed(weight) if self.row_kernel else None
+        self.plain = weight.contiguous() if self.mkl and self.narrow is None else None
         reorder = MKL_REORDER if self.mkl else ONEDNN_REORDER
-        # rowgemm.c reads the plain weight: nothing to pack for it
         self.packed = None if self.row_kernel else reorder(weight, PACK_ROWS)
         self.bias = None if linear.bias is None else \
             nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     @property
     def weight(self) -> Tensor:
+        if self.narrow is not None:
+            return self.narrow.float()
         return self.plain if self.mkl else self.packed.to_dense()
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.row_kernel and rowgemm.takes(x, self.plain):
-            return rowgemm.linear(x, self.plain, self.bias)
+        if self.row_kernel:
+            stored = self.plain if self.narrow is None else self.narrow
+            if rowgemm.takes(x, stored):
+                return rowgemm.linear(x, stored, self.bias)
+            return functional.linear(x, self.weight, self.bias)
         if self.mkl:
             rows = x.numel() // self.in_features
-            if self.row_kernel or not MIN_ROWS <= rows <= MKL_MAX_ROWS:
+            if not MIN_ROWS <= rows <= MKL_MAX_ROWS:
                 return functional.linear(x, self.plain, self.bias)
             # the packed product runs when the row count passed equals the input's
             return MKL_LINEAR(x.contiguous(), self.packed, self.plain, self.bias, rows)
@@ -180,8 +188,9 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "rowgemm" if self.row_kernel else "MKL" if self.mkl else "oneDNN"
+        stored = f", stored as {self.narrow.dtype}" if self.narrow is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"packed for {kind}"
+               f"packed for {kind}{stored}"
 
 
 def amx_cpu() -> bool:

@@ -7,13 +7,38 @@
  * up to four weight rows in L1 while every input row passes over them, so a verify's
  * few rows cost little more than one row's (the weights are read from memory once).
  * Needs AVX2 and FMA. Threads split the columns; they are OpenMP's, torch's own runtime
- * where rowgemm.py finds it (one pool, sized by torch.set_num_threads). */
+ * where rowgemm.py finds it (one pool, sized by torch.set_num_threads).
+ *
+ * The weight may be stored in 16 bits (float16 or bfloat16) and widened to float32 in
+ * registers as it is read: where every value of a float32 weight is exactly a 16-bit one
+ * (a drafter saved in float16, a target released in bfloat16), the products are bit for bit
+ * the float32 ones and the weight costs half the memory traffic. */
+#include <stdint.h>
 #include "rowkernels.h"
+
+enum { F32 = 0, F16 = 1, BF16 = 2 };  /* the weight's storage (rowgemm.py: KINDS) */
+
+/* eight weights from element i, widened to float32 (exactly: every 16-bit value is one) */
+static inline __attribute__((always_inline)) __m256 load8(const void *w, size_t i, int kind) {
+    if (kind == F32) return _mm256_loadu_ps((const float *)w + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+    if (kind == F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __attribute__((always_inline)) float load1(const void *w, size_t i, int kind) {
+    if (kind == F32) return ((const float *)w)[i];
+    uint16_t h = ((const uint16_t *)w)[i];
+    if (kind == F16) return _cvtsh_ss(h);
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
 
 /* R input rows (from x) times C weight rows (from w), R and C constants after inlining */
 static inline __attribute__((always_inline)) void block(
-        const float *x, const float *w, const float *b, float *y,
-        int K, int N, int R, int C) {
+        const float *x, const void *w, const float *b, float *y,
+        int K, int N, int R, int C, int kind) {
+    size_t size = kind == F32 ? 4 : 2;
     __m256 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
@@ -21,10 +46,10 @@ static inline __attribute__((always_inline)) void block(
     for (; k + 8 <= K; k += 8) {
         __m256 v[4];
         for (int c = 0; c < C; c++) {
-            v[c] = _mm256_loadu_ps(w + (size_t)c * K + k);
+            v[c] = load8(w, (size_t)c * K + k, kind);
             /* the next tile's rows (the C after these) come in while this one computes: a
                verify's rows then cost little more than one (past the end: a hint, no fault) */
-            _mm_prefetch((const char *)(w + (size_t)(c + C) * K + k), _MM_HINT_T0);
+            _mm_prefetch((const char *)w + ((size_t)(c + C) * K + k) * size, _MM_HINT_T0);
         }
         for (int r = 0; r < R; r++) {
             __m256 u = _mm256_loadu_ps(x + (size_t)r * K + k);
@@ -34,35 +59,40 @@ static inline __attribute__((always_inline)) void block(
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             float s = lanes(acc[r][c]);
-            for (int t = k; t < K; t++) s += x[(size_t)r * K + t] * w[(size_t)c * K + t];
+            for (int t = k; t < K; t++) s += x[(size_t)r * K + t] * load1(w, (size_t)c * K + t, kind);
             y[(size_t)r * N + c] = b ? s + b[c] : s;
         }
 }
 
-#define ROWS(R, C) case C: block(x, w, b, y, K, N, R, C); break;
-#define COLS(R) case R: switch (C) { ROWS(R, 1) ROWS(R, 2) ROWS(R, 3) ROWS(R, 4) } break;
+#define ROWS(R, C, KIND) case C: block(x, w, b, y, K, N, R, C, KIND); break;
+#define COLS(R, KIND) case R: switch (C) { \
+    ROWS(R, 1, KIND) ROWS(R, 2, KIND) ROWS(R, 3, KIND) ROWS(R, 4, KIND) } break;
+#define KIND(KIND) case KIND: switch (R) { \
+    COLS(1, KIND) COLS(2, KIND) COLS(3, KIND) COLS(4, KIND) } break;
 
-static void tile(const float *x, const float *w, const float *b, float *y,
-                 int K, int N, int R, int C) {
-    switch (R) { COLS(1) COLS(2) COLS(3) COLS(4) }
+static void tile(const float *x, const void *w, const float *b, float *y,
+                 int K, int N, int R, int C, int kind) {
+    switch (kind) { KIND(F32) KIND(F16) KIND(BF16) }
 }
 
 /* rows 4 at a time over columns n0..n1, 4 weight rows at a time (3 for 3-4 rows:
    twelve accumulators fit AVX2's sixteen registers beside the loads) */
-static void span(const float *x, const float *w, const float *b, float *y,
-                 int M, int K, int N, int n0, int n1) {
+static void span(const float *x, const void *w, const float *b, float *y,
+                 int M, int K, int N, int n0, int n1, int kind) {
+    size_t size = kind == F32 ? 4 : 2;
     int width = M >= 3 ? 3 : 4;
     for (int n = n0; n < n1; n += width) {
         int C = n1 - n < width ? n1 - n : width;
         for (int m = 0; m < M; m += 4) {
             int R = M - m < 4 ? M - m : 4;
-            tile(x + (size_t)m * K, w + (size_t)n * K, b ? b + n : NULL,
-                 y + (size_t)m * N + n, K, N, R, C);
+            tile(x + (size_t)m * K, (const char *)w + (size_t)n * K * size, b ? b + n : NULL,
+                 y + (size_t)m * N + n, K, N, R, C, kind);
         }
     }
 }
 
-void rowgemm(const float *x, const float *w, const float *b, float *y, int M, int K, int N) {
+void rowgemm(const float *x, const void *w, const float *b, float *y, int M, int K, int N,
+             int kind) {
     #pragma omp parallel
     {
 #ifdef _OPENMP
@@ -73,6 +103,6 @@ void rowgemm(const float *x, const float *w, const float *b, float *y, int M, in
         int per = (N + T - 1) / T;
         per = (per + 11) / 12 * 12;  /* whole tiles of 3 or 4 columns per thread */
         int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        if (n0 < n1) span(x, w, b, y, M, K, N, n0, n1);
+        if (n0 < n1) span(x, w, b, y, M, K, N, n0, n1, kind);
     }
 }

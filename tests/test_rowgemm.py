@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gumiho import linear, rowgemm
+from gumiho.demo import shipped_drafter
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, run
 
@@ -53,6 +54,75 @@ def test_each_row_gets_what_it_gets_alone_whatever_comes_with_it():
     finally:
         torch.set_num_threads(threads)
     assert linear.rows_independent(torch.float32, rowgemm.MAX_ROWS)
+
+
+@needs_rowgemm
+@pytest.mark.host
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_weight_gives_the_float32_product_of_its_values(dtype):
+    """Widened in registers: bit for bit the product with the float32 copy, a k % 8 tail
+    and a bias too, each row as alone."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(1003, 581, generator=g).to(dtype)
+    bias, x = torch.randn(1003, generator=g), torch.randn(9, 581, generator=g)
+    assert rowgemm.takes(x, weight)
+    got = rowgemm.linear(x, weight, bias)
+    assert torch.equal(got, rowgemm.linear(x, weight.float(), bias))
+    assert torch.equal(got[4:5], rowgemm.linear(x[4:5], weight, bias))
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight.float(), bias),
+                               rtol=1e-5, atol=1e-4)
+
+
+@needs_rowgemm
+@pytest.mark.host
+def test_only_exactly_16_bit_weights_are_narrowed():
+    """float16 where every value is one (a drafter saved in float16), else bfloat16 where
+    every value is one, else the float32 weight stays as it is."""
+    g = torch.Generator().manual_seed(4)
+    half = torch.randn(64, 16, generator=g).half().float()
+    assert rowgemm.narrowed(half).dtype == torch.float16
+    brain = half.bfloat16().float() * 2.0 ** 40  # past float16's range
+    assert rowgemm.narrowed(brain).dtype == torch.bfloat16
+    assert torch.equal(rowgemm.narrowed(brain).float(), brain)
+    assert rowgemm.narrowed(torch.randn(64, 16, generator=g)) is None  # float32 values
+    assert rowgemm.narrowed(half.double()) is None
+    nan = half.clone()
+    nan[0, 0] = float("nan")
+    assert rowgemm.narrowed(nan) is None  # torch.equal: NaN is never "the same"
+
+
+@needs_rowgemm
+@pytest.mark.host
+def test_a_packed_float16_layer_reads_16_bits_and_computes_the_same():
+    """What a drafter saved in float16 gets: half the bytes, the same products at every
+    row count (past MAX_ROWS torch's, from the widened weight), the weight as it was."""
+    g = torch.Generator().manual_seed(5)
+    dense = torch.nn.Linear(576, 1536)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(1536, 576, generator=g).half().float())
+    dense.requires_grad_(False)
+    layer = linear.PackedLinear(dense)
+    assert layer.narrow is not None and layer.narrow.dtype == torch.float16
+    assert layer.plain is None and "stored as torch.float16" in repr(layer)
+    assert torch.equal(layer.weight, dense.weight)
+    with torch.no_grad():
+        for rows in (1, 6, rowgemm.MAX_ROWS):
+            x = torch.randn(rows, 576, generator=g)
+            assert torch.equal(layer(x), rowgemm.linear(x, dense.weight, dense.bias))
+        x = torch.randn(rowgemm.MAX_ROWS + 3, 576, generator=g)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, dense.weight, dense.bias))
+
+
+@needs_rowgemm
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="rowgemm is the CPU's")
+@pytest.mark.parametrize("method", ["gumiho", "eagle2"])  # Medusa: einsums, no layers
+def test_a_shipped_float16_drafter_runs_from_16_bits(smollm2, method):
+    """The shipped drafters are saved in float16: every layer they load into float32 is
+    kept in 16 bits (the target's lm_head rows of the draft head are not theirs)."""
+    drafter = load_drafter(method, smollm2, str(shipped_drafter(method)), tree=None)
+    layers = [m for m in drafter.model.modules() if isinstance(m, linear.PackedLinear)]
+    assert layers and all(m.narrow is not None and m.narrow.dtype == torch.float16
+                          for m in layers)
 
 
 @needs_rowgemm
