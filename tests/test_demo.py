@@ -15,6 +15,7 @@ def test_shipped_drafters_load_and_decode_like_plain(smollm2, method, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "outputs identical" in out and "speedup" in out
+    assert "median of 3 alternated rounds" in out  # timed side by side
     assert "prompt-lookup chain of up to 10" in out  # the demo's default beside the drafter
     # its confidence floor, for the methods that take one, where it applies: the eager
     # engine (captured steps keep one tree shape, so a GPU's default graphs ignore floors)
@@ -26,10 +27,12 @@ def test_shipped_drafters_load_and_decode_like_plain(smollm2, method, capsys):
 
 
 def test_demo_runs_the_drafter_alone_with_lookup_0(smollm2, capsys):
-    code = demo.main(["--max-new-tokens", "24", "--total-tokens", "8", "--lookup", "0"])
+    code = demo.main(["--max-new-tokens", "24", "--total-tokens", "8", "--lookup", "0",
+                      "--rounds", "1"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "outputs identical" in out and "prompt-lookup" not in out
+    assert "1 round ..." in out and "median" not in out
 
 
 def test_demo_floor_can_be_turned_off(smollm2, capsys):
