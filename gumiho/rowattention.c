@@ -2,9 +2,10 @@
  * keys j that mask[r, j] lets row r see) . v[g, j], g = h / (heads per KV head).
  *
  * A row is computed from its own query and visible keys alone, in one fixed order: scores
- * as dot products over eight FMA lanes added pairwise, their maximum, exp(score - max) and
- * their running sum in slot order, the values weighted and accumulated in slot order (per
- * dimension), divided by the sum at the end. So a tree node's row, whose visible keys are
+ * as dot products over eight FMA lanes added pairwise, their maximum, exp(score - max)
+ * (`exp8`, eight at a time, each value on its own) summed over eight lanes in slot order,
+ * the values weighted and accumulated in slot order (per dimension), divided by the sum at
+ * the end. So a tree node's row, whose visible keys are
  * the committed prefix and its ancestors in slot (= depth) order, gets bit for bit what
  * the same token gets as a one-token decode step over the same keys: with row-invariant
  * products (rowgemm.c) a float32 verify gives exactly sequential decoding's hidden states.
@@ -14,6 +15,9 @@
 #include <stdlib.h>
 #include "rowkernels.h"
 
+/* The score of query a against key b: eight FMA lanes over d in order, the lanes added
+   pairwise, then the d % 8 tail. Every score is summed this way, whichever of the
+   functions below computes it (-ffp-contract=off keeps the tail's products unfused). */
 static inline float dot(const float *a, const float *b, int D) {
     __m256 acc = _mm256_setzero_ps();
     int d = 0;
@@ -24,49 +28,154 @@ static inline float dot(const float *a, const float *b, int D) {
     return s;
 }
 
-/* `dot` for four keys at once: four accumulation chains in flight instead of one (a lone
-   dot waits on each FMA's latency), every one summed exactly as `dot` sums it */
-static inline void dot4(const float *a, const float *b0, const float *b1, const float *b2,
-                        const float *b3, int D, float *out) {
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+/* HB heads' queries (a group's, which share keys) against two keys at once: each key is
+   loaded once for all of them, 2 * HB chains in flight; each score as `dot` sums it */
+static inline __attribute__((always_inline)) void dots(
+        const float *const *qs, const float *b0, const float *b1, int D, int HB,
+        float *const *p, int i) {
+    __m256 c0[4], c1[4];
+    for (int h = 0; h < HB; h++) c0[h] = c1[h] = _mm256_setzero_ps();
     int d = 0;
     for (; d + 8 <= D; d += 8) {
-        __m256 u = _mm256_loadu_ps(a + d);
-        c0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(b0 + d), c0);
-        c1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(b1 + d), c1);
-        c2 = _mm256_fmadd_ps(u, _mm256_loadu_ps(b2 + d), c2);
-        c3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(b3 + d), c3);
+        __m256 k0 = _mm256_loadu_ps(b0 + d), k1 = _mm256_loadu_ps(b1 + d);
+        for (int h = 0; h < HB; h++) {
+            __m256 u = _mm256_loadu_ps(qs[h] + d);
+            c0[h] = _mm256_fmadd_ps(u, k0, c0[h]);
+            c1[h] = _mm256_fmadd_ps(u, k1, c1[h]);
+        }
     }
-    float s0 = lanes(c0), s1 = lanes(c1), s2 = lanes(c2), s3 = lanes(c3);
-    for (; d < D; d++) {
-        s0 += a[d] * b0[d];
-        s1 += a[d] * b1[d];
-        s2 += a[d] * b2[d];
-        s3 += a[d] * b3[d];
+    for (int h = 0; h < HB; h++) {
+        float s0 = lanes(c0[h]), s1 = lanes(c1[h]);
+        for (int t = d; t < D; t++) {
+            s0 += qs[h][t] * b0[t];
+            s1 += qs[h][t] * b1[t];
+        }
+        p[h][i] = s0, p[h][i + 1] = s1;
     }
-    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+/* The values weighted by HB heads' probabilities, dims d0.. in chunks of 8 * C: each value
+   row loaded once for all heads; every element accumulates p[i] * v[i] over i in order */
+static inline __attribute__((always_inline)) int weigh(
+        const float *vg, long vj, const int *seen, int n, float *const *p, const float *sums,
+        float *const *o, int d0, int D, int HB, int C) {
+    int d = d0;
+    for (; d + 8 * C <= D; d += 8 * C) {
+        __m256 acc[4][4];
+        for (int h = 0; h < HB; h++)
+            for (int c = 0; c < C; c++) acc[h][c] = _mm256_setzero_ps();
+        for (int i = 0; i < n; i++) {
+            const float *vv = vg + seen[i] * vj + d;
+            __m256 x[4];
+            for (int c = 0; c < C; c++) x[c] = _mm256_loadu_ps(vv + 8 * c);
+            for (int h = 0; h < HB; h++) {
+                __m256 w = _mm256_set1_ps(p[h][i]);
+                for (int c = 0; c < C; c++) acc[h][c] = _mm256_fmadd_ps(w, x[c], acc[h][c]);
+            }
+        }
+        for (int h = 0; h < HB; h++) {
+            __m256 sum = _mm256_set1_ps(sums[h]);
+            for (int c = 0; c < C; c++)
+                _mm256_storeu_ps(o[h] + d + 8 * c, _mm256_div_ps(acc[h][c], sum));
+        }
+    }
+    return d;
+}
+
+/* exp of eight values (<= 0 here: score - max), each computed on its own, so a value gets
+   the same bits wherever it sits: x = n ln 2 + r, |r| <= ln 2 / 2, exp(r) by a degree-7
+   polynomial (Cephes' expf coefficients, ~1 ulp), times 2^n. Below -87.3 (exp < 1.2e-38,
+   against a top score's 1) it returns exp(-87.3). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                               _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 /* q: element (h, r, d) at q[h * qh + r * qr + d]; k, v: (g, j, d) at [g * kh + j * kj + d]
    (and vh, vj); mask: (r, j) at mask[r * K + j], nonzero = visible; out: (r, h, d)
    contiguous. Returns 0, or -1 where a row sees no key or memory ran out. */
+/* HB heads of kv group g (qs: their queries, o: their outputs) over one row's visible keys
+   (seen[0..n)); p: HB rows of K scratch floats */
+static inline __attribute__((always_inline)) void heads(
+        const float *const *qs, float *const *o, const float *kg, long kj, const float *vg,
+        long vj, const int *seen, int n, float *const *p, int D, float scale, int HB) {
+    int i = 0;
+    for (; i + 2 <= n; i += 2)
+        dots(qs, kg + seen[i] * kj, kg + seen[i + 1] * kj, D, HB, p, i);
+    for (; i < n; i++)
+        for (int h = 0; h < HB; h++) p[h][i] = dot(qs[h], kg + seen[i] * kj, D);
+    float sums[4];
+    for (int h = 0; h < HB; h++) {
+        float *ph = p[h], top = -INFINITY;
+        for (i = 0; i < n; i++) {
+            ph[i] *= scale;
+            if (ph[i] > top) top = ph[i];
+        }
+        /* eight at a time; the last few padded with the top (exp(0) = 1) and left out of
+           the sum, so every key's weight is exp8's and the lanes sum in slot order */
+        __m256 total = _mm256_setzero_ps(), high = _mm256_set1_ps(top);
+        for (i = 0; i < n; i += 8) {
+            float part[8];
+            int m = n - i < 8 ? n - i : 8;
+            for (int t = 0; t < 8; t++) part[t] = t < m ? ph[i + t] : top;
+            _mm256_storeu_ps(part, exp8(_mm256_sub_ps(_mm256_loadu_ps(part), high)));
+            for (int t = 0; t < 8; t++) {
+                if (t < m) ph[i + t] = part[t];
+                else part[t] = 0.0f;
+            }
+            total = _mm256_add_ps(total, _mm256_loadu_ps(part));
+        }
+        sums[h] = lanes(total);
+    }
+    /* 32 dims at a time for one head, 16 for more (their accumulators fit the registers) */
+    int d = HB == 1 ? weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 4)
+                    : weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 2);
+    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 1);
+    for (; d < D; d++)  /* a head size not a multiple of 8 */
+        for (int h = 0; h < HB; h++) {
+            float a = 0.0f;
+            for (i = 0; i < n; i++) a += p[h][i] * vg[seen[i] * vj + d];
+            o[h][d] = a / sums[h];
+        }
+}
+
+/* q: element (h, r, d) at q[h * qh + r * qr + d]; k, v: (g, j, d) at [g * kh + j * kj + d]
+   (and vh, vj); mask: (r, j) at mask[r * K + j], nonzero = visible; out: (r, h, d)
+   contiguous. Returns 0, or -1 where a row sees no key or memory ran out. A task is a row
+   and up to three heads of one kv group (one head each for a single row, so both threads
+   have work); a head's arithmetic is the same in any block. */
 int rowattention(const float *q, long qh, long qr, const float *k, long kh, long kj,
                  const float *v, long vh, long vj, const unsigned char *mask, float *out,
                  int Q, int H, int G, int K, int D, float scale) {
-    int failed = 0, per = H / G;
+    int failed = 0, per = H / G, block = Q > 1 ? 3 : 1;
+    int blocks = (per + block - 1) / block;  /* per kv group */
     #pragma omp parallel
     {
-        float *p = malloc(sizeof(float) * (size_t)(K > 0 ? K : 1));
+        float *scratch = malloc(sizeof(float) * (size_t)(K > 0 ? K : 1) * (size_t)block);
         int *seen = malloc(sizeof(int) * (size_t)(K > 0 ? K : 1));
-        if (!p || !seen) {
+        if (!scratch || !seen) {
             #pragma omp atomic write
             failed = 1;
         }
         int listed = -1, n = 0;  /* the row whose visible keys `seen` holds, and how many */
         #pragma omp for schedule(static)
-        for (int task = 0; task < Q * H; task++) {
-            if (!p || !seen) continue;
-            int r = task / H, h = task % H, g = h / per;
+        for (int task = 0; task < Q * G * blocks; task++) {
+            if (!scratch || !seen) continue;
+            int r = task / (G * blocks), g = task / blocks % G, h0 = g * per + task % blocks * block;
+            int HB = per - (h0 - g * per) < block ? per - (h0 - g * per) : block;
             if (r != listed) {  /* the visible keys, in slot order (once per row and thread) */
                 const unsigned char *m = mask + (size_t)r * K;
                 n = 0;
@@ -79,55 +188,21 @@ int rowattention(const float *q, long qh, long qr, const float *k, long kh, long
                 failed = 1;
                 continue;
             }
-            const float *qv = q + h * qh + r * qr, *kg = k + g * kh;
-            int i = 0;
-            for (; i + 4 <= n; i += 4)  /* four independent dots at a time, each as `dot` */
-                dot4(qv, kg + seen[i] * kj, kg + seen[i + 1] * kj, kg + seen[i + 2] * kj,
-                     kg + seen[i + 3] * kj, D, p + i);
-            for (; i < n; i++) p[i] = dot(qv, kg + seen[i] * kj, D);
-            float top = -INFINITY, sum = 0.0f;
-            for (i = 0; i < n; i++) {
-                p[i] *= scale;
-                if (p[i] > top) top = p[i];
+            const float *qs[3];
+            float *o[3], *p[3];
+            for (int h = 0; h < HB; h++) {
+                qs[h] = q + (h0 + h) * qh + r * qr;
+                o[h] = out + ((size_t)r * H + h0 + h) * D;
+                p[h] = scratch + (size_t)h * K;
             }
-            for (i = 0; i < n; i++) {
-                p[i] = expf(p[i] - top);
-                sum += p[i];
-            }
-            float *o = out + ((size_t)r * H + h) * D;
-            int d = 0;
-            for (; d + 64 <= D; d += 64) {  /* 64 dims at a time in eight registers */
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0,
-                       a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-                for (i = 0; i < n; i++) {
-                    const float *vv = v + g * vh + seen[i] * vj + d;
-                    __m256 w = _mm256_set1_ps(p[i]);
-                    a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv), a0);
-                    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8), a1);
-                    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 16), a2);
-                    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 24), a3);
-                    a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 32), a4);
-                    a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 40), a5);
-                    a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 48), a6);
-                    a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 56), a7);
-                }
-                __m256 inv = _mm256_set1_ps(sum);
-                _mm256_storeu_ps(o + d, _mm256_div_ps(a0, inv));
-                _mm256_storeu_ps(o + d + 8, _mm256_div_ps(a1, inv));
-                _mm256_storeu_ps(o + d + 16, _mm256_div_ps(a2, inv));
-                _mm256_storeu_ps(o + d + 24, _mm256_div_ps(a3, inv));
-                _mm256_storeu_ps(o + d + 32, _mm256_div_ps(a4, inv));
-                _mm256_storeu_ps(o + d + 40, _mm256_div_ps(a5, inv));
-                _mm256_storeu_ps(o + d + 48, _mm256_div_ps(a6, inv));
-                _mm256_storeu_ps(o + d + 56, _mm256_div_ps(a7, inv));
-            }
-            for (; d < D; d++) {  /* a head size not a multiple of 64 */
-                float a = 0.0f;
-                for (i = 0; i < n; i++) a += p[i] * v[g * vh + seen[i] * vj + d];
-                o[d] = a / sum;
+            const float *kg = k + g * kh, *vg = v + g * vh;
+            switch (HB) {
+                case 1: heads(qs, o, kg, kj, vg, vj, seen, n, p, D, scale, 1); break;
+                case 2: heads(qs, o, kg, kj, vg, vj, seen, n, p, D, scale, 2); break;
+                default: heads(qs, o, kg, kj, vg, vj, seen, n, p, D, scale, 3); break;
             }
         }
-        free(p);
+        free(scratch);
         free(seen);
     }
     return failed ? -1 : 0;
