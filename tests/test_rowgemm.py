@@ -89,6 +89,9 @@ def test_only_exactly_16_bit_weights_are_narrowed():
     nan = half.clone()
     nan[0, 0] = float("nan")
     assert rowgemm.narrowed(nan) is None  # torch.equal: NaN is never "the same"
+    late = torch.randn(64, 80, generator=g).half().float()
+    late[-1, -1] = 0.1  # neither a float16 nor a bfloat16 value, past the first 4096
+    assert rowgemm.narrowed(late) is None
 
 
 @needs_rowgemm
