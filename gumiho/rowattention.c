@@ -174,8 +174,9 @@ int rowattention(const float *q, long qh, long qr, const float *k, long kh, long
         #pragma omp for schedule(static)
         for (int task = 0; task < Q * G * blocks; task++) {
             if (!scratch || !seen) continue;
-            int r = task / (G * blocks), g = task / blocks % G, h0 = g * per + task % blocks * block;
-            int HB = per - (h0 - g * per) < block ? per - (h0 - g * per) : block;
+            int r = task / (G * blocks), g = task / blocks % G;
+            int first = task % blocks * block;  /* within the group */
+            int h0 = g * per + first, HB = per - first < block ? per - first : block;
             if (r != listed) {  /* the visible keys, in slot order (once per row and thread) */
                 const unsigned char *m = mask + (size_t)r * K;
                 n = 0;

@@ -59,20 +59,20 @@ static inline __attribute__((always_inline)) void block(
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             float s = lanes(acc[r][c]);
-            for (int t = k; t < K; t++) s += x[(size_t)r * K + t] * load1(w, (size_t)c * K + t, kind);
+            for (int t = k; t < K; t++)
+                s += x[(size_t)r * K + t] * load1(w, (size_t)c * K + t, kind);
             y[(size_t)r * N + c] = b ? s + b[c] : s;
         }
 }
 
-#define ROWS(R, C, KIND) case C: block(x, w, b, y, K, N, R, C, KIND); break;
-#define COLS(R, KIND) case R: switch (C) { \
-    ROWS(R, 1, KIND) ROWS(R, 2, KIND) ROWS(R, 3, KIND) ROWS(R, 4, KIND) } break;
-#define KIND(KIND) case KIND: switch (R) { \
-    COLS(1, KIND) COLS(2, KIND) COLS(3, KIND) COLS(4, KIND) } break;
+#define ROWS(R, C, T) case C: block(x, w, b, y, K, N, R, C, T); break;
+#define COLS(R, T) case R: switch (C) { \
+    ROWS(R, 1, T) ROWS(R, 2, T) ROWS(R, 3, T) ROWS(R, 4, T) } break;
+#define STORED(T) case T: switch (R) { COLS(1, T) COLS(2, T) COLS(3, T) COLS(4, T) } break;
 
 static void tile(const float *x, const void *w, const float *b, float *y,
                  int K, int N, int R, int C, int kind) {
-    switch (kind) { KIND(F32) KIND(F16) KIND(BF16) }
+    switch (kind) { STORED(F32) STORED(F16) STORED(BF16) }
 }
 
 /* rows 4 at a time over columns n0..n1, 4 weight rows at a time (3 for 3-4 rows:

@@ -221,6 +221,26 @@ def test_rowattention_is_torchs_attention_and_each_row_its_own(dim):
 
 
 @needs_rowgemm
+@pytest.mark.host
+@pytest.mark.parametrize("heads,groups", [(32, 8), (10, 2), (6, 1), (4, 4)])
+def test_rowattention_blocks_of_heads_are_each_head_alone(heads, groups):
+    """Several rows take up to three heads of a KV group at once (4 per group: a block of
+    three and one alone): torch's attention to rounding, each row as alone bit for bit."""
+    g = torch.Generator().manual_seed(heads)
+    q = torch.randn(1, heads, 7, 64, generator=g)
+    k, v = (torch.randn(1, groups, 50, 64, generator=g) for _ in range(2))
+    mask = torch.rand(1, 1, 7, 50, generator=g) < 0.7
+    mask[..., 0] = True
+    got = rowgemm.attention(q, k, v, mask, 0.1)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=0.1, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for row in range(7):
+        alone = rowgemm.attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1], 0.1)
+        assert torch.equal(alone[0, 0], got[0, row])
+
+
+@needs_rowgemm
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="rowgemm is the CPU's")
 def test_verifies_run_rowgemm_and_equal_plain(smollm2, monkeypatch):
     """SmolLM2 in float32 on the CPU: every layer product and the logits of plain steps and
