@@ -165,6 +165,8 @@ class PackedLinear(nn.Module):
         self.packed = None if self.row_kernel else reorder(weight, PACK_ROWS)
         self.bias = None if linear.bias is None else \
             nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.rows = rowgemm.Prepared(self.plain if self.narrow is None else self.narrow,
+                                     self.bias) if self.row_kernel else None
 
     @property
     def weight(self) -> Tensor:
@@ -173,10 +175,9 @@ class PackedLinear(nn.Module):
         return self.plain if self.mkl else self.packed.to_dense()
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.row_kernel:
-            stored = self.plain if self.narrow is None else self.narrow
-            if rowgemm.takes(x, stored):
-                return rowgemm.linear(x, stored, self.bias)
+        if self.rows is not None:
+            if self.rows.takes(x):
+                return self.rows(x)
             return functional.linear(x, self.weight, self.bias)
         if self.mkl:
             rows = x.numel() // self.in_features
