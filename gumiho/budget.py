@@ -44,7 +44,7 @@ from gumiho.engine import GenerateConfig, TargetRunner, prefill, run, verify_tre
 from gumiho.linear import PackedLinear
 from gumiho.methods import method_spec
 from gumiho.paths import cache_dir
-from gumiho.profiling import timed
+from gumiho.profiling import fastest_interleaved, timed
 from gumiho.target import Target
 from gumiho.tree import DraftTree
 
@@ -138,10 +138,9 @@ def accept_by_size(trees: list[DraftTree], drafts: list[list[int]], widths: list
     return {s.total_tokens: v for s, v in by_shape.items()}
 
 
-def verify_step_seconds(target: Target, width: int, context: int, repeats: int,
-                        engine: str = "eager") -> float:
-    """One target step over a `width`-node tree (a balanced binary tree) on top of
-    `context` committed tokens, through `engine`'s (captured) step."""
+def verify_step(target: Target, width: int, context: int, engine: str = "eager"):
+    """A call of one target step over a `width`-node tree (a balanced binary tree) on top of
+    `context` committed tokens, through `engine`'s (captured) step, ready to time."""
     device = target.device
     runner = TargetRunner(target, engine)
     cache = runner.cache_for(context + width + 1)
@@ -150,7 +149,13 @@ def verify_step_seconds(target: Target, width: int, context: int, repeats: int,
     prefill(target, cache, prompt)
     parents = torch.cat([torch.tensor([-1]), torch.arange(width - 1) // 2]).to(device)
     tree = DraftTree.from_parents(torch.randint(low, high, (width,), device=device), parents)
-    return timed(lambda: verify_tree(target, cache, tree, step=runner.step), device, repeats)
+    return lambda: verify_tree(target, cache, tree, step=runner.step)
+
+
+def verify_step_seconds(target: Target, width: int, context: int, repeats: int,
+                        engine: str = "eager") -> float:
+    """Median seconds of `verify_step`."""
+    return timed(verify_step(target, width, context, engine), target.device, repeats)
 
 
 def token_range(target: Target) -> tuple[int, int]:
@@ -237,10 +242,11 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     # the first item versions what the costs measure (5: wide verifies' logits via oneDNN;
     # 6: bf16 CPU projections packed, MLP heads without weight copies; 7: float32 ones
-    # packed for MKL; 8: float32 ones through rowgemm.c); whether the target's layers are
+    # packed for MKL; 8: float32 ones through rowgemm.c; 9: verify widths timed in turns,
+    # the fastest round each); whether the target's layers are
     # packed ($GUMIHO_PACK) and whether rowgemm built here ($GUMIHO_ROWGEMM) change them
     packed = any(type(m) is PackedLinear for m in target.model.modules())
-    key = json.dumps([8, target.name, method, str(draft_path), stamp,
+    key = json.dumps([9, target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, rowgemm.identity(),
                       target.config._attn_implementation], default=str)
@@ -293,8 +299,11 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens)
     shapes = candidate_shapes(method, reference, widths)
     accept = accept_by_shape(trees, drafts, shapes)
-    verify = {w: verify_step_seconds(target, w, 128, 5, engine)
-              for w in {1, *(s.total_tokens for s in shapes)}}
+    # the widths in turns, the fastest round of each (profiling.fastest_interleaved): on a
+    # shared machine a burst of load once moved one width's median enough to change the pick
+    verify = fastest_interleaved(
+        {w: verify_step(target, w, 128, engine)
+         for w in sorted({1, *(s.total_tokens for s in shapes)})}, target.device, 7)
     ids = target.chat_ids(CALIBRATION_PROMPTS[0]) if target.tokenizer else list(range(8, 40))
     rows, cost = {}, {}
     for shape in shapes:

@@ -53,3 +53,27 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: 
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def fastest_interleaved(calls: dict, device: torch.device, repeats: int, warmup: int = 2
+                        ) -> dict:
+    """Seconds of each of several calls {key: fn} on this device, taken in turns (each round
+    times every call once), the fastest of `repeats` rounds each: load on a shared machine
+    only ever adds time, and a burst then lands on one round of every call rather than on
+    all of one call's (`--total-tokens auto` compares verify widths this way)."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for fn in calls.values():
+        for _ in range(warmup):
+            fn()
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(repeats):
+        for key, fn in calls.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            best[key] = min(best[key], time.perf_counter() - start)
+    return best

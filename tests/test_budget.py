@@ -186,3 +186,27 @@ def test_auto_leaves_the_gate_to_the_caller(tiny_target_dir, monkeypatch):
     floored = SpeculativeGenerator.load(tiny_target_dir, "gumiho", "random",
                                         total_tokens="auto", min_confidence=0.1)
     assert floored.drafter.tree.min_confidence == 0.1 and floored.drafter.floor is not None
+
+
+@pytest.mark.host
+def test_verify_widths_are_timed_in_turns_fastest_round_each(monkeypatch):
+    """A burst of load lands on one round of every width, not on one width's every round:
+    the calls alternate, and each keeps its fastest round."""
+    from gumiho import profiling
+
+    order, clock = [], iter(range(1000))
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: next(clock) * 1.0)
+    slow = {"a": [5, 1, 9], "b": [2, 7, 3]}  # per timed round: the ticks each call takes
+
+    def call(key):
+        def fn():
+            order.append(key)
+            if len(order) > 4:  # past the two warm-up calls each: burn the round's ticks
+                for _ in range(slow[key].pop(0) - 1):
+                    next(clock)
+        return fn
+
+    best = profiling.fastest_interleaved({"a": call("a"), "b": call("b")},
+                                         torch.device("cpu"), repeats=3)
+    assert order == ["a", "a", "b", "b"] + ["a", "b"] * 3
+    assert best == {"a": 1.0, "b": 2.0}
