@@ -186,10 +186,10 @@ def shape_drafter(model, method: str, tree: TreeConfig, engine: str):
     return cls(model, tree, engine=engine)
 
 
-def draft_seconds(target: Target, model, method: str, shape_tree: TreeConfig, engine: str,
-                  ids: list[int], repeats: int = 5) -> float:
-    """Median seconds of one proposal at a shape (no catch-up: re-proposals from the state
-    after the prompt)."""
+def draft_step(target: Target, model, method: str, shape_tree: TreeConfig, engine: str,
+               ids: list[int]):
+    """A call of one proposal at a shape, ready to time (no catch-up: re-proposals from
+    the state after the prompt, which the first call catches up)."""
     drafter = shape_drafter(model, method, shape_tree, engine)
     runner = TargetRunner(target, "eager")
     cache = runner.cache_for(len(ids) + 8)
@@ -198,7 +198,7 @@ def draft_seconds(target: Target, model, method: str, shape_tree: TreeConfig, en
     drafter.begin(target, len(ids) + 64)
     root = logits[-1].argmax().view(1)
     drafter.observe(features, torch.cat([prompt[0, 1:], root]), ids[1:] + [0])
-    return timed(drafter.propose, target.device, repeats)
+    return drafter.propose
 
 
 def without_wrappers(tree: TreeConfig) -> TreeConfig:
@@ -243,10 +243,10 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # the first item versions what the costs measure (5: wide verifies' logits via oneDNN;
     # 6: bf16 CPU projections packed, MLP heads without weight copies; 7: float32 ones
     # packed for MKL; 8: float32 ones through rowgemm.c; 9: verify widths timed in turns,
-    # the fastest round each); whether the target's layers are
+    # the fastest round each; 10: the proposals likewise); whether the target's layers are
     # packed ($GUMIHO_PACK) and whether rowgemm built here ($GUMIHO_ROWGEMM) change them
     packed = any(type(m) is PackedLinear for m in target.model.modules())
-    key = json.dumps([9, target.name, method, str(draft_path), stamp,
+    key = json.dumps([10, target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, rowgemm.identity(),
                       target.config._attn_implementation], default=str)
@@ -305,13 +305,16 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
         {w: verify_step(target, w, 128, engine)
          for w in sorted({1, *(s.total_tokens for s in shapes)})}, target.device, 7)
     ids = target.chat_ids(CALIBRATION_PROMPTS[0]) if target.tokenizer else list(range(8, 40))
-    rows, cost = {}, {}
+    def key(shape: Shape) -> tuple:
+        return shape.tree(reference).total_tokens, shape.depth, shape.chain
+
+    # the shapes' proposals in turns too, the fastest round each
+    cost = fastest_interleaved(
+        {key(shape): draft_step(target, drafter.model, method, shape.tree(reference), engine,
+                                ids) for shape in shapes}, target.device, 5)
+    rows = {}
     for shape in shapes:
-        key = (shape.tree(reference).total_tokens, shape.depth, shape.chain)
-        if key not in cost:
-            cost[key] = draft_seconds(target, drafter.model, method, shape.tree(reference),
-                                      engine, ids)
-        cycle = fixed["draft_catchup"] + cost[key] + verify[shape.total_tokens] + \
+        cycle = fixed["draft_catchup"] + cost[key(shape)] + verify[shape.total_tokens] + \
             fixed["accept_commit"]
         rows[f"{shape.total_tokens}/{shape.depth}{'/chain' if shape.chain else ''}"] = {
             **asdict(shape), "accept": accept[shape], "cycle_s": cycle,
