@@ -305,6 +305,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
         {w: verify_step(target, w, 128, engine)
          for w in sorted({1, *(s.total_tokens for s in shapes)})}, target.device, 7)
     ids = target.chat_ids(CALIBRATION_PROMPTS[0]) if target.tokenizer else list(range(8, 40))
+
     def key(shape: Shape) -> tuple:
         return shape.tree(reference).total_tokens, shape.depth, shape.chain
 

@@ -193,13 +193,7 @@ def takes(x: Tensor, weight: Tensor) -> bool:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (..., K) @ weight (N, K).T (+ bias) in float32, for a product `takes` accepts (a
     16-bit weight: exactly the product with its float32 values)."""
-    n, k = weight.shape
-    x = x.contiguous()
-    bias = None if bias is None else bias.detach().float().contiguous()
-    y = torch.empty(*x.shape[:-1], n, device=x.device)  # explicit: the default may differ
-    kernel()(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-             y.data_ptr(), x.numel() // k, k, n, KINDS[weight.dtype])
-    return y
+    return Prepared(weight, bias)(x)
 
 
 class Prepared:
@@ -224,7 +218,7 @@ class Prepared:
     def __call__(self, x: Tensor) -> Tensor:
         """`linear(x, weight, bias)` for an input `takes` accepts."""
         x = x.contiguous()
-        y = torch.empty(*x.shape[:-1], self.outputs, device=x.device)
+        y = torch.empty(*x.shape[:-1], self.outputs, device=x.device)  # not the default's
         kernel()(x.data_ptr(), self.weight.data_ptr(),
                  None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                  x.numel() // self.inputs, self.inputs, self.outputs, self.kind)
