@@ -157,16 +157,21 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.mkl = weight.dtype == torch.float32
-        self.row_kernel = self.mkl and rowgemm.kernel() is not None
+        row_kernel = self.mkl and rowgemm.kernel() is not None
         # rowgemm.c reads the plain weight (in 16 bits where that is exact): nothing to pack
-        self.narrow = rowgemm.narrowed(weight) if self.row_kernel else None
+        self.narrow = rowgemm.narrowed(weight) if row_kernel else None
         self.plain = weight.contiguous() if self.mkl and self.narrow is None else None
         reorder = MKL_REORDER if self.mkl else ONEDNN_REORDER
-        self.packed = None if self.row_kernel else reorder(weight, PACK_ROWS)
+        self.packed = None if row_kernel else reorder(weight, PACK_ROWS)
         self.bias = None if linear.bias is None else \
             nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.rows = rowgemm.Prepared(self.plain if self.narrow is None else self.narrow,
-                                     self.bias) if self.row_kernel else None
+                                     self.bias) if row_kernel else None
+
+    @property
+    def row_kernel(self) -> bool:
+        """Whether rowgemm.c runs this layer's products (1 to rowgemm.MAX_ROWS rows)."""
+        return self.rows is not None
 
     @property
     def weight(self) -> Tensor:

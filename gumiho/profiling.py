@@ -32,25 +32,26 @@ class PhaseTimer:
         self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
 
     def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for `device`'s queued work (a no-op on the CPU), so a timer reads the work done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
     """Median seconds of fn() over `repeats` calls, after `warmup` untimed calls, with a
     device synchronisation around each timed call."""
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        sync()
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        sync()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -61,19 +62,15 @@ def fastest_interleaved(calls: dict, device: torch.device, repeats: int, warmup:
     times every call once), the fastest of `repeats` rounds each: load on a shared machine
     only ever adds time, and a burst then lands on one round of every call rather than on
     all of one call's (`--total-tokens auto` compares verify widths this way)."""
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     for fn in calls.values():
         for _ in range(warmup):
             fn()
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(repeats):
         for key, fn in calls.items():
-            sync()
+            synchronize(device)
             start = time.perf_counter()
             fn()
-            sync()
+            synchronize(device)
             best[key] = min(best[key], time.perf_counter() - start)
     return best

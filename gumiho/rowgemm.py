@@ -182,12 +182,18 @@ def takes(x: Tensor, weight: Tensor) -> bool:
     """Whether `linear` runs this product: float32 rows on the CPU (1 to MAX_ROWS), a
     contiguous float32, float16 or bfloat16 weight, no gradient wanted, not under
     torch.compile, the kernel built here."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype in KINDS and weight.dim() == 2 and weight.is_contiguous()
-            and 1 <= rows <= MAX_ROWS and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and kernel() is not None)
+    return (weight.device.type == "cpu" and weight.dtype in KINDS and weight.dim() == 2
+            and weight.is_contiguous() and _takes_input(x, weight.shape[1], weight.requires_grad))
+
+
+def _takes_input(x: Tensor, inputs: int, weight_grad: bool = False) -> bool:
+    """The input's part of `takes` (and all of `Prepared.takes`): float32 rows of `inputs`
+    features on the CPU, 1 to MAX_ROWS of them, no gradient wanted, not under
+    torch.compile, the kernel built here."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and inputs > 0
+            and x.shape[-1] == inputs and 1 <= x.numel() // inputs <= MAX_ROWS
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight_grad))
+            and not torch.compiler.is_compiling() and kernel() is not None)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -210,10 +216,7 @@ class Prepared:
 
     def takes(self, x: Tensor) -> bool:
         """`takes(x, weight)`, the weight's part known to hold."""
-        return (x.dtype == torch.float32 and x.device.type == "cpu"
-                and x.shape[-1] == self.inputs and 1 <= x.numel() // self.inputs <= MAX_ROWS
-                and not (x.requires_grad and torch.is_grad_enabled())
-                and not torch.compiler.is_compiling() and kernel() is not None)
+        return _takes_input(x, self.inputs)
 
     def __call__(self, x: Tensor) -> Tensor:
         """`linear(x, weight, bias)` for an input `takes` accepts."""
