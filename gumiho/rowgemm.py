@@ -65,7 +65,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("rowgemm.c", "rowattentio
 HEADER = Path(__file__).with_name("rowkernels.h")  # what both include
 MAX_ROWS = 80  # a 64-token verify plus an 11-token lookup chain; torch is as fast past 64
 # no contraction of plain C arithmetic into FMAs: the kernels' explicit FMAs are the only
-# ones, so two code paths that sum alike round alike (rowattention.c's dot and dot4)
+# ones, so two code paths that sum alike round alike (rowattention.c's dot and dots)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]
 # how a weight is stored (rowgemm.c's enum): 16-bit ones are widened as they are read
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
