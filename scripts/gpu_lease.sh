@@ -40,18 +40,20 @@
 # with the suite phase (a bare pytest there lacks the staged packages on PYTHONPATH).
 # `--engine compile` at the 8B shape did not finish in 200 s (inductor skips CUDA graphs:
 # the cache's index_copy_ mutates an input); not worth a call again.
-# Next lease (what is still open): the suite alone first (SUITE_LIMIT=300: 18 tests have
-# not been reached on a GPU yet), then Gumiho alone from the shipped drafter again
-# (INIT=gumiho/assets/smollm2 CAMPAIGN_METHODS=gumiho MAX_STEPS=952 LR=3e-4: +0.007
-# serial-1 per 100 steps, still rising at 650) and a six-benchmark testbed with it
-# (USE_CAMPAIGN=1 BENCHES="mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like"
-# QEND=2: ~40 s a benchmark).
+# The fifth lease (H100, 779 s, docs/results/gpu_h100_fifth): .stage/1 (receive, 43 s with
+# the start), .stage/2 with `heldout` (100 s), .stage/3 with campaign (Gumiho, BATCH=32
+# ACCUM=1 MAX_STEPS=600) + suite (SUITE_WORKERS=12, cut at 265 s: 512 passed, 0 failed, 25
+# not reached), then wait + fetch + a six-benchmark testbed (315 s). One batch of 32 per step
+# trained at 53.7k tokens/s (16 x 2: 38k). The training's first step came only ~4 minutes
+# after its start: tokenizing the split on a CPU shared with 12 test workers.
+# Next lease (what is still open): the suite's 25 tests not reached yet, alone and first
+# (SUITE_ARGS=@docs/results/gpu_h100_fifth/unreached.txt: pytest reads the ids from the file;
+# 10 of them never ran on a GPU); Gumiho from the shipped
+# drafter with longer samples (MAX_LEN=1024; serial-1 gained only +0.002 in the fifth
+# pass's last 100 steps at 512) and the six-benchmark testbed with it.
 # A variant beside it: CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight
 # 0.1" with the same INIT/MAX_STEPS runs into runs/gumiho_mlpw (`progress` and `fetch` take
 # the same RUN_SUFFIX; the held-out rows are in its train_log.jsonl).
-# Untried on a GPU: `CYCLE_ARGS="--engine compile" CYCLE_DRAFT_VOCAB=0 bash scripts/gpu_lease.sh
-# cycle` (inductor kernels inside CUDA graphs: fewer, fused kernels per drafter step; compile
-# time unknown, so give it a call of its own).
 # USE_CAMPAIGN=1 runs the testbed with the campaign's drafters instead of the shipped ones.
 #
 # Every phase first takes in whatever pieces were carried (`receive`), so any order works
