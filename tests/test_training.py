@@ -461,3 +461,15 @@ def test_skipped_conversations_continue_the_training_split(smollm2):
         [s["input_ids"].tolist() for s in three[1:]]
     with pytest.raises(GumihoError, match="--skip-conversations"):
         online_samples(smollm2, "sharegpt", 2, 128, skip=10**7)
+
+
+def test_tokenizing_online_samples_shows_progress(smollm2, capsys):
+    """Tokenising the split precedes the first step by minutes: the run says so."""
+    from gumiho.train.dataset import online_samples
+
+    quiet = online_samples(smollm2, "sharegpt", 2, 128)
+    assert "tokenize" not in capsys.readouterr().err
+    shown = online_samples(smollm2, "sharegpt", 2, 128, progress=True)
+    err = capsys.readouterr().err
+    assert "tokenize" in err and "2/2" in err
+    assert [s["input_ids"].tolist() for s in shown] == [s["input_ids"].tolist() for s in quiet]

@@ -327,7 +327,8 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
     target = load_target(config.target, device=str(accelerator.device), dtype=target_dtype)
     if config.online:
         samples = online_samples(target, config.conversations, config.num_conversations,
-                                 config.max_len, config.template, config.skip_conversations)
+                                 config.max_len, config.template, config.skip_conversations,
+                                 progress=accelerator.is_main_process)
     else:
         samples = stored_samples(config.data, target.hidden_size)
     eval_samples = stored_samples(eval_data, target.hidden_size) if eval_data else []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from gumiho.errors import GumihoError
 from gumiho.ge_data.conversations import load_conversations, split
@@ -27,15 +28,18 @@ def stored_samples(data_dirs: tuple[str, ...] | list[str], hidden_size: int) -> 
 
 
 def online_samples(target, source: str, count: int, max_len: int,
-                   template: str | None = None, skip: int = 0) -> list[dict]:
+                   template: str | None = None, skip: int = 0, progress: bool = False
+                   ) -> list[dict]:
     """Tokenised conversations `skip` .. `skip + count` of the training split, without
-    features; the loop adds them with the target."""
+    features; the loop adds them with the target. `progress` shows a bar (the whole split
+    takes a minute or more on one core, before the first step)."""
     train, _ = split(load_conversations(source))
     if skip >= len(train):
         raise GumihoError(f"--skip-conversations {skip}: the training split of {source!r} "
                           f"has {len(train)} conversations")
     out = []
-    for conv in train[skip : skip + count]:
+    for conv in tqdm(train[skip : skip + count], desc="tokenize", unit="conv",
+                     disable=not progress):
         ids, mask = tokenize_conversation(target.tokenizer, conv["messages"], max_len,
                                           target.stop_token_ids, template)
         if int(mask.sum()):
