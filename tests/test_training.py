@@ -463,13 +463,52 @@ def test_skipped_conversations_continue_the_training_split(smollm2):
         online_samples(smollm2, "sharegpt", 2, 128, skip=10**7)
 
 
+def test_online_samples_are_cached_for_the_same_request_only(smollm2, tmp_path, monkeypatch):
+    """A repeated or resumed run reads its tokenised samples back instead of tokenising
+    the split again; other arguments, a damaged file or cache=False tokenise anew."""
+    from gumiho.train import dataset
+
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    made = dataset.online_samples(smollm2, "sharegpt", 3, 128)
+    kept = list((tmp_path / "samples").glob("*.pt"))
+    assert len(kept) == 1 and not list((tmp_path / "samples").glob("*.tmp*"))
+
+    real = dataset.tokenize_conversation
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dataset, "tokenize_conversation", counting)
+    again = dataset.online_samples(smollm2, "sharegpt", 3, 128)
+    assert calls == []
+    assert [(s["input_ids"].tolist(), s["loss_mask"].tolist()) for s in again] == \
+        [(s["input_ids"].tolist(), s["loss_mask"].tolist()) for s in made]
+    assert all(s["input_ids"].dtype == torch.int32 and s["loss_mask"].dtype == torch.uint8
+               for s in again)
+
+    dataset.online_samples(smollm2, "sharegpt", 3, 96)       # another max_len: tokenised
+    assert len(calls) == 3
+    dataset.online_samples(smollm2, "sharegpt", 2, 128, skip=1)   # another slice: tokenised
+    assert len(calls) == 5
+    kept[0].write_bytes(b"not a torch file")                   # damaged: tokenised, rewritten
+    assert [s["input_ids"].tolist() for s in dataset.online_samples(
+        smollm2, "sharegpt", 3, 128)] == [s["input_ids"].tolist() for s in made]
+    assert len(calls) == 8
+    dataset.online_samples(smollm2, "sharegpt", 3, 128)
+    assert len(calls) == 8
+    dataset.online_samples(smollm2, "sharegpt", 3, 128, cache=False)
+    assert len(calls) == 11
+
+
 def test_tokenizing_online_samples_shows_progress(smollm2, capsys):
     """Tokenising the split precedes the first step by minutes: the run says so."""
     from gumiho.train.dataset import online_samples
 
-    quiet = online_samples(smollm2, "sharegpt", 2, 128)
+    quiet = online_samples(smollm2, "sharegpt", 2, 128, cache=False)
     assert "tokenize" not in capsys.readouterr().err
-    shown = online_samples(smollm2, "sharegpt", 2, 128, progress=True)
+    shown = online_samples(smollm2, "sharegpt", 2, 128, progress=True, cache=False)
     err = capsys.readouterr().err
     assert "tokenize" in err and "2/2" in err
     assert [s["input_ids"].tolist() for s in shown] == [s["input_ids"].tolist() for s in quiet]

@@ -106,11 +106,16 @@ def sharegpt_path() -> Path:
         / SHAREGPT_FILE
 
 
+def conversations_path(source: str) -> Path:
+    """The file a `--data`/`--conversations` source names: the package's for `sharegpt`."""
+    return sharegpt_path() if source == "sharegpt" else Path(source)
+
+
 def load_conversations(source: str = "sharegpt", notes: list[str] | None = None
                        ) -> list[dict]:
     """Usable conversations as {"id", "messages"} from the package (`sharegpt`) or a file.
     What was skipped (unusable records, invalid JSON) is counted in `notes`."""
-    path = sharegpt_path() if source == "sharegpt" else Path(source)
+    path = conversations_path(source)
     if path.is_dir():
         raise GumihoError(f"--data {path} is a directory: give a JSON or JSONL file of "
                           "ShareGPT-format conversations, or 'sharegpt'")

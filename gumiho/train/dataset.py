@@ -3,13 +3,20 @@ by length so that padding wastes little compute."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
 from gumiho.errors import GumihoError
-from gumiho.ge_data.conversations import load_conversations, split
+from gumiho.ge_data.conversations import conversations_path, load_conversations, split
 from gumiho.ge_data.shards import load_samples
+from gumiho.paths import cache_dir
 from gumiho.templates import tokenize_conversation
 
 LENGTH_WINDOW = 16  # batches whose samples are sorted by length together (then shuffled)
@@ -28,11 +35,19 @@ def stored_samples(data_dirs: tuple[str, ...] | list[str], hidden_size: int) -> 
 
 
 def online_samples(target, source: str, count: int, max_len: int,
-                   template: str | None = None, skip: int = 0, progress: bool = False
-                   ) -> list[dict]:
+                   template: str | None = None, skip: int = 0, progress: bool = False,
+                   cache: bool = True) -> list[dict]:
     """Tokenised conversations `skip` .. `skip + count` of the training split, without
     features; the loop adds them with the target. `progress` shows a bar (the whole split
-    takes a minute or more on one core, before the first step)."""
+    takes a minute or more on one core, before the first step). With `cache`, the result
+    is kept under the cache dir (`samples/`) and read back by a run that asks for the same
+    samples of the same file with the same tokenizer and code: a resumed or repeated run
+    starts at once."""
+    path = conversations_path(source)
+    file = samples_cache_file(target, path, count, max_len, template, skip) \
+        if cache and path.is_file() else None
+    if file is not None and (cached := read_cached_samples(file)) is not None:
+        return cached
     train, _ = split(load_conversations(source))
     if skip >= len(train):
         raise GumihoError(f"--skip-conversations {skip}: the training split of {source!r} "
@@ -44,7 +59,66 @@ def online_samples(target, source: str, count: int, max_len: int,
                                           target.stop_token_ids, template)
         if int(mask.sum()):
             out.append({"input_ids": ids.to(torch.int32), "loss_mask": mask.to(torch.uint8)})
+    if file is not None:
+        write_cached_samples(file, out)
     return out
+
+
+# The code that turns a conversation into a sample: a change to it makes cached samples stale.
+SAMPLE_CODE = ("templates.py", "ge_data/conversations.py", "train/dataset.py")
+
+
+def samples_cache_file(target, path: Path, count: int, max_len: int, template: str | None,
+                       skip: int) -> Path:
+    """Where `online_samples` keeps these samples: named by a digest of everything that
+    decides them (the file's identity, the tokenizer, the arguments, the code)."""
+    tokenizer = target.tokenizer
+    stat = path.stat()
+    digest = hashlib.sha256(json.dumps({
+        "file": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+        "count": count, "max_len": max_len, "template": template, "skip": skip,
+        "stop_token_ids": sorted(target.stop_token_ids),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }, sort_keys=True).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update(backend.to_str().encode() if backend is not None
+                  else json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    package = Path(__file__).resolve().parent.parent
+    for name in SAMPLE_CODE:
+        digest.update((package / name).read_bytes())
+    return cache_dir() / "samples" / f"{digest.hexdigest()[:32]}.pt"
+
+
+def read_cached_samples(file: Path) -> list[dict] | None:
+    """Samples `write_cached_samples` kept, or None (none kept, or unreadable: made again)."""
+    try:
+        kept = torch.load(file, weights_only=True)
+        lengths = kept["lengths"].tolist()
+        ids = kept["input_ids"].split(lengths)
+        masks = kept["loss_mask"].split(lengths)
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError,
+            pickle.UnpicklingError):
+        return None
+    # each its own tensor (a view would take the whole flat storage wherever it is pickled)
+    return [{"input_ids": i.clone(), "loss_mask": m.clone()}
+            for i, m in zip(ids, masks, strict=True)]
+
+
+def write_cached_samples(file: Path, samples: list[dict]) -> None:
+    """Keep samples as three flat tensors (written whole, then renamed into place); a cache
+    dir that cannot be written costs only the next run's tokenising."""
+    if not samples:
+        return
+    flat = {"lengths": torch.tensor([s["input_ids"].shape[0] for s in samples]),
+            "input_ids": torch.cat([s["input_ids"] for s in samples]),
+            "loss_mask": torch.cat([s["loss_mask"] for s in samples])}
+    tmp = file.with_suffix(f".tmp{os.getpid()}")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(flat, tmp)
+        tmp.replace(file)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def token_counts(samples: list[dict], vocab_size: int) -> Tensor:
