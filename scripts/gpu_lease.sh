@@ -45,12 +45,13 @@
 # ACCUM=1 MAX_STEPS=600) + suite (SUITE_WORKERS=12, cut at 265 s: 512 passed, 0 failed, 25
 # not reached), then wait + fetch + a six-benchmark testbed (315 s). One batch of 32 per step
 # trained at 53.7k tokens/s (16 x 2: 38k). The training's first step came only ~4 minutes
-# after its start: tokenizing the split on a CPU shared with 12 test workers.
+# after its start: tokenizing the split on a CPU shared with 12 test workers (a progress bar
+# now, and cached in GUMIHO_CACHE, which helps a rerun on the same warm machine only).
 # Next lease (what is still open): the suite's 25 tests not reached yet, alone and first
-# (SUITE_ARGS=@docs/results/gpu_h100_fifth/unreached.txt: pytest reads the ids from the file;
-# 10 of them never ran on a GPU); Gumiho from the shipped
-# drafter with longer samples (MAX_LEN=1024; serial-1 gained only +0.002 in the fifth
-# pass's last 100 steps at 512) and the six-benchmark testbed with it.
+# (SUITE_ARGS=@docs/results/gpu_h100_fifth/unreached.txt: pytest reads the ids from the
+# file; 10 of them never ran on a GPU); Gumiho from the shipped drafter with longer samples
+# (MAX_LEN=1024; serial-1 gained only +0.002 in the fifth pass's last 100 steps at 512) and
+# the six-benchmark testbed with it.
 # A variant beside it: CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight
 # 0.1" with the same INIT/MAX_STEPS runs into runs/gumiho_mlpw (`progress` and `fetch` take
 # the same RUN_SUFFIX; the held-out rows are in its train_log.jsonl).
