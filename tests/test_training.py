@@ -502,6 +502,16 @@ def test_online_samples_are_cached_for_the_same_request_only(smollm2, tmp_path, 
     assert len(calls) == 11
 
 
+def test_tokenizing_on_threads_gives_one_threads_samples(smollm2):
+    from gumiho.train.dataset import online_samples
+
+    one = online_samples(smollm2, "sharegpt", 12, 160, cache=False, threads=1)
+    three = online_samples(smollm2, "sharegpt", 12, 160, cache=False, threads=3)
+    assert len(one) == len(three) > 8
+    assert [(s["input_ids"].tolist(), s["loss_mask"].tolist()) for s in three] == \
+        [(s["input_ids"].tolist(), s["loss_mask"].tolist()) for s in one]
+
+
 def test_tokenizing_online_samples_shows_progress(smollm2, capsys):
     """Tokenising the split precedes the first step by minutes: the run says so."""
     from gumiho.train.dataset import online_samples
