@@ -45,8 +45,8 @@
 # ACCUM=1 MAX_STEPS=600) + suite (SUITE_WORKERS=12, cut at 265 s: 512 passed, 0 failed, 25
 # not reached), then wait + fetch + a six-benchmark testbed (315 s). One batch of 32 per step
 # trained at 53.7k tokens/s (16 x 2: 38k). The training's first step came only ~4 minutes
-# after its start: tokenizing the split on a CPU shared with 12 test workers (a progress bar
-# now, and cached in GUMIHO_CACHE, which helps a rerun on the same warm machine only).
+# after its start: tokenizing the split on a CPU shared with 12 test workers (now on up to 8
+# threads with a progress bar, and cached in GUMIHO_CACHE for a rerun on the same machine).
 # Next lease (what is still open): the suite's 25 tests not reached yet, alone and first
 # (SUITE_ARGS=@docs/results/gpu_h100_fifth/unreached.txt: pytest reads the ids from the
 # file; 10 of them never ran on a GPU); Gumiho from the shipped drafter with longer samples
