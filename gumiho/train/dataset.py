@@ -24,6 +24,7 @@ from gumiho.paths import cache_dir
 from gumiho.templates import tokenize_conversation
 
 LENGTH_WINDOW = 16  # batches whose samples are sorted by length together (then shuffled)
+TOKENIZE_THREADS = 8  # the encoder runs without the GIL; the chat template's rendering not
 
 
 def stored_samples(data_dirs: tuple[str, ...] | list[str], hidden_size: int) -> list[dict]:
@@ -68,9 +69,6 @@ def online_samples(target, source: str, count: int, max_len: int,
     if file is not None:
         write_cached_samples(file, out)
     return out
-
-
-TOKENIZE_THREADS = 8  # the encoder runs without the GIL; the chat template's rendering not
 
 
 def tokenized(target, conversations: list[dict], max_len: int, template: str | None,
