@@ -305,17 +305,13 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
         {w: verify_step(target, w, 128, engine)
          for w in sorted({1, *(s.total_tokens for s in shapes)})}, target.device, 7)
     ids = target.chat_ids(CALIBRATION_PROMPTS[0]) if target.tokenizer else list(range(8, 40))
-
-    def key(shape: Shape) -> tuple:
-        return shape.tree(reference).total_tokens, shape.depth, shape.chain
-
     # the shapes' proposals in turns too, the fastest round each
     cost = fastest_interleaved(
-        {key(shape): draft_step(target, drafter.model, method, shape.tree(reference), engine,
-                                ids) for shape in shapes}, target.device, 5)
+        {shape: draft_step(target, drafter.model, method, shape.tree(reference), engine, ids)
+         for shape in shapes}, target.device, 5)
     rows = {}
     for shape in shapes:
-        cycle = fixed["draft_catchup"] + cost[key(shape)] + verify[shape.total_tokens] + \
+        cycle = fixed["draft_catchup"] + cost[shape] + verify[shape.total_tokens] + \
             fixed["accept_commit"]
         rows[f"{shape.total_tokens}/{shape.depth}{'/chain' if shape.chain else ''}"] = {
             **asdict(shape), "accept": accept[shape], "cycle_s": cycle,
