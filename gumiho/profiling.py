@@ -25,14 +25,11 @@ class PhaseTimer:
         if not self.enabled:
             yield
             return
-        self._sync()
+        synchronize(self.device)
         start = time.perf_counter()
         yield
-        self._sync()
-        self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
-
-    def _sync(self):
         synchronize(self.device)
+        self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
 
 
 def synchronize(device: torch.device) -> None:
@@ -41,19 +38,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of one fn() call, the device synchronised on both sides."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
 def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
     """Median seconds of fn() over `repeats` calls, after `warmup` untimed calls, with a
     device synchronisation around each timed call."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(seconds(fn, device) for _ in range(repeats))
 
 
 def fastest_interleaved(calls: dict, device: torch.device, repeats: int, warmup: int = 2
@@ -68,9 +67,5 @@ def fastest_interleaved(calls: dict, device: torch.device, repeats: int, warmup:
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(repeats):
         for key, fn in calls.items():
-            synchronize(device)
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            best[key] = min(best[key], time.perf_counter() - start)
+            best[key] = min(best[key], seconds(fn, device))
     return best
