@@ -43,7 +43,7 @@ from gumiho.config import TreeConfig
 from gumiho.engine import GenerateConfig, TargetRunner, prefill, run, verify_tree
 from gumiho.linear import PackedLinear
 from gumiho.methods import method_spec
-from gumiho.paths import cache_dir
+from gumiho.paths import cache_dir, write_atomically
 from gumiho.profiling import fastest_interleaved, timed
 from gumiho.target import Target
 from gumiho.tree import DraftTree
@@ -328,9 +328,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(report, indent=1))
-            tmp.replace(path)
+            write_atomically(path, lambda tmp: tmp.write_text(json.dumps(report, indent=1)))
         except OSError as exc:  # e.g. GUMIHO_CACHE names a file: measure again next time
             log.warning("could not cache the tree size in %s (%s)", path.parent, exc.strerror)
     return report

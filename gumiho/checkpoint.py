@@ -21,6 +21,7 @@ from gumiho.config import DrafterConfig
 from gumiho.errors import GumihoError
 from gumiho.methods import MethodSpec, method_spec, spec_from_keys
 from gumiho.modeling import DraftHead, build_draft_model, set_draft_vocabulary
+from gumiho.paths import write_atomically
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Unused by every drafter here (layer 0 has no input norm), present in some EAGLE files.
@@ -125,9 +126,8 @@ def save_drafter(model: nn.Module, out_dir: str | Path, include_embed: bool = Fa
         state.pop("embed_tokens.weight", None)
     state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach()
              .contiguous().cpu() for k, v in state.items()}
-    tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")
+    write_atomically(out / "model.safetensors",
+                     lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     config = model.config
     (out / "config.json").write_text(json.dumps({**config.to_json(), **(extra_config or {})},
                                                 indent=2) + "\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from gumiho.errors import GumihoError
@@ -35,3 +36,19 @@ def check_writable_dir(path: Path, what: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise GumihoError(f"{what} {path}: {existing} is not writable: point it at a "
                           "writable directory")
+
+
+def write_atomically(path: Path, write: Callable[[Path], object], unique: bool = False
+                     ) -> None:
+    """Make `path` by `write(tmp)` into a sibling temp file, then one rename: a reader (or a
+    run resumed after a kill) sees the old file or the whole new one, never half of one.
+    The temp file is `<name>.tmp` (what a caller sweeping leftovers looks for), with the
+    process id appended when `unique` (several processes may write the same path at once).
+    A failed write removes the temp file and raises."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid() if unique else ''}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -19,6 +19,7 @@ from gumiho.evaluation.benchmarks import load_questions
 from gumiho.ge_data import allocation
 from gumiho.ge_data.conversations import load_conversations
 from gumiho.ge_data.shards import load_samples, shard_path
+from gumiho.paths import write_atomically
 
 ROOT = Path(__file__).parents[1]
 QIDS = [q["question_id"] for q in load_questions("gsm8k_like")]
@@ -242,3 +243,21 @@ def test_ctrl_c_in_allocation_then_resume(tmp_path, tiny_target_dir):
     assert allocation.main(args) == 0
     assert all((out / n).stat().st_mtime_ns == t for n, t in finished.items())
     assert len(list(out.glob("shard_*.pt"))) == 150
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file(tmp_path):
+    """write_atomically (checkpoints, shards, manifests, answer files, caches): a writer
+    that dies half way leaves the old file whole and no temp file behind; one that
+    finishes replaces it."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"old")
+
+    def dies(tmp: Path) -> None:
+        tmp.write_bytes(b"ha")  # half of the new file, then the process is interrupted
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(path, dies)
+    assert path.read_bytes() == b"old" and sorted(tmp_path.iterdir()) == [path]
+    write_atomically(path, lambda tmp: tmp.write_bytes(b"new"), unique=True)
+    assert path.read_bytes() == b"new" and sorted(tmp_path.iterdir()) == [path]

@@ -45,6 +45,7 @@ from gumiho.generate import (
     tree_options,
 )
 from gumiho.methods import METHODS
+from gumiho.paths import write_atomically
 from gumiho.version import code_version
 
 # answers timed elsewhere, or by other code, must not share a file: their speeds would not
@@ -156,9 +157,7 @@ class AnswerWriter:
         if self.file is None:
             if self.found is None:  # new file, or --overwrite
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.path.with_name(self.path.name + ".tmp")
-                tmp.write_bytes(line)
-                os.replace(tmp, self.path)
+                write_atomically(self.path, lambda tmp: tmp.write_bytes(line))
                 self.file = self.path.open("ab")
                 return
             self.file = self.path.open("r+b")

@@ -9,13 +9,13 @@ A shard exists only once complete: it is written to a temporary name and renamed
 from __future__ import annotations
 
 import json
-import os
 import zipfile
 from pathlib import Path
 
 import torch
 
 from gumiho.errors import GumihoError
+from gumiho.paths import write_atomically
 
 MANIFEST = "manifest.json"
 # Settings that must agree between a manifest and a run that resumes it.
@@ -29,9 +29,7 @@ def shard_path(outdir: Path, index: int) -> Path:
 
 def write_shard(outdir: Path, index: int, samples: list[dict]) -> None:
     final = shard_path(outdir, index)
-    tmp = final.with_suffix(".pt.tmp")
-    torch.save(samples, tmp)
-    os.replace(tmp, final)
+    write_atomically(final, lambda tmp: torch.save(samples, tmp))
 
 
 def read_shard(path: Path, mmap: bool = False) -> list[dict]:
@@ -62,9 +60,8 @@ def read_manifest(outdir: Path) -> dict | None:
 
 
 def write_manifest(outdir: Path, manifest: dict) -> None:
-    tmp = outdir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, outdir / MANIFEST)
+    write_atomically(outdir / MANIFEST,
+                     lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
 
 
 def check_same_plan(old: dict, new: dict, outdir: Path) -> None:

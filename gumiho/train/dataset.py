@@ -20,7 +20,7 @@ from tqdm import tqdm
 from gumiho.errors import GumihoError
 from gumiho.ge_data.conversations import conversations_path, load_conversations, split
 from gumiho.ge_data.shards import load_samples
-from gumiho.paths import cache_dir
+from gumiho.paths import cache_dir, write_atomically
 from gumiho.templates import tokenize_conversation
 
 LENGTH_WINDOW = 16  # batches whose samples are sorted by length together (then shuffled)
@@ -145,13 +145,11 @@ def write_cached_samples(file: Path, samples: list[dict]) -> None:
     flat = {"lengths": torch.tensor([s["input_ids"].shape[0] for s in samples]),
             "input_ids": torch.cat([s["input_ids"] for s in samples]),
             "loss_mask": torch.cat([s["loss_mask"] for s in samples])}
-    tmp = file.with_suffix(f".tmp{os.getpid()}")
-    try:
+    try:  # several processes (a distributed run) may write the same file at once
         file.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(flat, tmp)
-        tmp.replace(file)
+        write_atomically(file, lambda tmp: torch.save(flat, tmp), unique=True)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        pass
 
 
 def token_counts(samples: list[dict], vocab_size: int) -> Tensor:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from gumiho.errors import GumihoError
+from gumiho.paths import write_atomically
 
 PROGRESS = "progress.json"
 LOG = "train_log.jsonl"  # written by the training loop, one JSON row per line
@@ -82,9 +83,7 @@ def trim_log(path: Path, step: int) -> None:
             continue  # killed while writing it
         if row.get("step", 0) <= step:
             kept.append(line)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    tmp.replace(path)
+    write_atomically(path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept)))
 
 
 def wait_for_everyone(accelerator) -> None:
