@@ -248,6 +248,8 @@ class TrainConfig:
     mlp_ploss_after_epochs: int = 2
     # the MLP heads' ploss weight (head i's is this times 0.8^(i+1)); reference 0.1 / 9
     mlp_ploss_weight: float = 0.1 / 9
+    # the serial step's ploss weight against its vloss's 1.0; reference 0.1
+    ploss_weight: float = 0.1
     # a drafter checkpoint dir to start from (its weights and draft vocabulary) instead of
     # fresh weights; the optimizer and schedule start fresh
     init_from: str | None = None
@@ -274,10 +276,11 @@ class TrainConfig:
         if not (self.lr > 0 and self.warmup_steps >= 0 and self.grad_clip > 0
                 and self.noise >= 0 and self.draft_vocab >= 0
                 and self.mlp_ploss_after_epochs >= 0 and self.skip_conversations >= 0
-                and self.mlp_ploss_weight >= 0):
+                and self.mlp_ploss_weight >= 0 and self.ploss_weight >= 0):
             raise GumihoError("--lr and --grad-clip must be positive; --warmup-steps, "
                               "--noise, --draft-vocab, --mlp-ploss-after-epochs, "
-                              "--mlp-ploss-weight and --skip-conversations at least 0")
+                              "--ploss-weight, --mlp-ploss-weight and --skip-conversations "
+                              "at least 0")
         if self.precision not in (None, "bf16", "fp32"):
             raise GumihoError(f"--precision {self.precision}: use bf16 or fp32")
         if bool(self.data) == self.online:

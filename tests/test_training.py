@@ -105,6 +105,27 @@ def test_mlp_ploss_weight_reaches_the_loss(tiny_target_dir, tiny_data_dir, tmp_p
     assert any(not torch.equal(reference[k], never[k]) for k in never if k.startswith("mlp"))
 
 
+def test_ploss_weight_reaches_the_loss(tiny_target_dir, tiny_data_dir, tmp_path):
+    """--ploss-weight 0 leaves the serial step's ploss out of the gradient: which positions
+    its ploss would score (--ploss-fraction) no longer matters; at the reference weight it
+    does. EAGLE-2, so no MLP heads' terms come in."""
+    data = (tiny_target_dir, tiny_data_dir)
+
+    def trained(name, *flags):
+        args = train_args(data, tmp_path / name, "--export-dtype", "float32", *flags)
+        args[args.index("--method") + 1] = "eagle2"
+        assert main(args) == 0
+        return load_file(str(tmp_path / name / "model.safetensors"))
+
+    zero_half = trained("zero_half", "--ploss-weight", "0")
+    zero_all = trained("zero_all", "--ploss-weight", "0", "--ploss-fraction", "1.0")
+    half, whole = trained("half"), trained("all", "--ploss-fraction", "1.0")
+    assert all(torch.equal(zero_half[k], zero_all[k]) for k in zero_all)
+    assert any(not torch.equal(half[k], whole[k]) for k in whole)
+    saved = json.loads((tmp_path / "zero_half" / "config.json").read_text())
+    assert saved["training"]["ploss_weight"] == 0
+
+
 def test_a_run_saved_before_a_flag_existed_resumes(tiny_target_dir, tiny_data_dir, tmp_path):
     """A saved run whose settings lack a newer flag resumes when the flag keeps its
     default (and is refused when it does not)."""
@@ -342,7 +363,8 @@ def test_resume_with_other_settings_is_refused(tiny_target_dir, tiny_data_dir, t
                                  ["--batch-size", "0"], ["--grad-accum", "0"],
                                  ["--ploss-fraction", "0"], ["--stop-after-steps", "0"],
                                  ["--mlp-ploss-after-epochs", "-1"],
-                                 ["--mlp-ploss-weight", "-0.1"]])
+                                 ["--mlp-ploss-weight", "-0.1"],
+                                 ["--ploss-weight", "-1"]])
 def test_bad_training_settings_are_one_line(tiny_target_dir, tiny_data_dir, tmp_path, capsys,
                                             bad):
     args = train_args((tiny_target_dir, tiny_data_dir), tmp_path)

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Gumiho: the MLP heads train on vloss alone for this many epochs, "
                    "then ploss joins (reference: 2, meant for ~20 epochs; lower it for a "
                    "short run)")
+    p.add_argument("--ploss-weight", type=float, default=TrainConfig.ploss_weight,
+                   help="Gumiho, EAGLE-2: the serial step's ploss weight, against 1.0 for "
+                   "its vloss (reference: 0.1)")
     p.add_argument("--mlp-ploss-weight", type=float, default=TrainConfig.mlp_ploss_weight,
                    help="Gumiho: the MLP heads' ploss weight, head i's times 0.8^(i+1) "
                    "(reference: 0.1/9, against the serial step's 0.1)")
@@ -470,7 +473,7 @@ def step_micro_batch(accelerator, model, target, head, optimizer, params, batch,
                                 p_fraction=config.ploss_fraction,
                                 seed=hash((config.seed, state.epoch, index)) % 2**62,
                                 weights=LossWeights(
-                                    mlp_p=config.mlp_ploss_weight,
+                                    p=config.ploss_weight, mlp_p=config.mlp_ploss_weight,
                                     mlp_p_from_epoch=config.mlp_ploss_after_epochs))
         accelerator.backward(loss)
         if accelerator.sync_gradients:
