@@ -29,6 +29,7 @@ from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.linear import pack_linears
 from gumiho.methods import method_spec
 from gumiho.modeling import DraftHead
+from gumiho.modeling.drafter import FusedSerial
 from gumiho.profiling import PhaseTimer
 from gumiho.tree import (
     LOGPROB_FLOOR,
@@ -113,6 +114,8 @@ class SerialDrafter:
 
     def __init__(self, model, tree: TreeConfig, engine: str = "eager"):
         self.model, self.tree, self.engine = model, tree, engine
+        # the serial layers in fewer operations (modeling/drafter.py), where they are Llama's
+        self.serial_step = FusedSerial.of(model) or model.serial_step
         spec = method_spec(model.config.method)
         self.method = self.name = spec.name
         self.max_nodes = tree.total_tokens
@@ -149,6 +152,8 @@ class SerialDrafter:
             self.cache, capacity + (self.serial_depth - 1) * self.beam,
             self.engine != "eager", lambda n, trim: KVCache(self.model.config.llama_config(), n,
                                                             target.device, target.dtype, trim))
+        if isinstance(self.serial_step, FusedSerial):  # its rotary table
+            self.serial_step.reserve(self.cache.capacity)
         if not new:
             return  # the captured steps stay bound to this cache
         # Captured: the serial step at the beam width (every level) and at the longest
@@ -166,7 +171,7 @@ class SerialDrafter:
         @torch.no_grad()  # an inference cache: never differentiated through
         def serial(tokens, features, positions, mask, write_at):
             cache.seek(write_at)
-            out = self.model.serial_step(tokens, features, positions, mask, cache.hf)[0]
+            out = self.serial_step(tokens, features, positions, mask, cache.hf)[0]
             if last_only:
                 out = out[-1:]
             return out, *self._top(out, k)

@@ -87,6 +87,40 @@ def test_tree_step_kernels_at_the_reference_tree(tiny_target):
     assert torch.equal(tree.tokens, reference.tokens) and torch.equal(tree.mask, reference.mask)
 
 
+@pytest.mark.parametrize("method", ["gumiho", "eagle2"])
+def test_fused_serial_step_is_the_models_in_fewer_kernels(tiny_target, method):
+    """Drafting runs the serial layers as FusedSerial (q/k/v and gate/up one product each,
+    one RMSNorm operation, the rotary embedding over q and k at once): the same outputs
+    as the model's own step, with a cache and a tree mask, in fewer kernels (on a GPU
+    each is a launch, also inside a captured step)."""
+    drafter = load_drafter(method, tiny_target, "random",
+                           tree=TreeConfig.for_method(method))
+    model = drafter.model
+    assert type(drafter.serial_step).__name__ == "FusedSerial"
+    drafter.serial_step.reserve(16)  # what begin does for its cache: the rotary table
+    g = torch.Generator().manual_seed(3)
+    hidden = model.config.hidden_size
+    tokens = torch.randint(90, (1, 5), generator=g, device="cpu").to(tiny_target.device)
+    features = torch.randn(1, 5, hidden, generator=g, device="cpu").to(tiny_target.device)
+    positions = torch.arange(5, device=tiny_target.device)[None]
+    outputs, counts = [], []
+    for step in (model.serial_step, drafter.serial_step):
+        cache = KVCache(model.config.llama_config(), 16, tiny_target.device,
+                        tiny_target.dtype)
+        with torch.no_grad():  # a prompt of 3 pairs, then a 2-node tree level over it
+            step(tokens[:, :3], features[:, :3], positions[:, :3],
+                 cache.attention_mask(torch.ones(3, 3, dtype=torch.bool).tril()), cache.hf)
+            cache.commit(3)
+            cache.begin_step(2)
+            mask = cache.attention_mask(torch.eye(2, dtype=torch.bool))
+            with LaunchCounter() as launches:
+                outputs.append(step(tokens[:, 3:], features[:, 3:], positions[:, 3:] * 0 + 3,
+                                    mask, cache.hf))
+        counts.append(launches.total)
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-4)
+    assert counts[1] < 0.7 * counts[0], counts
+
+
 def test_serial_level_siblings_do_not_see_each_other(gumiho_random):
     drafter = gumiho_random
     out1, _ = drafter._catch_up()
