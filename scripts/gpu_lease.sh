@@ -50,11 +50,16 @@
 # Next lease (what is still open): the suite's 25 tests not reached yet, alone and first
 # (SUITE_ARGS=@docs/results/gpu_h100_fifth/unreached.txt: pytest reads the ids from the
 # file; 10 of them never ran on a GPU); Gumiho from the shipped drafter with longer samples
-# (MAX_LEN=1024; serial-1 gained only +0.002 in the fifth pass's last 100 steps at 512) and
-# the six-benchmark testbed with it.
+# (serial-1 gained only +0.002 in the fifth pass's last 100 steps at 512): the split holds
+# 7.2M tokens at MAX_LEN=512, 13.4M at 1024 and 22.3M at 2048 (5.3M / 10.2M / 17.1M of them
+# assistant tokens; scripts/split_tokens.py, 2026-11-27), so 2048 shows the drafter twice
+# as much text it has never seen (one epoch ~7 minutes at the fifth lease's 53.7k tokens/s;
+# keep 16k tokens a step: BATCH=8 ACCUM=1), and the six-benchmark testbed with it.
 # A variant beside it: CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight
 # 0.1" with the same INIT/MAX_STEPS runs into runs/gumiho_mlpw (`progress` and `fetch` take
-# the same RUN_SUFFIX; the held-out rows are in its train_log.jsonl).
+# the same RUN_SUFFIX; the held-out rows are in its train_log.jsonl); likewise RUN_SUFFIX=_p1
+# TRAIN_ARGS="--ploss-weight 1.0" (the serial step's token loss ten times the reference's:
+# +0.002 serial-1 in a 40-step CPU try, README, Training a drafter).
 # USE_CAMPAIGN=1 runs the testbed with the campaign's drafters instead of the shipped ones.
 #
 # Every phase first takes in whatever pieces were carried (`receive`), so any order works
