@@ -198,12 +198,13 @@ class FusedSerial:
     """The serial layers of a frozen `DraftModel` for drafting: `serial_step`'s arithmetic
     in fewer, larger operations. Each layer's q, k and v projections are one product, its
     gate and up projections another (their weights concatenated once, here: a copy the size
-    of those five weights), RMSNorm is torch's one operation, and the rotary embedding
-    turns q and k together. A drafting step on a CPU pays ~10 us of Python and dispatch per
-    operation (2.7 ms for a warm two-layer step of 2 tokens, of which 0.65 ms are its
-    products, on the 2-core dev machine), and on a GPU each operation is a kernel of its
-    own, even inside a captured step; the products' bits are unchanged on the CPU
-    (rowgemm.c sums each output alone, so a concatenated weight gives the same rows).
+    of those five weights), RMSNorm is one call of torch's (one kernel where torch fuses
+    it), and the rotary embedding comes from a table and turns q and k together. A drafting
+    step on a CPU pays ~10 us of Python and dispatch per operation (2.7 ms for a warm
+    two-layer step of 2 tokens, of which 0.65 ms are its products, on the 2-core dev
+    machine), and on a GPU each operation is a kernel of its own, even inside a captured
+    step; the products' bits are unchanged on the CPU (rowgemm.c sums each output alone, so
+    a concatenated weight gives the same rows).
 
     For a training model (weights that change) call `DraftModel.serial_step` instead."""
 
@@ -287,7 +288,7 @@ def _signed(sin: Tensor) -> Tensor:
 
 
 def _rms_norm(norm: nn.Module, h: Tensor) -> Tensor:
-    """HF's LlamaRMSNorm in one operation (normalised in float32, then the weight)."""
+    """HF's LlamaRMSNorm in one call of torch's (normalised in float32, then the weight)."""
     if h.dtype == torch.float32 == norm.weight.dtype:
         return F.rms_norm(h, h.shape[-1:], norm.weight, norm.variance_epsilon)
     return norm.weight * F.rms_norm(h.float(), h.shape[-1:], eps=norm.variance_epsilon
