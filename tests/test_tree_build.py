@@ -118,7 +118,9 @@ def test_fused_serial_step_is_the_models_in_fewer_kernels(tiny_target, method):
                                     mask, cache.hf))
         counts.append(launches.total)
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-4)
-    assert counts[1] < 0.7 * counts[0], counts
+    # on the CPU 95 -> 64 (EAGLE-2 50 -> 32; rowgemm's products launch no kernel); on a GPU
+    # every product is a kernel too, and both steps repeat grouped KV heads there
+    assert counts[1] < (0.7 if tiny_target.device.type == "cpu" else 0.85) * counts[0], counts
 
 
 def test_serial_level_siblings_do_not_see_each_other(gumiho_random):
