@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from gumiho.attention import grouped_sdpa_forward
 from gumiho.config import DrafterConfig
 from gumiho.linear import PackedLinear
 from gumiho.methods import method_spec
@@ -271,13 +272,10 @@ class FusedSerial:
                 v.transpose(1, 2)
             if cache is not None:
                 k, v = cache.update(k, v, i)
-            grouped = kv_heads < heads
-            if grouped and q.device.type != "cpu":  # CUDA's fused kernels that take a mask
-                k = k.repeat_interleave(heads // kv_heads, 1)  # do not take grouped heads
-                v, grouped = v.repeat_interleave(heads // kv_heads, 1), False  # (attention.py)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
-                                                 scale=attention.scaling, enable_gqa=grouped)
-            h = h + attention.o_proj(out.transpose(1, 2).reshape(batch, length, heads * dim))
+            # grouped KV heads kept grouped on the CPU, repeated where CUDA needs them
+            out = grouped_sdpa_forward(attention, q, k, v, attention_mask,
+                                       scaling=attention.scaling)[0]  # (B, T, heads, D)
+            h = h + attention.o_proj(out.reshape(batch, length, heads * dim))
             gate, up = self.gate_up[i](_rms_norm(layer.post_attention_layernorm, h)).chunk(2, -1)
             h = h + layer.mlp.down_proj(F.silu(gate) * up)
         return h
