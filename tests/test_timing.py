@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from gumiho.errors import GumihoError
 from gumiho.evaluation import timing
 
 
@@ -49,11 +50,18 @@ def test_a_random_draft_vocabulary_shrinks_the_drafter_head(tiny_target_dir, cap
 
 
 def test_shape_builds_a_random_llama_of_that_size():
-    target = timing.shape_target("llama3-8b", "cpu", "float32", layers=1)
-    config = target.model.config
+    config = timing.shape_config("llama3-8b", layers=1)  # building it: ~35 s on 2 cores
     assert (config.hidden_size, config.num_key_value_heads, config.vocab_size) == \
         (4096, 8, 128256)
-    assert config.num_hidden_layers == 1 and target.tokenizer is None
+    assert config.num_hidden_layers == 1
+    target = timing.shape_target("smollm2", "cpu", "float32", layers=2)
+    config = target.model.config
+    assert (config.hidden_size, config.num_key_value_heads, config.vocab_size) == \
+        (576, 3, 49152)
+    assert config.num_hidden_layers == 2 and target.tokenizer is None
+    assert target.model.model.embed_tokens.weight.std() > 0  # random, not empty
+    with pytest.raises(GumihoError, match="unknown shape"):
+        timing.shape_config("llama3-70b")
 
 
 def test_projected_speedup_arithmetic():

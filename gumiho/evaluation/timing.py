@@ -66,15 +66,10 @@ PROMPT = "Explain in a few sentences why the sky is blue."
 def shape_target(shape: str, device: str | None, dtype: str | None,
                  layers: int | None = None) -> Target:
     """A random-weight stock LlamaForCausalLM of a named shape, built on the device."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    if shape not in SHAPES:
-        raise GumihoError(f"unknown shape {shape!r}: use one of {', '.join(SHAPES)}")
+    config = shape_config(shape, layers)
     dev, torch_dtype = choose_device_dtype(device, dtype)
-    fields = dict(SHAPES[shape], max_position_embeddings=8192)
-    if layers:
-        fields["num_hidden_layers"] = layers
-    config = LlamaConfig(**fields, attn_implementation="sdpa")
     default = torch.get_default_dtype()
     torch.manual_seed(0)
     try:
@@ -85,6 +80,18 @@ def shape_target(shape: str, device: str | None, dtype: str | None,
         torch.set_default_dtype(default)
     target = wrap_target(model.eval(), name=f"{shape} shape (random weights)")
     return target
+
+
+def shape_config(shape: str, layers: int | None = None):
+    """The LlamaConfig of a named shape (SHAPES), with `layers` decoder layers if given."""
+    from transformers import LlamaConfig
+
+    if shape not in SHAPES:
+        raise GumihoError(f"unknown shape {shape!r}: use one of {', '.join(SHAPES)}")
+    fields = dict(SHAPES[shape], max_position_embeddings=8192)
+    if layers:
+        fields["num_hidden_layers"] = layers
+    return LlamaConfig(**fields, attn_implementation="sdpa")
 
 
 def prompt_ids(target: Target, context: int) -> list[int]:
