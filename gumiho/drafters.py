@@ -1,32 +1,26 @@
-"""The drafter interface every method sits behind, and plain decoding as its trivial case.
-
-The loop (generate.py) talks to a drafter through three calls:
-
-* `begin(target, capacity)`: a new sequence starts.
-* `observe(features, next_tokens, tokens)`: the target committed tokens. features (n, H)
-  are the target's post-norm last hidden states `f_t` at the committed positions and
-  next_tokens (n,) the token that follows each (`x_{t+1}`); the last next token is the new
-  root, which the target has not yet seen. `tokens` is next_tokens as a host list (the loop
-  has it without a sync; None from other callers).
-* `propose() -> DraftTree`: a tree rooted at the newest root token.
+"""The methods' drafters (plain decoding, Gumiho and EAGLE-2's serial drafter, Medusa) and
+`load_drafter`, which builds one for a method with its wrappers (drafter_api.py describes
+the interface they share).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from gumiho.checkpoint import drafter_network, load_drafter_model
 from gumiho.config import DrafterConfig, TreeConfig
+from gumiho.drafter_api import Drafter
 from gumiho.errors import GumihoError
 from gumiho.fta import exact_fta_tree, splice_official
+from gumiho.gate import GatedDrafter
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.linear import pack_linears
+from gumiho.lookup import LookupDrafter
 from gumiho.methods import method_spec
 from gumiho.modeling import DraftHead
 from gumiho.modeling.drafter import FusedSerial
@@ -39,38 +33,6 @@ from gumiho.tree import (
     select_tree,
     static_tree,
 )
-
-
-class Drafter(Protocol):
-    name: str
-    max_nodes: int  # the largest tree `propose` returns, root included
-    draft_depth: int  # the deepest node such a tree can have
-
-    def begin(self, target, capacity: int) -> None: ...
-
-    def observe(self, features: Tensor, next_tokens: Tensor,
-                tokens: list[int] | None = None) -> None: ...
-
-    def propose(self) -> DraftTree: ...
-
-
-class DrafterWrapper:
-    """A drafter around another one (`inner`), e.g. a prompt-lookup chain or a gate: the
-    inner one's name, sizes and tree settings unless the wrapper says otherwise, and the
-    loop's profiler reaches the inner drafter's phases."""
-
-    def __init__(self, inner):
-        self.inner, self.tree = inner, getattr(inner, "tree", None)
-        self.name, self.max_nodes, self.draft_depth = (inner.name, inner.max_nodes,
-                                                       inner.draft_depth)
-
-    @property
-    def timer(self):
-        return getattr(self.inner, "timer", None)
-
-    @timer.setter
-    def timer(self, timer) -> None:
-        self.inner.timer = timer
 
 
 class PlainDrafter:
@@ -409,9 +371,6 @@ def load_drafter(method: str, target, draft: str | None = None,
     A tree with `draft_gate` > 0 drafts only while drafting pays (gate.py, eager engine);
     one with `lookup` > 0 adds a prompt-lookup chain (lookup.py); `lookup` is plain
     decoding with one."""
-    from gumiho.gate import GatedDrafter
-    from gumiho.lookup import LookupDrafter
-
     spec = method_spec(method)
     tree = tree or TreeConfig.for_method(method)
     engine = resolve_engine(engine, target.device)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from gumiho.drafters import Drafter
+from gumiho.drafter_api import Drafter
 from gumiho.errors import GumihoError, check_positive_int
 from gumiho.fta import official_for_sampling
 from gumiho.graphs import StaticStep, resolve_engine

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from gumiho.drafters import DrafterWrapper
+from gumiho.drafter_api import DrafterWrapper
 from gumiho.tree import DraftTree
 
 

@@ -24,7 +24,8 @@ import torch
 from gumiho.budget import choose_tree
 from gumiho.checkpoint import check_drafter_dir
 from gumiho.config import FTA_MODES, TreeConfig, check_tree_options
-from gumiho.drafters import Drafter, load_drafter
+from gumiho.drafter_api import Drafter
+from gumiho.drafters import load_drafter
 from gumiho.engine import GenerateConfig, GenerationResult, generate
 from gumiho.errors import (
     ArgumentParser,

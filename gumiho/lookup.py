@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gumiho.drafters import DrafterWrapper
+from gumiho.drafter_api import DrafterWrapper
 from gumiho.hostsync import upload
 from gumiho.tree import DraftTree
 

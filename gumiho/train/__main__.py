@@ -28,6 +28,7 @@ from gumiho.drafters import random_drafter_model
 from gumiho.errors import GumihoError, cli_errors
 from gumiho.methods import DRAFTER_METHODS, method_spec
 from gumiho.modeling import DraftHead, draft_vocabulary
+from gumiho.profiling import fastest_interleaved
 from gumiho.target import choose_device_dtype, load_target
 from gumiho.train.dataset import (
     add_noise,
@@ -277,15 +278,13 @@ def bf16_slowdown(rows: int = 512, width: int = 576, out: int = 1536) -> float:
     x, g, w = (torch.randn(shape, generator=gen, device="cpu")
                for shape in ((rows, width), (rows, out), (out, width)))
 
-    operands = {dtype: (x.to(dtype), g.to(dtype), w.to(dtype))
-                for dtype in (torch.bfloat16, torch.float32)}
-    best = dict.fromkeys(operands, float("inf"))
-    for rnd in range(5):  # dtypes alternating; two warm-up rounds (kernel JIT, AMX start-up)
-        for dtype, (a, b, c) in operands.items():
-            start = time.perf_counter()
-            a @ c.t(), b @ c, b.t() @ a
-            if rnd >= 2:
-                best[dtype] = min(best[dtype], time.perf_counter() - start)
+    def products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
+        return lambda: (a @ c.t(), b @ c, b.t() @ a)
+
+    calls = {dtype: products(x.to(dtype), g.to(dtype), w.to(dtype))
+             for dtype in (torch.bfloat16, torch.float32)}
+    # two untimed passes each (kernel JIT, AMX start-up), then three rounds in turns
+    best = fastest_interleaved(calls, torch.device("cpu"), repeats=3, warmup=2)
     return best[torch.bfloat16] / best[torch.float32]
 
 
