@@ -2,6 +2,7 @@
 pass matches inference, and a trained checkpoint decodes losslessly."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from gumiho.checkpoint import to_official
 from gumiho.config import TrainConfig, TreeConfig
 from gumiho.drafters import PlainDrafter, SerialDrafter, load_drafter
 from gumiho.engine import GenerateConfig, prefill, run
+from gumiho.errors import GumihoError
 from gumiho.ge_data.shards import load_samples
 from gumiho.kv_cache import KVCache
 from gumiho.modeling import DraftHead
@@ -392,6 +394,38 @@ def test_eval_every_logs_curves_that_plot(tiny_target_dir, tiny_data_dir, tmp_pa
     assert {"acc_serial1", "acc_serial2", "acc_mlp1"} <= set(rows[0]["eval"])
     assert plot.main([str(tmp_path / "run"), "--out", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+@pytest.mark.host
+def test_chained_runs_plot_as_one_curve(tmp_path):
+    """`--chain`: runs that continued one another (`--init-from`) on one axis, each run's
+    steps after the last step the one before it logged; a log file works as a run."""
+    from gumiho.train import plot
+
+    def log(path: Path, last: int, evals: dict[int, float]) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = [{"step": s, "loss": 1.0} for s in range(1, last + 1)]
+        rows += [{"step": s, "eval": {"acc_serial1": a, "acc_serial2": a / 2}}
+                 for s, a in evals.items()]
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        return path
+
+    first = log(tmp_path / "stage1" / "train_log.jsonl", 10, {5: 0.1, 10: 0.2}).parent
+    second = log(tmp_path / "pass2.jsonl", 7, {})  # no evaluation: only its steps count
+    third = log(tmp_path / "pass3.jsonl", 4, {2: 0.3, 4: 0.35})
+    chain = plot.chained([first, second, third])
+    assert [(c.name, c.offset) for c in chain] == [("stage1", 0), ("pass2", 10), ("pass3", 17)]
+    assert [s for c in chain for s in c.steps] == [5, 10, 19, 21]
+    assert chain[2].series["serial1"] == [0.3, 0.35]
+    out = tmp_path / "chain.png"
+    assert plot.main([str(first), str(second), str(third), "--chain", "--out", str(out),
+                      "--names", "CPU,GPU 1,GPU 2"]) == 0
+    assert out.stat().st_size > 1000
+    assert [c.name for c in plot.chained([first, second], ["a", "b"])] == ["a", "b"]
+    with pytest.raises(GumihoError, match="2 names for 3 runs"):
+        plot.chained([first, second, third], ["a", "b"])
+    with pytest.raises(GumihoError, match="no evaluation rows"):
+        plot.eval_rows(second)  # alone, a run without evaluations is still an error
 
 
 def test_accuracy_tool_matches_trainings_evaluation(tiny_target_dir, tiny_data_dir, tmp_path,
