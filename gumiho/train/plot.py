@@ -28,12 +28,20 @@ def log_rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
 
 
+HOW_TO_EVALUATE = "train with --eval-data and --eval-every N"
+
+
+def evaluations(rows: list[dict]) -> list[dict]:
+    """A log's `eval` rows in step order, the last one logged at each step (a resumed run
+    may log a step twice)."""
+    return sorted({r["step"]: r for r in rows if "eval" in r}.values(), key=lambda r: r["step"])
+
+
 def eval_rows(run: Path) -> list[dict]:
-    rows = [r for r in log_rows(run) if "eval" in r]
+    rows = evaluations(log_rows(run))
     if not rows:
-        raise GumihoError(f"{run} has no evaluation rows: train with --eval-data and "
-                          "--eval-every N")
-    return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
+        raise GumihoError(f"{run} has no evaluation rows: {HOW_TO_EVALUATE}")
+    return rows
 
 
 @dataclass
@@ -55,8 +63,7 @@ def chained(runs: list[Path], names: list[str] | None = None) -> list[Stretch]:
     out, offset = [], 0
     for i, run in enumerate(runs):
         rows = log_rows(run)
-        evals = sorted({r["step"]: r for r in rows if "eval" in r}.values(),
-                       key=lambda r: r["step"])
+        evals = evaluations(rows)
         keys = list(evals[-1]["eval"]) if evals else []
         name = names[i] if names else run.stem if run.suffix == ".jsonl" else run.name
         out.append(Stretch(name, offset,
@@ -65,8 +72,7 @@ def chained(runs: list[Path], names: list[str] | None = None) -> list[Stretch]:
                             for k in keys}))
         offset += max((r["step"] for r in rows if "step" in r), default=0)
     if not any(s.steps for s in out):
-        raise GumihoError("none of these runs has evaluation rows: train with --eval-data "
-                          "and --eval-every N")
+        raise GumihoError(f"none of these runs has evaluation rows: {HOW_TO_EVALUATE}")
     return out
 
 
@@ -74,6 +80,7 @@ def plot_chain(ax, runs: list[Path], names: list[str] | None = None) -> None:
     stretches = chained(runs, names)
     keys = list(dict.fromkeys(k for s in stretches for k in s.series))
     colours = {k: f"C{i}" for i, k in enumerate(keys)}
+    labelled: set[str] = set()  # each position named once in the legend
     for s in stretches:
         if s.offset:
             ax.axvline(s.offset, color="grey", lw=0.6, ls=":")
@@ -82,7 +89,8 @@ def plot_chain(ax, runs: list[Path], names: list[str] | None = None) -> None:
                     fontsize=7, color="grey")
         for k, values in s.series.items():
             ax.plot(s.steps, values, marker=".", color=colours[k],
-                    label=k if s is next(t for t in stretches if k in t.series) else None)
+                    label=None if k in labelled else k)
+            labelled.add(k)
     ax.set_xlabel("optimizer step, runs in sequence")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
