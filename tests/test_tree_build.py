@@ -103,17 +103,19 @@ def test_fused_serial_step_is_the_models_in_fewer_kernels(tiny_target, method):
     hidden = model.config.hidden_size
     tokens = torch.randint(90, (1, 5), generator=g, device="cpu").to(tiny_target.device)
     features = torch.randn(1, 5, hidden, generator=g, device="cpu").to(tiny_target.device)
-    positions = torch.arange(5, device=tiny_target.device)[None]
+    device = tiny_target.device
+    positions = torch.arange(5, device=device)[None]
     outputs, counts = [], []
     for step in (model.serial_step, drafter.serial_step):
         cache = KVCache(model.config.llama_config(), 16, tiny_target.device,
                         tiny_target.dtype)
         with torch.no_grad():  # a prompt of 3 pairs, then a 2-node tree level over it
             step(tokens[:, :3], features[:, :3], positions[:, :3],
-                 cache.attention_mask(torch.ones(3, 3, dtype=torch.bool).tril()), cache.hf)
+                 cache.attention_mask(torch.ones(3, 3, dtype=torch.bool, device=device).tril()),
+                 cache.hf)
             cache.commit(3)
             cache.begin_step(2)
-            mask = cache.attention_mask(torch.eye(2, dtype=torch.bool))
+            mask = cache.attention_mask(torch.eye(2, dtype=torch.bool, device=device))
             with LaunchCounter() as launches:
                 outputs.append(step(tokens[:, 3:], features[:, 3:], positions[:, 3:] * 0 + 3,
                                     mask, cache.hf))
