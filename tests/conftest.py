@@ -15,6 +15,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from gumiho.target import load_target, wrap_target
 
+# Under pytest-xdist (the README's command runs `-n auto`) each worker takes its share of the
+# cores, for the processes the CLI tests start too: two workers each running torch's
+# default pool of every core would spin against each other.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 DEVICE = torch.device(os.environ.get("GUMIHO_TEST_DEVICE", "cpu"))
 os.environ["GUMIHO_DEVICE"] = str(DEVICE)  # the library's default device, subprocesses too
 # The equality tests assert what "lossless" guarantees exactly: float32 (in bf16, the GPU's
