@@ -491,6 +491,43 @@ def test_a_warm_start_begins_at_the_checkpoint_and_keeps_its_vocabulary(
     assert saved["training"]["init_from"] == str(tmp_path / "first")
 
 
+def test_a_warm_start_can_take_another_vocabulary(tiny, tiny_target_dir, tiny_data_dir,
+                                                  tmp_path):
+    """--init-from with another --draft-vocab: the checkpoint's weights, and a vocabulary of
+    the new size chosen from the data as a fresh drafter's is (so over the same data a
+    larger one holds every token of the smaller), or the whole vocabulary; it trains on."""
+    from gumiho.modeling.vocab import draft_ids_of
+
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path / "first", "--draft-vocab", "300")) == 0
+    first = load_file(str(tmp_path / "first" / "model.safetensors"))
+    _, samples = load_samples(tiny_data_dir)
+    vocab = tiny.lm_head.weight.shape[0]
+    old = set((first["d2t"] + torch.arange(300)).tolist())
+    for size, want in ((400, 400), (200, 200), (vocab, None)):
+        config = TrainConfig(method="gumiho", target=tiny_target_dir, data=(tiny_data_dir,),
+                             init_from=str(tmp_path / "first"), draft_vocab=size)
+        model = new_model(tiny, config, samples)
+        ids = draft_ids_of(model)
+        if want is None:
+            assert ids is None and model.config.draft_vocab_size == 0
+            assert DraftHead.for_model(tiny, model).size == vocab
+        else:
+            assert ids.shape == (want,) and model.config.draft_vocab_size == want
+            new = set(ids.tolist())
+            assert new > old if want > 300 else new < old
+        start = to_official(model)
+        for key, value in first.items():
+            if key not in ("d2t", "t2d"):
+                torch.testing.assert_close(start[key], value.to(start[key].dtype), atol=0, rtol=0)
+    assert main(train_args(data, tmp_path / "second", "--init-from", str(tmp_path / "first"),
+                           "--draft-vocab", "400")) == 0
+    second = load_file(str(tmp_path / "second" / "model.safetensors"))
+    assert second["d2t"].shape == (400,)
+    saved = json.loads((tmp_path / "second" / "config.json").read_text())
+    assert saved["draft_vocab_size"] == 400
+
+
 @pytest.mark.parametrize("case", ["missing", "vocab", "method"])
 def test_a_bad_warm_start_is_one_line(tiny_target_dir, tiny_data_dir, tmp_path, capsys, case):
     data = (tiny_target_dir, tiny_data_dir)
@@ -498,15 +535,39 @@ def test_a_bad_warm_start_is_one_line(tiny_target_dir, tiny_data_dir, tmp_path, 
     if case != "missing":
         assert main(train_args(data, source, "--draft-vocab", "300")) == 0
         capsys.readouterr()
-    extra = {"missing": [], "vocab": ["--draft-vocab", "200"],
+    extra = {"missing": [], "vocab": ["--draft-vocab", "10000000"],
              "method": ["--method", "medusa"]}[case]
     args = train_args(data, tmp_path / "second", "--init-from", str(source), *extra)
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")
-    assert {"missing": "not a directory", "vocab": "--draft-vocab 300",
+    assert {"missing": "not a directory", "vocab": "larger than the target's vocabulary",
             "method": "medusa"}[case] in err[0]
     assert not (tmp_path / "second" / "model.safetensors").exists()
+
+
+def test_accuracy_tool_reads_a_drafter_over_another_vocabulary(
+        tiny, tiny_target_dir, tiny_data_dir, tmp_path, capsys, monkeypatch):
+    """`--draft-vocab N`: the drafter read over the N most frequent training tokens (0: all
+    of them), with the share of held-out target tokens that vocabulary cannot draft."""
+    from gumiho.train import accuracy
+
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path / "d", "--draft-vocab", "300")) == 0
+    capsys.readouterr()
+    reports = {}
+    for size in (None, "2", "0"):
+        extra = [] if size is None else ["--draft-vocab", size, "--num-conversations", "12",
+                                         "--max-len", "96"]
+        assert accuracy.main(["--draft", str(tmp_path / "d"), "--data", tiny_data_dir,
+                              "--target", tiny_target_dir, *extra]) == 0
+        reports[size] = json.loads(capsys.readouterr().out)
+    vocab = tiny.lm_head.weight.shape[0]
+    assert [reports[k]["draft_vocab"] for k in (None, "2", "0")] == [300, 2, vocab]
+    assert reports["0"]["outside_vocab"] == 0
+    assert reports[None]["outside_vocab"] <= reports["2"]["outside_vocab"]
+    assert reports["2"]["outside_vocab"] > 0.5  # a stop token and one other
 
 
 def test_skipped_conversations_continue_the_training_split(smollm2):

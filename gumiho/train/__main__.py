@@ -16,18 +16,20 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
-from gumiho.checkpoint import check_drafter_dir, load_drafter_model, save_drafter
+from gumiho.checkpoint import check_drafter_dir, drafter_network, load_drafter_model, save_drafter
 from gumiho.config import TrainConfig
 from gumiho.drafters import random_drafter_model
 from gumiho.errors import GumihoError, cli_errors
 from gumiho.methods import DRAFTER_METHODS, method_spec
 from gumiho.modeling import DraftHead, draft_vocabulary
+from gumiho.modeling.vocab import vocab_buffers
 from gumiho.profiling import fastest_interleaved
 from gumiho.target import choose_device_dtype, load_target
 from gumiho.train.dataset import (
@@ -136,31 +138,50 @@ def new_model(target, config: TrainConfig, samples: list[dict] | None = None,
     """A fresh trainable drafter (fp32 master weights); a reduced draft vocabulary is
     chosen from the samples' assistant-token counts (stop tokens always included)."""
     if config.init_from:
-        return start_from(target, config)
-    draft_ids = None
-    vocab = target.lm_head.weight.shape[0]
-    if config.draft_vocab > vocab:
-        raise GumihoError(f"--draft-vocab {config.draft_vocab} is larger than the target's "
-                          f"vocabulary ({vocab} tokens): give at most {vocab} (or 0 for all)")
-    if config.draft_vocab and config.draft_vocab < vocab:
-        if not samples:
-            raise GumihoError("--draft-vocab needs training samples to count tokens in")
-        draft_ids = draft_vocabulary(token_counts(samples, vocab), config.draft_vocab,
-                                     sorted(t for t in target.stop_token_ids if t < vocab))
+        return start_from(target, config, samples)
     return trainable(random_drafter_model(config.method, target,
-                                          config.seed if seed is None else seed, draft_ids))
+                                          config.seed if seed is None else seed,
+                                          chosen_vocabulary(target, config.draft_vocab, samples)))
 
 
-def start_from(target, config: TrainConfig):
-    """The trainable drafter of checkpoint `config.init_from` (a warm start): its weights
-    and draft vocabulary, which a --draft-vocab other than its own size contradicts."""
+def chosen_vocabulary(target, size: int, samples: list[dict] | None) -> Tensor | None:
+    """The target ids (size,) of a draft vocabulary of `size` tokens, the samples' most
+    frequent assistant tokens (stop tokens always included); None for the whole vocabulary
+    (0, or the target's size)."""
+    vocab = target.lm_head.weight.shape[0]
+    if size > vocab:
+        raise GumihoError(f"--draft-vocab {size} is larger than the target's "
+                          f"vocabulary ({vocab} tokens): give at most {vocab} (or 0 for all)")
+    if not size or size == vocab:
+        return None
+    if not samples:
+        raise GumihoError("--draft-vocab needs training samples to count tokens in")
+    return draft_vocabulary(token_counts(samples, vocab), size,
+                            sorted(t for t in target.stop_token_ids if t < vocab))
+
+
+def start_from(target, config: TrainConfig, samples: list[dict] | None = None):
+    """The trainable drafter of checkpoint `config.init_from` (a warm start): its weights,
+    and its draft vocabulary unless --draft-vocab names another size. The serial layers and
+    MLP heads do not depend on the vocabulary (their logits are rows of the target's frozen
+    lm_head), so another size is chosen from the samples like a fresh drafter's; over the
+    same data a larger vocabulary holds every token of the smaller one. Medusa heads with
+    their own lm_head rows keep their size."""
     model = load_drafter_model(config.init_from, target, config.method)
-    have = model.config.draft_vocab_size or target.lm_head.weight.shape[0]
-    if config.draft_vocab and config.draft_vocab != have:
+    vocab = target.lm_head.weight.shape[0]
+    have = model.config.draft_vocab_size or vocab
+    if not config.draft_vocab or config.draft_vocab == have:
+        return trainable(model)
+    if model.config.medusa_own_lm_head:
         raise GumihoError(f"--draft-vocab {config.draft_vocab}: --init-from "
-                          f"{config.init_from} drafts over {have} tokens; give --draft-vocab "
-                          f"{have} or leave it out (the checkpoint's vocabulary is kept)")
-    return trainable(model)
+                          f"{config.init_from} has its own lm_head rows for {have} tokens; "
+                          f"give --draft-vocab {have} or leave it out")
+    draft_ids = chosen_vocabulary(target, config.draft_vocab, samples)
+    new = replace(model.config, draft_vocab_size=0 if draft_ids is None else draft_ids.shape[0])
+    state = {k: v for k, v in model.state_dict().items() if k not in ("d2t", "t2d")}
+    if draft_ids is not None:
+        state["d2t"], state["t2d"] = vocab_buffers(draft_ids, vocab)
+    return trainable(drafter_network(new, target, state, draft_ids))
 
 
 def trainable(model):
