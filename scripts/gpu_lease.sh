@@ -48,9 +48,10 @@
 # after its start: tokenizing the split on a CPU shared with 12 test workers (now on up to 8
 # threads with a progress bar, and cached in GUMIHO_CACHE for a rerun on the same machine).
 # Next lease (what is still open): first, alone, the tests that have not run on a GPU since
-# f70fd32, the fifth lease's code (SUITE_ARGS=@docs/results/gpu_next_first.txt, 34 ids:
-# pytest reads them from the file; the fifth lease's 25 unreached, the 8 added since, among
-# them FusedSerial's, whose CUDA branch has never run, and the reworked shape test); then the
+# f70fd32, the fifth lease's code (SUITE_ARGS=@docs/results/gpu_next_first.txt, 37 ids:
+# pytest reads them from the file; the fifth lease's 25 unreached, the 11 added since, among
+# them FusedSerial's, whose CUDA branch has never run, and a warm start over another draft
+# vocabulary, and the reworked shape test); then the
 # whole suite if a call has room (FusedSerial drafts in every drafting test now); Gumiho from the shipped drafter with longer samples
 # (serial-1 gained only +0.002 in the fifth pass's last 100 steps at 512): the split holds
 # 7.2M tokens at MAX_LEN=512, 13.4M at 1024 and 22.3M at 2048 (5.3M / 10.2M / 17.1M of them
