@@ -38,6 +38,10 @@ BAD = {
     "train_draft_vocab_beyond_vocabulary": (
         "train", ["--target", "{tiny}", "--online", "--num-conversations", "2", "--max-len",
                   "32", "--output-dir", "{dir}/run", "--draft-vocab", "999999999"]),
+    "train_draft_vocab_negative": ("train", ["--target", "{tiny}", "--online", "--output-dir",
+                                             "{dir}/run", "--draft-vocab", "-5"]),
+    "accuracy_draft_vocab_negative": ("accuracy", ["--draft", "{dir}/drafter", "--data",
+                                                   "{dir}/olddata", "--draft-vocab", "-5"]),
     # gen_answers: never rewrites a file that is not its own, never resumes on mismatch
     "answers_into_readme": ("gen_answers", ["--target", "{tiny}", *ANSWER_ARGS,
                                             "--answer-file", "{dir}/README.md"]),
@@ -162,7 +166,7 @@ MODULES = {"gen_answers": "gumiho.evaluation.gen_answers", "generate": "gumiho.g
            "interleave": "gumiho.evaluation.interleave",
            "timing": "gumiho.evaluation.timing", "speed": "gumiho.evaluation.speed",
            "allocation": "gumiho.ge_data.allocation", "export": "gumiho.export",
-           "train": "gumiho.train.__main__"}
+           "train": "gumiho.train.__main__", "accuracy": "gumiho.train.accuracy"}
 
 
 def answer_record(qid: int, target: str, max_new_tokens: int = 3) -> dict:

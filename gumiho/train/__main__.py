@@ -26,7 +26,7 @@ from tqdm import tqdm
 from gumiho.checkpoint import check_drafter_dir, drafter_network, load_drafter_model, save_drafter
 from gumiho.config import TrainConfig
 from gumiho.drafters import random_drafter_model
-from gumiho.errors import GumihoError, cli_errors
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int
 from gumiho.methods import DRAFTER_METHODS, method_spec
 from gumiho.modeling import DraftHead, draft_vocabulary
 from gumiho.modeling.vocab import vocab_buffers
@@ -48,8 +48,8 @@ EXPORT_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 SLOW_BF16 = 2.0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gumiho.train", description=__doc__.split("\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m gumiho.train", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", nargs="+", help="dirs made by gumiho.ge_data.allocation")
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ploss-fraction", type=float, default=1.0,
                    help="score ploss (Medusa: its cross-entropy) on this random fraction "
                    "of positions (1.0 = the reference; lower it to fit a CPU budget)")
-    p.add_argument("--draft-vocab", type=int, default=0,
+    p.add_argument("--draft-vocab", type=nonnegative_int, default=0,
                    help="reduced draft vocabulary: the N most frequent assistant tokens of "
                    "the training data (0 = the target's whole vocabulary)")
     p.add_argument("--mlp-ploss-after-epochs", type=int, default=2,

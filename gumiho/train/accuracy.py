@@ -19,7 +19,7 @@ import torch
 
 from gumiho.checkpoint import load_drafter_model
 from gumiho.config import TrainConfig
-from gumiho.errors import ArgumentParser, cli_errors, positive_int
+from gumiho.errors import ArgumentParser, cli_errors, nonnegative_int, positive_int
 from gumiho.ge_data.shards import load_samples
 from gumiho.methods import DRAFTER_METHODS
 from gumiho.modeling import DraftHead
@@ -37,7 +37,7 @@ def build_parser() -> ArgumentParser:
                    help="default: the checkpoint's own")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--batch-size", type=positive_int, default=4)
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+    p.add_argument("--draft-vocab", type=nonnegative_int, default=None, metavar="N",
                    help="read the drafter over a draft vocabulary of N tokens chosen from the "
                         "training split (0: the whole vocabulary); default: its own")
     p.add_argument("--num-conversations", type=positive_int, default=17671,
