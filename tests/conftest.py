@@ -19,7 +19,8 @@ from gumiho.target import load_target, wrap_target
 # cores, for the processes the CLI tests start too: two workers each running torch's
 # default pool of every core would spin against each other.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    _threads = max(1, (_cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
 
