@@ -162,26 +162,32 @@ def chosen_vocabulary(target, size: int, samples: list[dict] | None) -> Tensor |
 
 def start_from(target, config: TrainConfig, samples: list[dict] | None = None):
     """The trainable drafter of checkpoint `config.init_from` (a warm start): its weights,
-    and its draft vocabulary unless --draft-vocab names another size. The serial layers and
-    MLP heads do not depend on the vocabulary (their logits are rows of the target's frozen
-    lm_head), so another size is chosen from the samples like a fresh drafter's; over the
-    same data a larger vocabulary holds every token of the smaller one. Medusa heads with
-    their own lm_head rows keep their size."""
+    and its draft vocabulary unless --draft-vocab names another size (`over_vocabulary`)."""
     model = load_drafter_model(config.init_from, target, config.method)
+    return trainable(over_vocabulary(model, target, config.draft_vocab, samples,
+                                     config.init_from))
+
+
+def over_vocabulary(model, target, size: int, samples: list[dict] | None, source: str):
+    """Drafter network `model` (loaded from `source`) over a draft vocabulary of `size`
+    tokens (0 or its own size: `model` itself). The serial layers and MLP heads do not
+    depend on the vocabulary (their logits are rows of the target's frozen lm_head), so
+    another size is chosen from the samples like a fresh drafter's; over the same data a
+    larger vocabulary holds every token of the smaller one. Medusa heads with their own
+    lm_head rows keep their size."""
     vocab = target.lm_head.weight.shape[0]
     have = model.config.draft_vocab_size or vocab
-    if not config.draft_vocab or config.draft_vocab == have:
-        return trainable(model)
+    if not size or size == have:
+        return model
     if model.config.medusa_own_lm_head:
-        raise GumihoError(f"--draft-vocab {config.draft_vocab}: --init-from "
-                          f"{config.init_from} has its own lm_head rows for {have} tokens; "
-                          f"give --draft-vocab {have} or leave it out")
-    draft_ids = chosen_vocabulary(target, config.draft_vocab, samples)
+        raise GumihoError(f"--draft-vocab {size}: --init-from {source} has its own lm_head "
+                          f"rows for {have} tokens; give --draft-vocab {have} or leave it out")
+    draft_ids = chosen_vocabulary(target, size, samples)
     new = replace(model.config, draft_vocab_size=0 if draft_ids is None else draft_ids.shape[0])
     state = {k: v for k, v in model.state_dict().items() if k not in ("d2t", "t2d")}
     if draft_ids is not None:
         state["d2t"], state["t2d"] = vocab_buffers(draft_ids, vocab)
-    return trainable(drafter_network(new, target, state, draft_ids))
+    return drafter_network(new, target, state, draft_ids)
 
 
 def trainable(model):

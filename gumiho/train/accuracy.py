@@ -24,7 +24,7 @@ from gumiho.ge_data.shards import load_samples
 from gumiho.methods import DRAFTER_METHODS
 from gumiho.modeling import DraftHead
 from gumiho.target import load_target
-from gumiho.train.__main__ import evaluate, start_from
+from gumiho.train.__main__ import evaluate, over_vocabulary
 from gumiho.train.dataset import online_samples
 
 
@@ -67,14 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     _, samples = load_samples(args.data)
     target = load_target(args.target)  # an accelerator when there is one
     model = load_drafter_model(args.draft, target, args.method).float()
-    if args.draft_vocab is not None:
-        config = TrainConfig(method=model.config.method, target=args.target, online=True,
-                             num_conversations=args.num_conversations, max_len=args.max_len,
-                             init_from=args.draft,
-                             draft_vocab=args.draft_vocab or target.lm_head.weight.shape[0])
-        training = online_samples(target, config.conversations, config.num_conversations,
-                                  config.max_len)
-        model = start_from(target, config, training).eval()
+    if args.draft_vocab is not None:  # 0 here is the whole vocabulary, not "its own"
+        training = online_samples(target, TrainConfig.conversations, args.num_conversations,
+                                  args.max_len)
+        model = over_vocabulary(model, target, args.draft_vocab or target.lm_head.weight.shape[0],
+                                training, args.draft).float()
     head = DraftHead.for_model(target, model)
     acc = evaluate(model, target, head, samples, model.config.method, 2, args.batch_size)
     print(json.dumps({"draft": args.draft, "data": args.data, "samples": len(samples),
