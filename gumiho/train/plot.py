@@ -10,13 +10,12 @@ the last step the run before it logged, and a run without evaluations still adds
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gumiho.errors import GumihoError, cli_errors
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors
 
 
 def log_rows(run: Path) -> list[dict]:
@@ -98,7 +97,7 @@ def plot_chain(ax, runs: list[Path], names: list[str] | None = None) -> None:
 
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gumiho.train.plot",
+    p = ArgumentParser(prog="python -m gumiho.train.plot",
                                 description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="training output dirs (or their train_log.jsonl)")
     p.add_argument("--out", required=True, help="PNG file to write")
