@@ -49,12 +49,12 @@
 # threads with a progress bar, and cached in GUMIHO_CACHE for a rerun on the same machine).
 # Next lease (what is still open): first, alone, the tests that have not run on a GPU since
 # f70fd32, the fifth lease's code (SUITE_ARGS=@docs/results/gpu_next_first.txt, 37 ids:
-# pytest reads them from the file; the fifth lease's 25 unreached, the 11 added since, among
-# them FusedSerial's, whose CUDA branch has never run, and a warm start over another draft
-# vocabulary, and the reworked shape test); then the
-# whole suite if a call has room (FusedSerial drafts in every drafting test now); Gumiho from the shipped drafter with longer samples
-# (serial-1 gained only +0.002 in the fifth pass's last 100 steps at 512): the split holds
-# 7.2M tokens at MAX_LEN=512, 13.4M at 1024 and 22.3M at 2048 (5.3M / 10.2M / 17.1M of them
+# pytest reads them from the file): the fifth lease's 25 unreached and the 12 added or
+# changed since (FusedSerial's, whose CUDA branch has never run; the reworked shape test; the
+# warm starts over another draft vocabulary). Then the whole suite if a call has room
+# (FusedSerial drafts in every drafting test now). Gumiho from the shipped drafter with longer
+# samples (serial-1 gained only +0.002 in the fifth pass's last 100 steps at 512): the split
+# holds 7.2M tokens at MAX_LEN=512, 13.4M at 1024 and 22.3M at 2048 (5.3M / 10.2M / 17.1M of them
 # assistant tokens; scripts/split_tokens.py, 2026-11-27), so 2048 shows the drafter twice
 # as much text it has never seen (one epoch ~7 minutes at the fifth lease's 53.7k tokens/s;
 # keep 16k tokens a step: BATCH=8 ACCUM=1), and the six-benchmark testbed with it.
