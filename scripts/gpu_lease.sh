@@ -174,7 +174,7 @@ p(json.load(open(sys.argv[1])))" "$RESULTS/$name.json" | tee "$RESULTS/$name.txt
 cycle() {  # the cycle table at the Llama-3-8B shape; needs nothing staged. Whole vocabulary
   # (as the paper's drafters), then Gumiho alone with a CYCLE_DRAFT_VOCAB-token draft
   # vocabulary (default 32768, EAGLE-3's for Llama-3; 0 skips it, ~25 s)
-  cycle_table cycle_8b "${CYCLE_LIMIT:-240}" --methods gumiho,eagle2,medusa
+  cycle_table cycle_8b "${CYCLE_LIMIT:-240}" --methods "${CYCLE_METHODS:-gumiho,eagle2,medusa}"
   local vocab=${CYCLE_DRAFT_VOCAB:-32768}
   (( vocab > 0 )) || return 0
   cycle_table cycle_8b_vocab "${CYCLE_DV_LIMIT:-90}" --methods gumiho --widths 1,16,64 \
@@ -203,8 +203,10 @@ testbed() {  # every method vs plain decoding on an idle GPU, greedy, with equal
   local m drafts="" gumiho eagle2 medusa
   for m in gumiho eagle2 medusa; do
     local dir=gumiho/assets/smollm2/$m
-    [[ ${USE_CAMPAIGN:-0} == 1 && -f $LEASE_ROOT/runs/$m/model.safetensors ]] \
-      && dir=$LEASE_ROOT/runs/$m
+    local run
+    run=$(run_name "$m")  # RUN_SUFFIX picks a variant (`pick` names the best Gumiho one)
+    [[ ${USE_CAMPAIGN:-0} == 1 && -f $LEASE_ROOT/runs/$run/model.safetensors ]] \
+      && dir=$LEASE_ROOT/runs/$run
     printf -v "$m" %s "$dir"
     drafts+="$m=$dir "
   done
@@ -305,6 +307,28 @@ progress() {
   done
 }
 
+pick() {  # the Gumiho runs' held-out rows in one file; the best last serial-1's suffix to
+  # $LEASE_ROOT/best_suffix (e.g. RUN_SUFFIX=$(cat /root/lease/best_suffix) ... fetch testbed)
+  python3 - "$LEASE_ROOT/runs" "$RESULTS/campaign_evals.jsonl" > "$LEASE_ROOT/best_suffix" <<'EOF'
+import json, sys
+from pathlib import Path
+
+best, rows = None, []
+for log in sorted(Path(sys.argv[1]).glob("gumiho*/train_log.jsonl")):
+    evals = [r for r in map(json.loads, log.read_text().splitlines()) if "eval" in r]
+    rows += [{"run": log.parent.name, "step": r["step"], **r["eval"]} for r in evals]
+    for r in evals:
+        print(log.parent.name, r["step"], round(r["eval"]["acc_serial1"], 4), file=sys.stderr)
+    if evals and (best is None or evals[-1]["eval"]["acc_serial1"] > best[0]):
+        best = (evals[-1]["eval"]["acc_serial1"], log.parent.name)
+Path(sys.argv[2]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+if best is None:
+    sys.exit("error: no Gumiho run has a held-out evaluation yet")
+print(best[1][len("gumiho"):])
+print("best:", best[1], round(best[0], 4), file=sys.stderr)
+EOF
+}
+
 wait_runs() {  # until the campaign's trainings end (or WAIT_LIMIT seconds)
   local end=$((SECONDS + ${WAIT_LIMIT:-480}))
   while pgrep -f "output-dir $LEASE_ROOT/runs/" > /dev/null && ((SECONDS < end)); do
@@ -341,7 +365,7 @@ unpack() {  # here: the fetched drafters into runs/gpu_campaign/
   ls -R runs/gpu_campaign
 }
 
-[[ $# -gt 0 ]] || die "give phases: pack | cycle suite testbed equality probe heldout campaign wait fetch | unpack DIR"
+[[ $# -gt 0 ]] || die "give phases: pack | cycle suite testbed equality probe heldout campaign wait pick fetch | unpack DIR"
 case $1 in
   pack) pack; exit ;;
   unpack) unpack "${2:-}"; exit ;;
@@ -350,7 +374,7 @@ receive
 failed=0
 for phase in "$@"; do  # a failing phase does not stop the ones after it (device time is dear)
   case $phase in
-    cycle|suite|testbed|equality|heldout|campaign|probe|fetch|progress) ($phase) || { failed=1
+    cycle|suite|testbed|equality|heldout|campaign|probe|fetch|progress|pick) ($phase) || { failed=1
       echo "error: phase $phase failed; going on" >&2; } ;;
     wait) wait_runs ;;
     receive) ;;
