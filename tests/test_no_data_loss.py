@@ -20,6 +20,7 @@ from gumiho.ge_data import allocation
 from gumiho.ge_data.conversations import load_conversations
 from gumiho.ge_data.shards import load_samples, shard_path
 from gumiho.paths import write_atomically
+from gumiho.target import choose_device_dtype
 
 ROOT = Path(__file__).parents[1]
 QIDS = [q["question_id"] for q in load_questions("gsm8k_like")]
@@ -200,6 +201,10 @@ def run_and_interrupt(cmd: list[str], ready, timeout: float = 240) -> tuple[int,
     deadline = time.monotonic() + timeout
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
+    if proc.poll() is not None:  # nothing left to interrupt: say why rather than ESRCH
+        _, err = proc.communicate()
+        pytest.fail(f"{cmd[0]} ended (status {proc.returncode}) before the interrupt; give "
+                    f"it more work. Its stderr ends: {err[-800:]}")
     os.killpg(proc.pid, signal.SIGINT)  # like Ctrl-C: the whole foreground group
     _, err = proc.communicate(timeout=120)
     return proc.returncode, err
@@ -229,9 +234,11 @@ def test_ctrl_c_in_gen_answers_then_resume(tmp_path, tiny_target_dir):
 
 def test_ctrl_c_in_allocation_then_resume(tmp_path, tiny_target_dir):
     out = tmp_path / "d"
-    # enough shards that a GPU, where each takes milliseconds, is still writing them when
-    # the interrupt comes (40 were all written between two polls there)
-    args = ["--outdir", str(out), "--target", tiny_target_dir, "--end", "150",
+    # enough shards that the run is still writing them when the interrupt comes: on a GPU
+    # each takes milliseconds, and 150 were all written before a poll on a loaded host (the
+    # sixth lease); the resume below makes the rest, so the CPU keeps the smaller count
+    shards = 150 if choose_device_dtype()[0].type == "cpu" else 3000
+    args = ["--outdir", str(out), "--target", tiny_target_dir, "--end", str(shards),
             "--shard-size", "1", "--max-len", "256"]
     code, err = run_and_interrupt(["gumiho.ge_data.allocation", *args],
                                   lambda: shard_path(out, 1).exists())
@@ -242,7 +249,7 @@ def test_ctrl_c_in_allocation_then_resume(tmp_path, tiny_target_dir):
     finished = {p.name: p.stat().st_mtime_ns for p in out.glob("shard_*.pt")}
     assert allocation.main(args) == 0
     assert all((out / n).stat().st_mtime_ns == t for n, t in finished.items())
-    assert len(list(out.glob("shard_*.pt"))) == 150
+    assert len(list(out.glob("shard_*.pt"))) == shards
 
 
 def test_an_atomic_write_that_fails_leaves_the_old_file(tmp_path):

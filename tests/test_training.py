@@ -203,6 +203,22 @@ def test_bf16_on_a_cpu_with_slow_bf16_products_is_refused(tiny_target_dir, tiny_
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("asked", [None, "bf16"])
+def test_precision_follows_the_device_training_runs_on(monkeypatch, asked):
+    """GUMIHO_DEVICE=cpu on a GPU machine trains on the CPU: the default precision is the
+    CPU's (fp32), and bf16 there meets the slow-CPU check (it was bf16 by default wherever a
+    GPU existed, which the fifth lease's suite caught)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("GUMIHO_DEVICE", "cpu")
+    monkeypatch.setattr(trainer, "bf16_slowdown", lambda: 12.0)
+    config = TrainConfig(method="gumiho", online=True, precision=asked)
+    if asked is None:
+        assert trainer.precision(config) == ("no", "float32")
+    else:
+        with pytest.raises(GumihoError, match="12x slower"):
+            trainer.precision(config)
+
+
 @pytest.mark.host
 def test_training_on_the_cpu_after_a_gpu_state_in_the_same_process():
     """A GPU session's test suite ran a CPU-only training test in a worker whose accelerate
@@ -503,7 +519,7 @@ def test_a_warm_start_can_take_another_vocabulary(tiny, tiny_target_dir, tiny_da
     first = load_file(str(tmp_path / "first" / "model.safetensors"))
     _, samples = load_samples(tiny_data_dir)
     vocab = tiny.lm_head.weight.shape[0]
-    old = set((first["d2t"] + torch.arange(300)).tolist())
+    old = set((first["d2t"] + torch.arange(300, device=first["d2t"].device)).tolist())
     for size, want in ((400, 400), (200, 200), (vocab, None)):
         config = TrainConfig(method="gumiho", target=tiny_target_dir, data=(tiny_data_dir,),
                              init_from=str(tmp_path / "first"), draft_vocab=size)

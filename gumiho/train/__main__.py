@@ -281,9 +281,11 @@ def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
 def precision(config: TrainConfig) -> tuple[str, str]:
     """Decided once: accelerate's mixed precision and the target's dtype. bf16 is autocast
     over fp32 weights (optimizer and master weights stay fp32) with the target in bf16; by
-    default on a GPU only."""
-    chosen = config.precision or ("bf16" if torch.cuda.is_available() else "fp32")
-    if chosen == "bf16" and not torch.cuda.is_available():
+    default on a GPU only: on the device training runs on, so GUMIHO_DEVICE=cpu on a GPU
+    machine trains in fp32."""
+    on_cpu = choose_device_dtype()[0].type == "cpu"
+    chosen = config.precision or ("fp32" if on_cpu else "bf16")
+    if chosen == "bf16" and on_cpu:
         slowdown = bf16_slowdown()
         if slowdown > SLOW_BF16:
             raise GumihoError(f"--precision bf16: bfloat16 matrix products run {slowdown:.0f}x "
