@@ -13,7 +13,7 @@ def test_timing_tool_reports_every_phase(tiny_target_dir, capsys):
     code = timing.main(["--target", tiny_target_dir, "--widths", "1,4", "--methods",
                         "gumiho,eagle2,medusa", "--repeats", "1", "--context", "16", "--json",
                         "--max-new-tokens", "8", "--tau", "3", "--total-tokens", "8",
-                        "--top-k", "3", "--mlp-topk", "3", "--pruning", "3"])
+                        "--top-k", "3", "--mlp-topk", "3", "--pruning", "3", "--kernels", "4"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     from gumiho.graphs import default_engine
@@ -34,6 +34,19 @@ def test_timing_tool_reports_every_phase(tiny_target_dir, capsys):
     assert wall["cycle_s"] > 0 and wall["plain_step_s"] > 0
     expected = 3 * wall["plain_step_s"] / wall["cycle_s"]
     assert gumiho["projected"]["speedup"] == pytest.approx(expected)
+    # --kernels: what the cycles past the first spend their time on, most first
+    for key, wall_s in (("kernels", wall["cycle_s"]), ("plain_kernels", wall["plain_step_s"])):
+        table = gumiho[key]
+        assert table["cycles"] >= 1 and len(table["top"]) == 4
+        spent = [row["s"] for row in table["top"]]
+        assert spent == sorted(spent, reverse=True) and spent[-1] > 0
+        assert all(row["calls"] > 0 and row["name"] for row in table["top"])
+        assert sum(spent) <= table["busy_s"] * (1 + 1e-9) and table["busy_s"] < 50 * wall_s
+    # the drafter's own products show up in the drafting cycle, not in plain decoding's
+    assert gumiho["kernels"]["busy_s"] > gumiho["plain_kernels"]["busy_s"]
+    timing.print_report({**report, "cycles": {"gumiho": gumiho}})
+    printed = capsys.readouterr().out
+    assert "the most per cycle" in printed and gumiho["kernels"]["top"][0]["name"][:40] in printed
 
 
 def test_a_random_draft_vocabulary_shrinks_the_drafter_head(tiny_target_dir, capsys):

@@ -18,7 +18,11 @@ with a device synchronisation around each timed call:
 
 Greedy cycles sync the host once (the accept length); on CUDA the tool counts the implicit
 syncs of an unprofiled run with CUDA's sync debug mode. The profiled run adds a sync
-around each phase to attribute time.
+around each phase to attribute time. `--kernels N` adds, per method and for plain decoding,
+the N kernels that take most device time a cycle and the device's busy time a cycle
+(torch.profiler; on a CPU, torch operators by self time, which leaves out Python and
+code outside torch's operators such as gumiho/rowgemm.c): what to shrink, and whether the
+device or the host is what a cycle waits on.
 """
 
 from __future__ import annotations
@@ -102,7 +106,8 @@ def prompt_ids(target: Target, context: int) -> list[int]:
 
 
 def cycle_breakdown(target: Target, method: str, draft: str, engine: str, context: int,
-                    max_new_tokens: int, draft_vocab: int = 0, **tree_opts) -> dict:
+                    max_new_tokens: int, draft_vocab: int = 0, kernels: int = 0,
+                    **tree_opts) -> dict:
     """Per-cycle phase costs of a profiled generation of `method`, and of plain decoding
     on the same prompt through the same engine; then both again unprofiled (a profiled
     phase ends in a device sync, which on a GPU empties the queue between phases)."""
@@ -135,7 +140,11 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
                                                          max_new_tokens),
             "launches_per_cycle": launches_per_cycle(target, drafter, ids, engine,
                                                      max_new_tokens),
-            "identical_to_plain": fast.token_ids == plain.token_ids}
+            "identical_to_plain": fast.token_ids == plain.token_ids,
+            **({"kernels": kernel_table(target, drafter, ids, engine, max_new_tokens, kernels),
+                "plain_kernels": kernel_table(target, PlainDrafter(), ids, engine,
+                                              max_new_tokens, kernels)}
+               if kernels else {})}
 
 
 def unprofiled_cycle_s(target: Target, drafter, ids: list[int], engine: str,
@@ -188,6 +197,61 @@ def launches_per_cycle(target: Target, drafter, ids: list[int], engine: str,
             on_cycle=start_counting)
     cycles = max(len(counted) - 1, 1)  # the last on_cycle ends the counted region
     return {module: n / cycles for module, n in launches.by_module.most_common()}
+
+
+def kernel_table(target: Target, drafter, ids: list[int], engine: str, max_new_tokens: int,
+                 top: int) -> dict:
+    """Where a cycle's device time goes, from torch.profiler over the cycles past the first:
+    the `top` kernels (on a CPU: operators, by self time) by time per cycle, with calls per
+    cycle, and the device's busy time per cycle (the union of the kernels' intervals on a
+    GPU, where a cycle busy for less than its wall time waits on the host)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = target.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    prof = profile(activities=activities)
+    counted = []
+
+    def start_profiling(tree, emitted):  # from the end of the first verify cycle on
+        if not counted:
+            prof.start()
+        counted.append(1)
+
+    try:
+        run(target, drafter, ids, GenerateConfig(max_new_tokens=max_new_tokens, engine=engine),
+            on_cycle=start_profiling)
+        if on_gpu:
+            torch.cuda.synchronize(target.device)
+    finally:
+        if counted:
+            prof.stop()
+    cycles = max(len(counted) - 1, 1)
+    what = "device kernels" if on_gpu else "torch operators' self time"
+    if not counted:
+        return {"cycles": 0, "busy_s": 0.0, "what": what, "top": []}
+    events = prof.events()
+    if on_gpu:
+        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == DeviceType.CUDA]
+    else:
+        kernels = [(e.name, e.time_range.start, e.time_range.start + e.self_cpu_time_total)
+                   for e in events if e.device_type == DeviceType.CPU]
+    totals: dict[str, list[float]] = {}
+    for name, start, end in kernels:
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += (end - start) * 1e-6
+    busy, reach = 0.0, float("-inf")
+    for _, start, end in sorted((k for k in kernels if on_gpu), key=lambda k: k[1]):
+        busy += max(end - max(start, reach), 0)  # the union of the intervals, in us
+        reach = max(reach, end)
+    if not on_gpu:  # the host's operators: their self times do not overlap
+        busy = sum(end - start for _, start, end in kernels)
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    return {"cycles": cycles, "busy_s": busy * 1e-6 / cycles, "what": what,
+            "top": [{"name": name, "calls": n / cycles, "s": t / cycles}
+                    for name, (n, t) in ranked]}
 
 
 def projected_speedup(tau: float, plain_step_s: float, cycle_s: float) -> float:
@@ -243,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-vocab", type=nonnegative_int, default=0,
                         help="with --draft random: a draft vocabulary of N tokens (what a "
                         "reduced one saves; 0 = the target's whole vocabulary)")
+    parser.add_argument("--kernels", type=nonnegative_int, default=0,
+                        help="also list the N kernels (CPU: operators) that take most of a "
+                        "cycle's device time, and the device's busy time per cycle, for each "
+                        "method and plain decoding (torch.profiler; 0 = off)")
     parser.add_argument("--json", action="store_true")
     add_tree_args(parser)
     return parser
@@ -309,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         TreeConfig.for_method(method, **per_method[method]).check_vocab(
             target.lm_head.weight.shape[0])
         cycle = cycle_breakdown(target, method, args.draft, engine, args.context,
-                                args.max_new_tokens, args.draft_vocab, **per_method[method])
+                                args.max_new_tokens, args.draft_vocab, args.kernels,
+                                **per_method[method])
         tau = args.tau if args.tau is not None else cycle["tau"]
         wall = cycle["unprofiled"]
         cycle["projected"] = {"tau": tau, "speedup": projected_speedup(
@@ -350,6 +419,17 @@ def print_report(report: dict) -> None:
               f"({wall['plain_step_s'] * 1e3:.2f} ms); at tau {proj['tau']:.2f} the speedup "
               f"is {proj['speedup']:.2f}x (output identical to plain: "
               f"{cycle['identical_to_plain']})")
+        for label, table in (("", cycle.get("kernels")), ("plain ", cycle.get("plain_kernels"))):
+            if table:
+                print_kernels(label, table, wall["plain_step_s" if label else "cycle_s"])
+
+
+def print_kernels(label: str, table: dict, wall_s: float) -> None:
+    print(f"  {label}busy ({table['what']}) {table['busy_s'] * 1e3:.2f} ms a cycle of its "
+          f"unprofiled {wall_s * 1e3:.2f} ms; the most per cycle:")
+    for row in table["top"]:
+        name = row["name"] if len(row["name"]) <= 70 else row["name"][:67] + "..."
+        print(f"    {row['s'] * 1e3:7.3f} ms {row['calls']:6.1f} calls  {name}")
 
 
 if __name__ == "__main__":
