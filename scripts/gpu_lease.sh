@@ -47,27 +47,28 @@
 # trained at 53.7k tokens/s (16 x 2: 38k). The training's first step came only ~4 minutes
 # after its start: tokenizing the split on a CPU shared with 12 test workers (now on up to 8
 # threads with a progress bar, and cached in GUMIHO_CACHE for a rerun on the same machine).
-# Next lease (what is still open): first, alone, the tests that have not run on a GPU since
-# f70fd32, the fifth lease's code (SUITE_ARGS=@docs/results/gpu_next_first.txt, 37 ids:
-# pytest reads them from the file): the fifth lease's 25 unreached and the 12 added or
-# changed since (FusedSerial's, whose CUDA branch has never run; the reworked shape test; the
-# warm starts over another draft vocabulary). Then the whole suite if a call has room
-# (FusedSerial drafts in every drafting test now). Gumiho from the shipped drafter with longer
-# samples (serial-1 gained only +0.002 in the fifth pass's last 100 steps at 512): the split
-# holds 7.2M tokens at MAX_LEN=512, 13.4M at 1024 and 22.3M at 2048 (5.3M / 10.2M / 17.1M of them
-# assistant tokens; scripts/split_tokens.py, 2026-11-27), so 2048 shows the drafter twice
-# as much text it has never seen (one epoch ~7 minutes at the fifth lease's 53.7k tokens/s;
-# keep 16k tokens a step: BATCH=8 ACCUM=1), and the six-benchmark testbed with it.
-# A variant beside it: CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight
-# 0.1" with the same INIT/MAX_STEPS runs into runs/gumiho_mlpw (`progress` and `fetch` take
-# the same RUN_SUFFIX; the held-out rows are in its train_log.jsonl); likewise RUN_SUFFIX=_p1
-# TRAIN_ARGS="--ploss-weight 1.0" (the serial step's token loss ten times the reference's:
-# +0.002 serial-1 in a 40-step CPU try, README, Training a drafter).
-# And RUN_SUFFIX=_v32k DRAFT_VOCAB=32768 (with INIT, at 512 or 2048 tokens): the shipped
-# drafter widened to 32,768 draft tokens (--init-from with another --draft-vocab keeps its
-# weights). 6.0% of held-out target tokens lie outside its 8,192; read over 32,768 without
-# training it scores serial-1 0.593 instead of 0.586 (README, Draft vocabulary), so training
-# on the added tokens is the likeliest way over issue 12's 0.60.
+# The sixth lease (H100, 790 s, docs/results/gpu_h100_sixth): .stage/3 with `cycle`
+# (CYCLE_METHODS=gumiho, 124 s with the start 171 s), .stage/1 (2 s), .stage/2 with two
+# campaigns (MAX_LEN=2048 BATCH=8 ACCUM=1 MAX_STEPS=300, RUN_SUFFIX=_2k and _v32k with
+# DRAFT_VOCAB=32768) + the 37 first tests (SUITE_WORKERS=6: 34 passed, 3 failed, 97 s) in
+# 223 s, then wait + pick + fetch + the six-benchmark testbed (358 s). Tokenizing the split
+# at 2048 took each run ~2 minutes beside the tests; side by side the runs trained at 21k
+# and 25k tokens/s and both ended inside the wait. Only the picked run's weights came back
+# (a Gumiho drafter is 3 of a call's 8 files): fetch now names its archive by RUN_SUFFIX,
+# so the next lease can fetch each variant (one call each, or two in a call without the
+# testbed) and unpack takes them all.
+# Next lease (what is still open): first, alone, SUITE_ARGS=@docs/results/gpu_next_first.txt
+# (5 ids: the sixth lease's three failures, fixed since, and the precision test added with
+# them), then the whole suite (not run whole on a GPU since f70fd32). The cycle with
+# CYCLE_ARGS="--kernels 15": which kernels make the 8B-shape drafting's 4.8 ms (issue 11's
+# 1.3 plain steps needs it under 1.7). The 2048-token runs raised held-out serial-1 on the
+# GPU's bf16 rows (0.580 -> 0.588 over 8,192 draft tokens, -> 0.593 over 32,768) but not on
+# this CPU in fp32 (the widened run 0.592, the untrained widening 0.593); fetch both this
+# time and read both here before choosing. Variants not yet run: RUN_SUFFIX=_p1
+# TRAIN_ARGS="--ploss-weight 1.0" (the serial step's token loss ten times the reference's)
+# and RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight 0.1"; PRECISION=fp32 would train on
+# the fp32 features the CPU evaluates with (whether bf16 features are why the GPU's gain
+# does not show here).
 # USE_CAMPAIGN=1 runs the testbed with the campaign's drafters instead of the shipped ones.
 #
 # Every phase first takes in whatever pieces were carried (`receive`), so any order works
@@ -347,7 +348,10 @@ fetch() {  # stop the campaign (each run keeps its last save) and send its draft
     done
   done
   ((${#files[@]})) || die "no campaign drafters on this machine: run the campaign phase"
-  tar -czf - -C "$LEASE_ROOT/runs" "${files[@]}" | split -b 15000000 - "$RESULTS/drafters.tgz.part-"
+  # one archive per RUN_SUFFIX: variants fetched in turn (a call brings back 8 files, and a
+  # Gumiho drafter takes 3) do not overwrite each other
+  tar -czf - -C "$LEASE_ROOT/runs" "${files[@]}" \
+    | split -b 15000000 - "$RESULTS/drafters${RUN_SUFFIX:-}.tgz.part-"
   local logged=()
   for m in "${METHODS[@]}"; do
     run=$LEASE_ROOT/runs/$(run_name "$m")
@@ -361,7 +365,11 @@ fetch() {  # stop the campaign (each run keeps its last save) and send its draft
 unpack() {  # here: the fetched drafters into runs/gpu_campaign/
   [[ -n ${1:-} && -d $1 ]] || die "give the folder the device call's files came back to"
   mkdir -p runs/gpu_campaign
-  cat "$1"/drafters.tgz.part-* | tar -xzf - -C runs/gpu_campaign
+  local first
+  for first in "$1"/drafters*.tgz.part-aa; do  # each fetched archive (one per RUN_SUFFIX)
+    [[ -f $first ]] || die "$1 holds no drafters*.tgz.part-aa"
+    cat "${first%aa}"* | tar -xzf - -C runs/gpu_campaign
+  done
   ls -R runs/gpu_campaign
 }
 
