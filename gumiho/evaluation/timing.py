@@ -49,9 +49,9 @@ from gumiho.errors import (
     nonnegative_int,
     positive_int,
 )
+from gumiho.evaluation.profiling import host_syncs_per_cycle, kernel_table, launches_per_cycle
 from gumiho.generate import add_target_args, add_tree_args, tree_options
 from gumiho.graphs import resolve_engine
-from gumiho.hostsync import LaunchCounter
 from gumiho.methods import DRAFTER_METHODS, method_spec
 from gumiho.target import Target, choose_device_dtype, load_target, wrap_target
 
@@ -160,98 +160,6 @@ def unprofiled_cycle_s(target: Target, drafter, ids: list[int], engine: str,
     prefill_s, _ = wall(1)
     total_s, cycles = wall(max_new_tokens)
     return max(total_s - prefill_s, 0.0) / max(cycles - 1, 1)
-
-
-def host_syncs_per_cycle(target: Target, drafter, ids: list[int], engine: str,
-                         max_new_tokens: int) -> float | None:
-    """Implicit device synchronisations per verify cycle of an unprofiled run, counted by
-    CUDA's sync debug mode (None off CUDA, where there is no device queue to stall)."""
-    import warnings
-
-    if target.device.type != "cuda":
-        return None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = run(target, drafter, ids, GenerateConfig(max_new_tokens=max_new_tokens,
-                                                              engine=engine))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return syncs / max(result.cycles, 1)
-
-
-def launches_per_cycle(target: Target, drafter, ids: list[int], engine: str,
-                       max_new_tokens: int) -> dict[str, float]:
-    """Kernels launched outside recorded steps per verify cycle, by module (hostsync.py);
-    with the eager engine every step's kernels count too."""
-    counted = []
-
-    def start_counting(tree, emitted):  # from the end of the first verify cycle on
-        launches.active = True
-        counted.append(1)
-
-    with LaunchCounter(active=False) as launches:
-        run(target, drafter, ids, GenerateConfig(max_new_tokens=max_new_tokens, engine=engine),
-            on_cycle=start_counting)
-    cycles = max(len(counted) - 1, 1)  # the last on_cycle ends the counted region
-    return {module: n / cycles for module, n in launches.by_module.most_common()}
-
-
-def kernel_table(target: Target, drafter, ids: list[int], engine: str, max_new_tokens: int,
-                 top: int) -> dict:
-    """Where a cycle's device time goes, from torch.profiler over the cycles past the first:
-    the `top` kernels (on a CPU: operators, by self time) by time per cycle, with calls per
-    cycle, and the device's busy time per cycle (the union of the kernels' intervals on a
-    GPU, where a cycle busy for less than its wall time waits on the host)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    on_gpu = target.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    prof = profile(activities=activities)
-    counted = []
-
-    def start_profiling(tree, emitted):  # from the end of the first verify cycle on
-        if not counted:
-            prof.start()
-        counted.append(1)
-
-    try:
-        run(target, drafter, ids, GenerateConfig(max_new_tokens=max_new_tokens, engine=engine),
-            on_cycle=start_profiling)
-        if on_gpu:
-            torch.cuda.synchronize(target.device)
-    finally:
-        if counted:
-            prof.stop()
-    cycles = max(len(counted) - 1, 1)
-    what = "device kernels" if on_gpu else "torch operators' self time"
-    if not counted:
-        return {"cycles": 0, "busy_s": 0.0, "what": what, "top": []}
-    events = prof.events()
-    if on_gpu:
-        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == DeviceType.CUDA]
-    else:
-        kernels = [(e.name, e.time_range.start, e.time_range.start + e.self_cpu_time_total)
-                   for e in events if e.device_type == DeviceType.CPU]
-    totals: dict[str, list[float]] = {}
-    for name, start, end in kernels:
-        entry = totals.setdefault(name, [0, 0.0])
-        entry[0] += 1
-        entry[1] += (end - start) * 1e-6
-    busy, reach = 0.0, float("-inf")
-    for _, start, end in sorted((k for k in kernels if on_gpu), key=lambda k: k[1]):
-        busy += max(end - max(start, reach), 0)  # the union of the intervals, in us
-        reach = max(reach, end)
-    if not on_gpu:  # the host's operators: their self times do not overlap
-        busy = sum(end - start for _, start, end in kernels)
-    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
-    return {"cycles": cycles, "busy_s": busy * 1e-6 / cycles, "what": what,
-            "top": [{"name": name, "calls": n / cycles, "s": t / cycles}
-                    for name, (n, t) in ranked]}
 
 
 def projected_speedup(tau: float, plain_step_s: float, cycle_s: float) -> float:
