@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from gumiho.checkpoint import load_drafter_model, read_state, save_drafter, to_official
 from gumiho.config import DrafterConfig
-from gumiho.errors import ArgumentParser, GumihoError, cli_errors
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int, positive_int
 from gumiho.methods import DRAFTER_METHODS, method_spec
 
 FORMATS = ("gumiho", "released", "vllm-eagle", "sglang-eagle", "vllm-eagle3",
@@ -50,15 +50,23 @@ EAGLE3_REFUSAL = (
 
 
 def export(draft: str | Path, target, out: str | Path, fmt: str = "gumiho",
-           method: str | None = None, dtype: torch.dtype | None = None) -> list[str]:
+           method: str | None = None, dtype: torch.dtype | None = None,
+           draft_vocab: int | None = None, samples: list[dict] | None = None) -> list[str]:
     """Write drafter checkpoint `draft` (for `target`) to `out` as `fmt`; returns notes on
-    what the consumer will do differently from gumiho (empty when nothing)."""
+    what the consumer will do differently from gumiho (empty when nothing). `draft_vocab`
+    (0: the whole vocabulary) re-chooses the draft vocabulary from `samples`' assistant
+    tokens, keeping the network: its logits are rows of the target's lm_head."""
+    from gumiho.train.__main__ import over_vocabulary
+
     if fmt not in FORMATS:
         raise GumihoError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
     if fmt.endswith("eagle3"):
         raise GumihoError(EAGLE3_REFUSAL.format(fmt=fmt))
     dtype = dtype or stored_dtype(Path(draft))
     model = load_drafter_model(draft, target, method).float()
+    if draft_vocab is not None:
+        model = over_vocabulary(model, target, draft_vocab or target.lm_head.weight.shape[0],
+                                samples, str(draft)).float()
     out = Path(out)
     if fmt == "gumiho":
         save_drafter(model, out, dtype=dtype)
@@ -231,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the dtype the checkpoint was saved in")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out (its files of the same names are replaced)")
+    p.add_argument("--draft-vocab", type=nonnegative_int, default=None, metavar="N",
+                   help="the network over a draft vocabulary of N tokens, the training "
+                   "split's most frequent (0: the whole vocabulary); default: its own")
+    p.add_argument("--num-conversations", type=positive_int, default=17671,
+                   help="--draft-vocab: training conversations to count tokens in")
+    p.add_argument("--max-len", type=positive_int, default=512,
+                   help="--draft-vocab: tokens per counted conversation")
     return p
 
 
@@ -250,10 +265,21 @@ def main(argv: list[str] | None = None) -> int:
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise GumihoError(f"--out {out} is not empty: give a new directory (or --overwrite)")
     target = load_target(args.target, device="cpu", dtype="float32")
+    samples = None
+    if args.draft_vocab is not None:
+        from gumiho.config import TrainConfig
+        from gumiho.train.__main__ import check_draft_vocab
+        from gumiho.train.dataset import online_samples
+
+        check_draft_vocab(target, args.draft_vocab)  # before minutes of counting
+        samples = online_samples(target, TrainConfig.conversations, args.num_conversations,
+                                 args.max_len)
     notes = export(args.draft, target, args.out, args.format, args.method,
-                   DTYPES.get(args.dtype))
+                   DTYPES.get(args.dtype), args.draft_vocab, samples)
     files = ", ".join(sorted(p.name for p in Path(args.out).iterdir()))
-    print(f"wrote {args.out} ({args.format}): {files}")
+    config = json.loads((Path(args.out) / "config.json").read_text())
+    size = config.get("draft_vocab_size") or target.lm_head.weight.shape[0]
+    print(f"wrote {args.out} ({args.format}, over {size} draft tokens): {files}")
     for note in notes:
         print(f"note: {note}")
     return 0

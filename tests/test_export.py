@@ -221,3 +221,36 @@ def test_export_cli(tiny_target_dir, tmp_path, capsys):
     assert state["embed_tokens.weight"].dtype == torch.bfloat16  # the stored dtype
     torch.testing.assert_close(state["embed_tokens.weight"].float(),
                                target.embed_tokens.weight.bfloat16().float().cpu())
+
+
+def test_export_over_another_draft_vocabulary(tiny_target_dir, tmp_path, capsys, monkeypatch):
+    """--draft-vocab N: the same network over N tokens chosen from the training split, as
+    a warm start with another --draft-vocab chooses them (0: the whole vocabulary); one
+    trained drafter, a vocabulary sized for each device."""
+    from gumiho.target import load_target
+
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
+    target = load_target(tiny_target_dir)
+    vocab = target.lm_head.weight.shape[0]
+    model = perturbed_drafter(target, "gumiho", draft_ids=torch.tensor([0, 2, 3, 10, 50, 96]))
+    save_drafter(model, tmp_path / "draft")
+    counting = ["--num-conversations", "12", "--max-len", "96"]
+    for size, want in (("20", 20), ("0", None)):
+        out = tmp_path / f"v{size}"
+        assert main(["--draft", str(tmp_path / "draft"), "--out", str(out), "--target",
+                     tiny_target_dir, "--draft-vocab", size, *counting]) == 0
+        assert f"over {want or vocab} draft tokens" in capsys.readouterr().out
+        state = load_file(str(out / "model.safetensors"))
+        config = json.loads((out / "config.json").read_text())
+        if want is None:
+            # written out in full for vLLM; read back as 0, "the whole vocabulary"
+            assert "d2t" not in state and config["draft_vocab_size"] == vocab
+        else:
+            assert state["d2t"].shape == (want,) and config["draft_vocab_size"] == want
+        for key, value in load_file(str(tmp_path / "draft" / "model.safetensors")).items():
+            if key not in ("d2t", "t2d"):  # the network itself is unchanged
+                assert torch.equal(state[key], value)
+        assert load_drafter_model(out, target).config.draft_vocab_size == (want or 0)
+    assert main(["--draft", str(tmp_path / "draft"), "--out", str(tmp_path / "bad"),
+                 "--target", tiny_target_dir, "--draft-vocab", str(vocab + 1), *counting]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --draft-vocab")

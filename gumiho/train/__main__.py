@@ -144,14 +144,20 @@ def new_model(target, config: TrainConfig, samples: list[dict] | None = None,
                                           chosen_vocabulary(target, config.draft_vocab, samples)))
 
 
-def chosen_vocabulary(target, size: int, samples: list[dict] | None) -> Tensor | None:
-    """The target ids (size,) of a draft vocabulary of `size` tokens, the samples' most
-    frequent assistant tokens (stop tokens always included); None for the whole vocabulary
-    (0, or the target's size)."""
+def check_draft_vocab(target, size: int) -> int:
+    """The target's vocabulary size, once `size` is known to fit in it."""
     vocab = target.lm_head.weight.shape[0]
     if size > vocab:
         raise GumihoError(f"--draft-vocab {size} is larger than the target's "
                           f"vocabulary ({vocab} tokens): give at most {vocab} (or 0 for all)")
+    return vocab
+
+
+def chosen_vocabulary(target, size: int, samples: list[dict] | None) -> Tensor | None:
+    """The target ids (size,) of a draft vocabulary of `size` tokens, the samples' most
+    frequent assistant tokens (stop tokens always included); None for the whole vocabulary
+    (0, or the target's size)."""
+    vocab = check_draft_vocab(target, size)
     if not size or size == vocab:
         return None
     if not samples:
