@@ -199,8 +199,10 @@ suite() {  # the whole suite on the GPU
 
 testbed() {  # every method vs plain decoding on an idle GPU, greedy, with equality counts
   need SmolLM2; need drafters
+  [[ -z ${TESTBED_VOCAB:-} ]] || need ShareGPT
   # USE_CAMPAIGN=1: each method's campaign drafter where this machine trained one (a
-  # campaign of CAMPAIGN_METHODS=gumiho leaves the others shipped).
+  # campaign of CAMPAIGN_METHODS=gumiho leaves the others shipped). TESTBED_VOCAB=N: Gumiho's
+  # network over N draft tokens (`python -m gumiho.export --draft-vocab N`; needs ShareGPT).
   local m drafts="" gumiho eagle2 medusa
   for m in gumiho eagle2 medusa; do
     local dir=gumiho/assets/smollm2/$m
@@ -208,6 +210,11 @@ testbed() {  # every method vs plain decoding on an idle GPU, greedy, with equal
     run=$(run_name "$m")  # RUN_SUFFIX picks a variant (`pick` names the best Gumiho one)
     [[ ${USE_CAMPAIGN:-0} == 1 && -f $LEASE_ROOT/runs/$run/model.safetensors ]] \
       && dir=$LEASE_ROOT/runs/$run
+    if [[ $m == gumiho && -n ${TESTBED_VOCAB:-} ]]; then  # the same network, another vocabulary
+      python3 -m gumiho.export --draft "$dir" --out "$LEASE_ROOT/gumiho_vocab$TESTBED_VOCAB" \
+        --draft-vocab "$TESTBED_VOCAB" --overwrite > /dev/null
+      dir=$LEASE_ROOT/gumiho_vocab$TESTBED_VOCAB
+    fi
     printf -v "$m" %s "$dir"
     drafts+="$m=$dir "
   done
