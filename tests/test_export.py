@@ -254,3 +254,12 @@ def test_export_over_another_draft_vocabulary(tiny_target_dir, tmp_path, capsys,
     assert main(["--draft", str(tmp_path / "draft"), "--out", str(tmp_path / "bad"),
                  "--target", tiny_target_dir, "--draft-vocab", str(vocab + 1), *counting]) == 2
     assert capsys.readouterr().err.strip().startswith("error: --draft-vocab")
+    # Medusa heads with their own lm_head rows are tied to their vocabulary
+    from gumiho.drafters import random_drafter_model
+
+    medusa = random_drafter_model("medusa", target, medusa_own_lm_head=True)
+    save_drafter(medusa, tmp_path / "medusa")
+    assert main(["--draft", str(tmp_path / "medusa"), "--out", str(tmp_path / "m"),
+                 "--target", tiny_target_dir, "--draft-vocab", "20", *counting]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has its own lm_head rows" in err[0]

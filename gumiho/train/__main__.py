@@ -186,7 +186,7 @@ def over_vocabulary(model, target, size: int, samples: list[dict] | None, source
     if not size or size == have:
         return model
     if model.config.medusa_own_lm_head:
-        raise GumihoError(f"--draft-vocab {size}: --init-from {source} has its own lm_head "
+        raise GumihoError(f"--draft-vocab {size}: the drafter {source} has its own lm_head "
                           f"rows for {have} tokens; give --draft-vocab {have} or leave it out")
     draft_ids = chosen_vocabulary(target, size, samples)
     new = replace(model.config, draft_vocab_size=0 if draft_ids is None else draft_ids.shape[0])
