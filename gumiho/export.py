@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from gumiho.checkpoint import load_drafter_model, read_state, save_drafter, to_official
 from gumiho.config import DrafterConfig
-from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int, positive_int
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors
 from gumiho.methods import DRAFTER_METHODS, method_spec
 
 FORMATS = ("gumiho", "released", "vllm-eagle", "sglang-eagle", "vllm-eagle3",
@@ -228,6 +228,8 @@ def write_eagle(model: nn.Module, target, out: Path, dtype: torch.dtype, engine:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gumiho.train.__main__ import add_vocabulary_args
+
     p = ArgumentParser(prog="python -m gumiho.export",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--draft", required=True, help="a drafter checkpoint dir")
@@ -239,13 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the dtype the checkpoint was saved in")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out (its files of the same names are replaced)")
-    p.add_argument("--draft-vocab", type=nonnegative_int, default=None, metavar="N",
-                   help="the network over a draft vocabulary of N tokens, the training "
-                   "split's most frequent (0: the whole vocabulary); default: its own")
-    p.add_argument("--num-conversations", type=positive_int, default=17671,
-                   help="--draft-vocab: training conversations to count tokens in")
-    p.add_argument("--max-len", type=positive_int, default=512,
-                   help="--draft-vocab: tokens per counted conversation")
+    add_vocabulary_args(p, "the network")
     return p
 
 
@@ -264,16 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     check_writable_dir(out, "--out")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise GumihoError(f"--out {out} is not empty: give a new directory (or --overwrite)")
-    target = load_target(args.target, device="cpu", dtype="float32")
-    samples = None
-    if args.draft_vocab is not None:
-        from gumiho.config import TrainConfig
-        from gumiho.train.__main__ import check_draft_vocab
-        from gumiho.train.dataset import online_samples
+    from gumiho.train.__main__ import vocabulary_samples
 
-        check_draft_vocab(target, args.draft_vocab)  # before minutes of counting
-        samples = online_samples(target, TrainConfig.conversations, args.num_conversations,
-                                 args.max_len)
+    target = load_target(args.target, device="cpu", dtype="float32")
+    samples = None if args.draft_vocab is None else vocabulary_samples(target, args)
     notes = export(args.draft, target, args.out, args.format, args.method,
                    DTYPES.get(args.dtype), args.draft_vocab, samples)
     files = ", ".join(sorted(p.name for p in Path(args.out).iterdir()))

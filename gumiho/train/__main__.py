@@ -26,7 +26,7 @@ from tqdm import tqdm
 from gumiho.checkpoint import check_drafter_dir, drafter_network, load_drafter_model, save_drafter
 from gumiho.config import TrainConfig
 from gumiho.drafters import random_drafter_model
-from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int, positive_int
 from gumiho.methods import DRAFTER_METHODS, method_spec
 from gumiho.modeling import DraftHead, draft_vocabulary
 from gumiho.modeling.vocab import vocab_buffers
@@ -194,6 +194,26 @@ def over_vocabulary(model, target, size: int, samples: list[dict] | None, source
     if draft_ids is not None:
         state["d2t"], state["t2d"] = vocab_buffers(draft_ids, vocab)
     return drafter_network(new, target, state, draft_ids)
+
+
+def add_vocabulary_args(p: argparse.ArgumentParser, what: str) -> None:
+    """--draft-vocab N and the training conversations its tokens are counted in, for the
+    tools that put a trained drafter over another vocabulary (`over_vocabulary`)."""
+    p.add_argument("--draft-vocab", type=nonnegative_int, default=None, metavar="N",
+                   help=f"{what} over a draft vocabulary of N tokens, the training split's "
+                   "most frequent (0: the whole vocabulary); default: its own")
+    p.add_argument("--num-conversations", type=positive_int, default=17671,
+                   help="--draft-vocab: training conversations to count tokens in")
+    p.add_argument("--max-len", type=positive_int, default=512,
+                   help="--draft-vocab: tokens per counted conversation")
+
+
+def vocabulary_samples(target, args: argparse.Namespace) -> list[dict]:
+    """The training samples whose tokens `add_vocabulary_args`' --draft-vocab counts, once
+    the size is known to fit (before minutes of tokenizing)."""
+    check_draft_vocab(target, args.draft_vocab)
+    return online_samples(target, TrainConfig.conversations, args.num_conversations,
+                          args.max_len)
 
 
 def trainable(model):

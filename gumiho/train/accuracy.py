@@ -18,14 +18,12 @@ import sys
 import torch
 
 from gumiho.checkpoint import load_drafter_model
-from gumiho.config import TrainConfig
-from gumiho.errors import ArgumentParser, cli_errors, nonnegative_int, positive_int
+from gumiho.errors import ArgumentParser, cli_errors, positive_int
 from gumiho.ge_data.shards import load_samples
 from gumiho.methods import DRAFTER_METHODS
 from gumiho.modeling import DraftHead
 from gumiho.target import load_target
-from gumiho.train.__main__ import evaluate, over_vocabulary
-from gumiho.train.dataset import online_samples
+from gumiho.train.__main__ import add_vocabulary_args, evaluate, over_vocabulary, vocabulary_samples
 
 
 def build_parser() -> ArgumentParser:
@@ -37,13 +35,7 @@ def build_parser() -> ArgumentParser:
                    help="default: the checkpoint's own")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--batch-size", type=positive_int, default=4)
-    p.add_argument("--draft-vocab", type=nonnegative_int, default=None, metavar="N",
-                   help="read the drafter over a draft vocabulary of N tokens chosen from the "
-                        "training split (0: the whole vocabulary); default: its own")
-    p.add_argument("--num-conversations", type=positive_int, default=17671,
-                   help="--draft-vocab: training conversations to count tokens in")
-    p.add_argument("--max-len", type=positive_int, default=512,
-                   help="--draft-vocab: tokens per counted conversation")
+    add_vocabulary_args(p, "read the drafter")
     return p
 
 
@@ -68,10 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.target)  # an accelerator when there is one
     model = load_drafter_model(args.draft, target, args.method).float()
     if args.draft_vocab is not None:  # 0 here is the whole vocabulary, not "its own"
-        training = online_samples(target, TrainConfig.conversations, args.num_conversations,
-                                  args.max_len)
         model = over_vocabulary(model, target, args.draft_vocab or target.lm_head.weight.shape[0],
-                                training, args.draft).float()
+                                vocabulary_samples(target, args), args.draft).float()
     head = DraftHead.for_model(target, model)
     acc = evaluate(model, target, head, samples, model.config.method, 2, args.batch_size)
     print(json.dumps({"draft": args.draft, "data": args.data, "samples": len(samples),
