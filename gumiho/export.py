@@ -267,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     notes = export(args.draft, target, args.out, args.format, args.method,
                    DTYPES.get(args.dtype), args.draft_vocab, samples)
     files = ", ".join(sorted(p.name for p in Path(args.out).iterdir()))
-    config = json.loads((Path(args.out) / "config.json").read_text())
-    size = config.get("draft_vocab_size") or target.lm_head.weight.shape[0]
-    print(f"wrote {args.out} ({args.format}, over {size} draft tokens): {files}")
+    over = ("" if args.draft_vocab is None else
+            f", over {args.draft_vocab or target.lm_head.weight.shape[0]} draft tokens")
+    print(f"wrote {args.out} ({args.format}{over}): {files}")
     for note in notes:
         print(f"note: {note}")
     return 0
