@@ -91,11 +91,12 @@ def kernel_table(target: Target, drafter, ids: list[int], engine: str, max_new_t
         entry = totals.setdefault(name, [0, 0.0])
         entry[0] += 1
         entry[1] += (end - start) * 1e-6
-    busy, reach = 0.0, float("-inf")
-    for _, start, end in sorted((k for k in kernels if on_gpu), key=lambda k: k[1]):
-        busy += max(end - max(start, reach), 0)  # the union of the intervals, in us
-        reach = max(reach, end)
-    if not on_gpu:  # the host's operators: their self times do not overlap
+    if on_gpu:  # the union of the kernels' intervals, in us
+        busy, reach = 0.0, float("-inf")
+        for _, start, end in sorted(kernels, key=lambda k: k[1]):
+            busy += max(end - max(start, reach), 0)
+            reach = max(reach, end)
+    else:  # the host's operators: their self times do not overlap
         busy = sum(end - start for _, start, end in kernels)
     ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
     return {"cycles": cycles, "busy_s": busy * 1e-6 / cycles, "what": what,
