@@ -323,9 +323,11 @@ pick() {  # the Gumiho runs' held-out rows in one file; the best last serial-1's
 import json, sys
 from pathlib import Path
 
+from gumiho.train.plot import evaluations, log_rows
+
 best, rows = None, []
 for log in sorted(Path(sys.argv[1]).glob("gumiho*/train_log.jsonl")):
-    evals = [r for r in map(json.loads, log.read_text().splitlines()) if "eval" in r]
+    evals = evaluations(log_rows(log))  # step order, a resumed run's repeated step once
     rows += [{"run": log.parent.name, "step": r["step"], **r["eval"]} for r in evals]
     for r in evals:
         print(log.parent.name, r["step"], round(r["eval"]["acc_serial1"], 4), file=sys.stderr)
