@@ -10,9 +10,13 @@ be recorded once per input shape and replayed:
 * `graphs`: record it into a `torch.cuda.CUDAGraph` (CUDA and ROCm; the GPU default).
 * `compile`: `torch.compile` it (`mode="reduce-overhead"`, i.e. compiled kernels inside
   CUDA graphs, on a GPU; plain inductor on a CPU).
-* `static`: no capture, but every call goes through the static buffers as a replay would:
-  a check of the buffer handling on any device (tests, debugging). If `static` matches
-  `eager` and `graphs` does not, a step reads host state that capture froze.
+* `static`: no capture, but every call goes through the static buffers as a replay would,
+  and is checked against what a capture would have frozen (`HostStateCheck`): the first
+  call of each shape records its operators, their Python arguments and the addresses of
+  the tensors they read that the step did not make itself; a later call that differs in
+  any of them would have replayed stale values on a GPU, and raises. So a CPU test finds
+  a step that reads host state (a Python int that changes, a tensor replaced rather than
+  refilled) before a GPU run gives wrong tokens with it.
 
 Captured inputs live in static buffers: a call copies its inputs into the buffers of its
 shape, replays, and returns copies of the outputs (so a later replay cannot overwrite a
@@ -23,10 +27,13 @@ says and not where the capture happened to write.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from gumiho.errors import GumihoError
 from gumiho.hostsync import REPLAYING
@@ -76,14 +83,91 @@ class _Graph:
 
 class _Replay:
     """fn re-run on static input buffers: the data flow of a replay without capture
-    (`static`), or a compiled fn kept on stable input addresses (`compile`, whose CUDA
-    graphs need them)."""
+    (`static`, checked against the first call by `HostStateCheck`), or a compiled fn kept
+    on stable input addresses (`compile`, whose CUDA graphs need them)."""
 
-    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...]):
+    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...],
+                 check: bool = False):
         self.fn, self.inputs = fn, tuple(x.clone() for x in inputs)
+        self.recorded: HostStateCheck | None = None
+        self.check = check
 
     def __call__(self) -> tuple[Tensor, ...]:
-        return self.fn(*self.inputs)
+        if not self.check:
+            return self.fn(*self.inputs)
+        with HostStateCheck(sites=self.recorded is None) as stream:
+            outputs = self.fn(*self.inputs)
+        if self.recorded is None:
+            self.recorded = stream
+        else:
+            self.recorded.compare(stream, getattr(self.fn, "__qualname__", repr(self.fn)))
+        return outputs
+
+
+class HostStateCheck(TorchDispatchMode):
+    """The operator stream of one call of a step, as a CUDA graph would record it: each
+    operator with its Python arguments (ints, floats, shapes, dtypes), the shape and dtype
+    of every tensor it takes, and the storage address of each tensor it reads that the
+    call did not make (the step's inputs, weights, caches and other state it closes over).
+    A graph replays the recorded stream; a later call whose stream differs reads host
+    state that the graph froze (`compare` raises, naming the line that recorded it)."""
+
+    def __init__(self, sites: bool = False):
+        super().__init__()
+        self.ops: list[tuple] = []
+        self.sites: list[str] | None = [] if sites else None
+        self._made: set[int] = set()  # storages this call allocated
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        entry: list = [str(func)]
+        for arg in tree_leaves((args, kwargs)):
+            if isinstance(arg, Tensor) and func in _FROM_PYTHON:  # a value, not an address
+                entry.append(("value", arg.tolist()))
+            elif isinstance(arg, Tensor):
+                ptr = arg.untyped_storage().data_ptr()
+                entry.append((tuple(arg.shape), arg.dtype,
+                              None if ptr in self._made else ("address", ptr)))
+            else:
+                entry.append(arg)
+        out = func(*args, **kwargs)
+        if func in _FROM_PYTHON or not (func.is_view or func._schema.is_mutable):
+            self._made.update(o.untyped_storage().data_ptr() for o in tree_leaves(out)
+                              if isinstance(o, Tensor))
+        self.ops.append(tuple(entry))
+        if self.sites is not None:
+            self.sites.append(_site())
+        return out
+
+    def compare(self, later: HostStateCheck, step: str) -> None:
+        for i, (was, now) in enumerate(zip(self.ops, later.ops, strict=False)):
+            if was != now:
+                raise GumihoError(
+                    f"internal: the recorded step {step} reads host state that a CUDA graph "
+                    f"would freeze: its operator {i} at {self.sites[i]} was {_show(was)} when "
+                    f"recorded and is {_show(now)} now")
+        if len(self.ops) != len(later.ops):
+            raise GumihoError(f"internal: the recorded step {step} ran {len(self.ops)} "
+                              f"operators when recorded and {len(later.ops)} now: it "
+                              f"branches on host state that a CUDA graph would freeze")
+
+
+# Tensors made from Python data (`torch.tensor(...)`, a scalar in `t[i] = 3.0`) enter the
+# operator stream here: a graph records their values
+_FROM_PYTHON = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+def _show(entry: tuple) -> str:
+    return f"{entry[0]}({', '.join(map(str, entry[1:]))})"
+
+
+def _site() -> str:
+    """The innermost line outside torch that called an operator."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        name = frame.filename.replace("\\", "/")
+        if "/torch/" not in name and not name.endswith(("graphs.py", "hostsync.py")):
+            return f"{name.rsplit('/', 1)[-1]}:{frame.lineno}"
+    return "?"
 
 
 class StaticStep:
@@ -114,7 +198,7 @@ class StaticStep:
 
     def _capture(self, inputs: tuple[Tensor, ...]) -> _Graph | _Replay:
         if self.engine == "static":
-            return _Replay(self.fn, inputs)
+            return _Replay(self.fn, inputs, check=True)
         if self.engine == "graphs":
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()

@@ -137,9 +137,11 @@ def oracle_drafter(method, target, full, tree, engine="eager"):
     drafter = SerialDrafter(OracleModel(config, full), tree, engine=engine)
     begin = drafter.begin
 
+    head = OracleHead(full, config.vocab_size)
+
     def begin_with_oracle_head(tgt, capacity):
         begin(tgt, capacity)
-        drafter.head = OracleHead(full, config.vocab_size)
+        drafter.head = head  # one head: recorded steps keep reading its tensors
 
     drafter.begin = begin_with_oracle_head
     return drafter

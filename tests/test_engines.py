@@ -100,6 +100,40 @@ def test_static_step_copies_inputs_and_outputs():
 
 
 @pytest.mark.host
+def test_static_engine_refuses_what_a_capture_would_freeze():
+    """`static` compares each call of a step with its first: a Python number that changes,
+    a tensor replaced instead of refilled, or a branch on host state would replay stale on
+    a GPU, so each raises; refilled state and new input values do not."""
+    state = {"n": 1, "table": torch.arange(4.0), "flag": True}
+
+    def step(x):
+        return (x + state["n"] + state["table"][:1],)
+
+    fine = StaticStep(step, "static")
+    fine(torch.zeros(1))
+    state["table"].copy_(torch.arange(4.0) + 1)  # refilled in place: a graph sees it
+    assert fine(torch.ones(1))[0].tolist() == [3.0]
+    state["n"] = 2
+    with pytest.raises(GumihoError, match=r"operator 0 at test_engines.py:\d+ was "
+                                          r"aten.add.Tensor.*1\) when recorded"):
+        fine(torch.ones(1))
+    state["n"], replaced = 1, StaticStep(step, "static")
+    replaced(torch.zeros(1))
+    state["table"] = torch.arange(4.0)
+    with pytest.raises(GumihoError, match="would freeze"):
+        replaced(torch.zeros(1))
+
+    def branching(x):
+        return (x * 2 if state["flag"] else x.clone(),)
+
+    branch = StaticStep(branching, "static")
+    branch(torch.zeros(1))
+    state["flag"] = False
+    with pytest.raises(GumihoError, match="would freeze"):
+        branch(torch.zeros(1))
+
+
+@pytest.mark.host
 @pytest.mark.parametrize("seed", range(4))
 def test_sync_free_tree_and_accept_match_the_checked_path(seed):
     """from_parents with a depth bound (no host syncs) builds the same tree, and the
