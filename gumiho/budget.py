@@ -149,7 +149,7 @@ def verify_step(target: Target, width: int, context: int, engine: str = "eager")
     prefill(target, cache, prompt)
     parents = torch.cat([torch.tensor([-1]), torch.arange(width - 1) // 2]).to(device)
     tree = DraftTree.from_parents(torch.randint(low, high, (width,), device=device), parents)
-    return lambda: verify_tree(target, cache, tree, step=runner.step)
+    return lambda: verify_tree(target, cache, tree, step=runner.step_for(None))
 
 
 def verify_step_seconds(target: Target, width: int, context: int, repeats: int,

@@ -6,8 +6,10 @@ the interface they share).
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -18,6 +20,7 @@ from gumiho.errors import GumihoError
 from gumiho.fta import exact_fta_tree, splice_official
 from gumiho.gate import GatedDrafter
 from gumiho.graphs import StaticStep, resolve_engine
+from gumiho.hostsync import upload
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.linear import pack_linears
 from gumiho.lookup import LookupDrafter
@@ -72,6 +75,13 @@ class SerialDrafter:
     `tree.extend_confidence` above that floor, a deeper level (a serial step, the MLP heads)
     is drafted only below a node that reaches it instead: a level costs a drafter step and a
     wider verify, while verifying the first draft costs only the wider verify.
+
+    Without floors and FTA (the default tree) a cycle's drafting is one recorded step
+    (`_cycle_fn`: the catch-up over the pairs the target committed, the serial levels, the
+    MLP heads and the tree's selection), which reads the committed length from a device
+    tensor, so on a GPU it is one graph replay and a handful of launches around it (it was
+    ~70 launches and five replays). The FTA modes finish their trees on the host from a
+    recorded catch-up and levels; floors run eagerly.
     """
 
     def __init__(self, model, tree: TreeConfig, engine: str = "eager"):
@@ -110,6 +120,7 @@ class SerialDrafter:
         if getattr(self, "head_target", None) is not target:  # once per target
             self.head, self.head_target = DraftHead.for_model(target, self.model), target
         self.pending: list[tuple[Tensor, Tensor]] = []
+        self.state: tuple[Tensor, ...] | None = None  # root, out1, level 1: drafted from
         self.cache, new = reuse_or_allocate(  # + the uncommitted entries of levels 2..
             self.cache, capacity + (self.serial_depth - 1) * self.beam,
             self.engine != "eager", lambda n, trim: KVCache(self.model.config.llama_config(), n,
@@ -118,32 +129,14 @@ class SerialDrafter:
             self.serial_step.reserve(self.cache.capacity)
         if not new:
             return  # the captured steps stay bound to this cache
-        # Captured: the serial step at the beam width (every level) and at the longest
-        # accept length (catch-ups are padded to it); the MLP heads. Prompts run eagerly.
-        self._serial_step = StaticStep(self._serial_fn(last_only=False), self.engine)
-        self._prompt_step = self._serial_fn(last_only=True)
-        self._heads_step = StaticStep(self._heads_fn, self.engine)
-        # Building the tree from the pool: static shapes too, so one recorded step.
-        self._tree_step = StaticStep(self._tree_fn, self.engine)
-
-    def _serial_fn(self, last_only: bool):
-        """The serial layers on one step's tokens, then the top_k of the outputs' logits."""
-        cache, k = self.cache, self.beam
-
-        @torch.no_grad()  # an inference cache: never differentiated through
-        def serial(tokens, features, positions, mask, write_at):
-            cache.seek(write_at)
-            out = self.serial_step(tokens, features, positions, mask, cache.hf)[0]
-            if last_only:
-                out = out[-1:]
-            return out, *self._top(out, k)
-
-        return serial
-
-    def _heads_fn(self, d1, out1, d2, out2):
-        """The MLP heads in use for R level-2 nodes, and their top mlp_topk candidates."""
-        hidden = self.model.parallel_heads(d1, out1, d2, out2, self.heads)  # (R, N, H)
-        return self._top(hidden, self.mlp_topk)  # (R, N, m) each
+        # Recorded (module doc): a whole cycle's drafting, catch-up to tree, as one step; the
+        # tree again from the same state; and, for the FTA modes, which finish the tree on
+        # the host, the catch-up and the levels. Catch-ups are padded to one width; prompts
+        # run eagerly. The last outputs (the state) are read before the step runs again.
+        self._cycle_step = StaticStep(self._cycle_fn, self.engine, fresh=5)
+        self._draft_step = StaticStep(self._draft_fn, self.engine)
+        self._catch_up_step = StaticStep(self._catch_up_fn, self.engine)
+        self._levels_step = StaticStep(self._levels_fn, self.engine)
 
     def observe(self, features: Tensor, next_tokens: Tensor,
                 tokens: list[int] | None = None) -> None:
@@ -152,54 +145,92 @@ class SerialDrafter:
     def _top(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The k likeliest draft tokens of each row (..., H): their log-probs (..., k),
         floored at LOGPROB_FLOOR (an underflow to -inf would tie and break the tree's
-        ranking; flooring here, inside the captured steps, spares the tree step one kernel
+        ranking; flooring here, inside the recorded steps, spares the tree one kernel
         per level), and their target ids (..., k)."""
         top = torch.log_softmax(self.head(hidden).float(), -1).topk(k)
         return top.values.clamp(min=LOGPROB_FLOOR), self.head.to_target(top.indices)
 
-    def _catch_up(self) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """Run the pending pairs (committing them); returns out1 (H,) of the newest and
-        its top_k (log-probs, tokens)."""
-        features = torch.cat([f for f, _ in self.pending])  # (n, H): f_t
-        tokens = torch.cat([t for _, t in self.pending])  # (n,): x_{t+1}
+    def _phase(self, name: str):
+        """The profiler's phase inside drafting: eager steps only (a recorded step is one
+        replay, and a profiled phase's device sync cannot happen inside a capture)."""
+        return self.timer(name) if self.engine == "eager" else nullcontext()
+
+    def _take_pending(self) -> tuple[Tensor, Tensor, Tensor, int, bool]:
+        """The pending pairs (tokens (w,), features (w, H)), `meta` (2,) = [committed
+        length, n] on the device, n, and how to run them: as a recorded step, padded to
+        the longest accept (bonus + every draft level; padding rows see only themselves
+        and are not committed), or eagerly (the eager engine; a captured engine's prompt).
+        Reserves the cache slots the cycle's drafting writes."""
+        features = torch.cat([f for f, _ in self.pending]) if len(self.pending) > 1 \
+            else self.pending[0][0]  # (n, H): f_t
+        tokens = torch.cat([t for _, t in self.pending]) if len(self.pending) > 1 \
+            else self.pending[0][1]  # (n,): x_{t+1}
         self.pending = []
-        n, cache, device = tokens.shape[0], self.cache, tokens.device
-        width = self.draft_depth + 1  # the longest accept: bonus + every draft level
-        if self.engine == "eager" or n > width:
-            width, step = n, self._prompt_step
-        else:  # pad to one shape; padding rows see only themselves and are not committed
-            step = self._serial_step
+        n, width = tokens.shape[0], self.draft_depth + 1
+        recorded = self.engine != "eager" and n <= width
+        if recorded and n < width:
             tokens = torch.cat([tokens, tokens[-1:].expand(width - n)])
             features = torch.cat([features, features[-1:].expand(width - n, -1)])
-        cache.begin_step(width)
-        rows = torch.eye(width, dtype=torch.bool, device=device)  # (width, width) over the step
-        rows[:n, :n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        positions = cache.length + torch.arange(width, device=device)  # (width,)
-        out, values, indices = step(tokens[None], features[None], positions[None],
-                                    cache.attention_mask(rows), cache.write_position())
-        cache.commit(n)
-        last = -1 if step is self._prompt_step else n - 1  # the prompt step keeps one row
-        return out[last], (values[last], indices[last])
+        self.cache.reserve(max(tokens.shape[0], n + (self.serial_depth - 1) * self.beam))
+        meta = upload(np.array([self.cache.length, n], dtype=np.int64), tokens.device)
+        return tokens, features, meta, n, recorded
 
-    def _serial_level(self, tokens: Tensor, parent_out: Tensor, seen: Tensor
-                      ) -> tuple[Tensor, Tensor, Tensor]:
+    @torch.no_grad()  # an inference cache: never differentiated through
+    def _catch_up(self) -> tuple[Tensor, ...]:
+        """Run the pending pairs, committing them; returns the drafting state (root, out1,
+        level 1's log-probs and tokens), also kept."""
+        tokens, features, meta, n, recorded = self._take_pending()
+        step = self._catch_up_step if recorded else self._catch_up_fn
+        self.state = step(tokens, features, meta)
+        self.cache.commit(n)
+        return self.state
+
+    def _catch_up_fn(self, tokens: Tensor, features: Tensor, meta: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The serial layers over the pending pairs (w of them, the first n real) at the
+        committed length meta[0], writing their cache entries there. Returns the drafting
+        state: the root (1,), out1 (H,) of the newest pair and its top_k (log-probs,
+        tokens) (k,) each: draft level 1."""
+        start, n = meta[:1], meta[1:]
+        at = torch.arange(tokens.shape[0], device=tokens.device)
+        # real rows see the real rows up to themselves; padding rows see only themselves
+        rows = (at[None, :] == at[:, None]) | ((at[None, :] <= at[:, None]) & (at[:, None] < n))
+        self.cache.seek(start)
+        with self._phase("draft_catchup"):
+            out = self.serial_step(tokens[None], features[None], (start + at)[None],
+                                   self.cache.mask_at(rows, start), self.cache.hf)[0]
+            out1 = out.index_select(0, n - 1)  # (1, H): the newest real pair's
+            values, indices = self._top(out1, self.beam)
+        return tokens.index_select(0, n - 1), out1[0], values[0], indices[0]
+
+    @torch.no_grad()
+    def _serial_level(self, tokens: Tensor, parent_out: Tensor, seen: Tensor,
+                      start: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """One serial step for k beam nodes. tokens (k,), parent_out (k, H) the output each
-        token was drawn from, seen (k, R) the earlier draft entries each node may see.
+        token was drawn from, seen (k, R) the earlier draft entries each node may see,
+        start (1,) the committed length (None: the cache's, read on the host).
         Writes the k entries after the R earlier ones; returns out (k, H) and its top_k
         (log-probs (k, top_k), tokens (k, top_k))."""
         k, r = seen.shape
-        cache = self.cache
-        cache.begin_step(k, offset=r)
+        if start is None:
+            self.cache.reserve(r + k)
+            start = self.cache.write_position()
         # (k, R + k): its ancestors among the earlier entries, then itself
         rows = torch.cat([seen, torch.eye(k, dtype=torch.bool, device=seen.device)], 1)
         # the R entries are r // k earlier levels, so this level sits that far past the root
-        positions = torch.full((1, k), cache.length + r // max(k, 1), device=seen.device)
-        return self._serial_step(tokens[None], parent_out[None], positions,
-                                 cache.attention_mask(rows), cache.write_position(r))
+        positions = (start + r // max(k, 1)).expand(k)[None]
+        self.cache.seek(start + r)
+        with self._phase("draft_serial"):
+            out = self.serial_step(tokens[None], parent_out[None], positions,
+                                   self.cache.mask_at(rows, start), self.cache.hf)[0]
+            return out, *self._top(out, self.beam)
 
-    @torch.no_grad()  # not inference_mode: compiled steps reject inference tensors
-    def propose(self) -> DraftTree:
-        """Serial levels as a beam of k = `beam` nodes, then (Gumiho) the MLP levels.
+    def _levels(self, out1: Tensor, values: Tensor, indices: Tensor, start: Tensor
+                ) -> tuple[Pool, tuple[Tensor, Tensor]] | None:
+        """Serial levels as a beam of k = `beam` nodes, then (Gumiho) the MLP levels'
+        candidates: the serial pool (levels 1..serial_depth, k nodes each) and the heads'
+        top mlp_topk (log-probs, tokens) (R, heads, m) (empty without heads). None when no
+        first draft reaches --min-confidence (eager steps only, as are all host reads here).
 
         The candidate pool is built level by level; within a level, node j of the level
         is pool node `first + j`. Per serial level the tensors line up by beam row:
@@ -209,26 +240,21 @@ class SerialDrafter:
         attend to: exactly its ancestors. `row` (k,) maps each kept child to its parent's
         beam row, which is how outputs and visibility follow the beam.
         """
-        if self.pending:  # else: propose again from the same state
-            self.root = self.pending[-1][1][-1]
-            with self.timer("draft_catchup"):
-                self.out1, self.top1 = self._catch_up()
-        root, out1 = self.root, self.out1
-        k, floor = self.beam, self.floor
-        values, indices = self.top1  # (k,) each: level 1, drawn from out1 (H,)
+        k = self.beam
         level = Pool(tokens=indices, parents=torch.full_like(indices, -1),
                      scores=values, depths=torch.ones_like(indices))
-        if not self._reaches_floor(level, floor):
-            return DraftTree.chain(root.view(1))  # no draft is likely enough: a plain step
+        if not self._reaches_floor(level, self.floor):
+            return None  # no draft is likely enough: a plain step
         levels, outs = [level], out1.expand(k, -1)  # level 1 was drawn from out1
-        seen = torch.zeros(k, 0, dtype=torch.bool, device=root.device)  # (k, 0): none yet
+        seen = torch.zeros(k, 0, dtype=torch.bool, device=out1.device)  # (k, 0): none yet
         first = 0  # pool index of the current level's node 0
         for depth in range(2, self.serial_depth + 1):
             if not self._reaches_floor(level, self.extend_floor):
                 break  # a child scores at most its parent: none would be verified
             parent_tokens, parent_outs = level.tokens, outs
-            with self.timer("draft_serial"):  # the level's own outputs (k, H), top-k each
-                new_outs, top_values, top_indices = self._serial_level(level.tokens, outs, seen)
+            # the level's own outputs (k, H), top-k each
+            new_outs, top_values, top_indices = self._serial_level(level.tokens, outs, seen,
+                                                                   start)
             level, row = expand_level(level.scores, top_indices, top_values, k, first, depth)
             first += levels[-1].tokens.shape[0]
             levels.append(level)
@@ -236,29 +262,74 @@ class SerialDrafter:
             if depth < self.serial_depth:  # the next level's view: the parent's + the parent
                 eye = torch.eye(seen.shape[0], dtype=torch.bool, device=seen.device)
                 seen = torch.cat([seen, eye], 1)[row]  # (k, R + k)
-        serial = Pool.concat(levels)  # levels 1..serial_depth, k nodes each
-        heads = (torch.zeros(0, device=root.device),) * 2
+        heads = (torch.zeros(0, device=out1.device),) * 2
         if self.heads and self._reaches_floor(level, self.extend_floor):  # (nor a cut level)
             # Gumiho: the deeper levels from the MLP heads at once
             # MLP inputs per level-2 node: its own level-1 parent's token and output (d1,
             # out1, by `row`; the released code paired rows with the wrong parent), its token
             # and its own serial output (d2, out2). Level-2 nodes are in score order.
             rows = self.mlp_rows
-            with self.timer("draft_heads"):  # (R, heads, m)
-                heads = self._heads_step(parent_tokens[row][:rows], parent_outs[row][:rows],
-                                         level.tokens[:rows], outs[:rows])
-        if self.tree.fta == "off" and floor is None and self.extend_floor is None:
-            fields = self._tree_step(root.view(1), serial.tokens, serial.parents, serial.scores,
-                                     serial.depths, *heads)
+            with self._phase("draft_heads"):  # (R, heads, m)
+                hidden = self.model.parallel_heads(
+                    parent_tokens[row][:rows], parent_outs[row][:rows], level.tokens[:rows],
+                    outs[:rows], self.heads)  # (R, N, H)
+                heads = self._top(hidden, self.mlp_topk)  # (R, N, m) each
+        return Pool.concat(levels), heads
+
+    def _levels_fn(self, out1, values, indices, start):
+        """`_levels` as a recorded step (no floors there): the pool's fields and the heads'."""
+        serial, heads = self._levels(out1, values, indices, start)
+        return (serial.tokens, serial.parents, serial.scores, serial.depths, *heads)
+
+    def _draft_fn(self, root, out1, values, indices, start):
+        """The tree from a drafting state: levels, heads, then the best W - 1 nodes
+        (DraftTree fields and priority)."""
+        serial, heads = self._levels(out1, values, indices, start)
+        return self._tree_fn(root, serial.tokens, serial.parents, serial.scores,
+                             serial.depths, *heads)
+
+    def _cycle_fn(self, tokens, features, meta):
+        """A cycle's drafting as one step: the catch-up, then the tree from its state
+        (the tree's fields and priority, then the state)."""
+        state = self._catch_up_fn(tokens, features, meta)
+        return (*self._draft_fn(*state, meta[:1] + meta[1:]), *state)
+
+    @torch.no_grad()  # not inference_mode: compiled steps reject inference tensors
+    def propose(self) -> DraftTree:
+        """The catch-up over the pairs observed since the last proposal (committing them),
+        then the tree: serial levels, MLP heads, selection (`_levels`, `_tree_fn`). In the
+        default tree (no FTA, no confidence floors) all of it is one recorded step."""
+        fused = self.tree.fta == "off" and self.floor is None and self.extend_floor is None
+        if self.pending and fused:
+            tokens, features, meta, n, recorded = self._take_pending()
+            fields = (self._cycle_step if recorded else self._cycle_fn)(tokens, features, meta)
+            self.cache.commit(n)
+            self.state = fields[5:]
             return DraftTree(*fields[:4], priority=fields[4])
+        if self.pending:  # else: propose again from the same state
+            self._catch_up()
+        root, out1, values, indices = self.state
+        self.cache.reserve((self.serial_depth - 1) * self.beam)
+        start = self.cache.write_position()
+        if fused:
+            fields = self._draft_step(root, out1, values, indices, start)
+            return DraftTree(*fields[:4], priority=fields[4])
+        if self.floor is None and self.extend_floor is None:
+            fields = self._levels_step(out1, values, indices, start)
+            drafted = Pool(*fields[:4]), fields[4:]
+        else:
+            drafted = self._levels(out1, values, indices, start)
+            if drafted is None:
+                return DraftTree.chain(root)  # no draft is likely enough: a plain step
+        serial, heads = drafted
         pool, branches = self._mlp_pool(serial, *heads)
         budget = self.tree.total_tokens - 1
-        if floor is not None:  # the best nodes are the likeliest: keep those above the floor
-            budget = min(budget, int((pool.scores >= floor).sum()))
+        if self.floor is not None:  # the best nodes are the likeliest: keep those above the floor
+            budget = min(budget, int((pool.scores >= self.floor).sum()))
         if self.tree.fta == "exact" and heads[1].dim() == 3:  # MLP levels to complete
-            return exact_fta_tree(root, pool, budget, branches, heads[1][:, :, 0],
+            return exact_fta_tree(root[0], pool, budget, branches, heads[1][:, :, 0],
                                   first_mlp_depth=3)
-        tree = select_tree(root, pool, budget, self.draft_depth)[0]
+        tree = select_tree(root[0], pool, budget, self.draft_depth)[0]
         return splice_official(tree) if self.tree.fta == "official" else tree
 
     @staticmethod
@@ -273,7 +344,7 @@ class SerialDrafter:
         """The serial pool extended by one pruned level per MLP head, and each pool node's
         branch: the level-2 row (0..R-1) whose heads drew it (-1 above the MLP levels and
         for level-2 nodes without heads); head h's candidates for a node come from its
-        branch's row. top_values, top_indices (R, heads, m) from the heads step."""
+        branch's row. top_values, top_indices (R, heads, m) from the heads."""
         if top_values.numel() == 0:
             return serial, torch.full_like(serial.tokens, -1)
         k, rows = self.beam, self.mlp_rows
@@ -294,7 +365,7 @@ class SerialDrafter:
 
     def _tree_fn(self, root, tokens, parents, scores, depths, top_values, top_indices):
         """The tree from the serial pool and the heads' candidates: the MLP levels, then the
-        best W - 1 nodes. Tensors only (a recorded step): DraftTree fields and priority."""
+        best W - 1 nodes. Tensors only: DraftTree fields and priority."""
         pool, _ = self._mlp_pool(Pool(tokens, parents, scores, depths), top_values,
                                  top_indices)
         tree, _ = select_tree(root[0], pool, self.tree.total_tokens - 1, self.draft_depth)
@@ -396,5 +467,5 @@ def load_drafter(method: str, target, draft: str | None = None,
             drafter = GatedDrafter(drafter, tree.draft_gate)
     if not tree.lookup:
         return drafter
-    return LookupDrafter(drafter, tree.lookup, static_shape=engine != "eager",
+    return LookupDrafter(drafter, tree.lookup, static_shape=engine != "eager", engine=engine,
                          first=tree.lookup_first)

@@ -26,7 +26,7 @@ from gumiho.fta import official_for_sampling
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.profiling import PhaseTimer
-from gumiho.sampling import Acceptance, accept, match_picks, sample_tokens
+from gumiho.sampling import Acceptance, accept, match_picks, matched, sample_tokens
 from gumiho.target import Target
 from gumiho.tree import DraftTree
 
@@ -122,24 +122,55 @@ def verify_tree(target: Target, cache: KVCache, tree: DraftTree, width: int | No
     its ancestors; the step writes its K cache entries at slots length..length+K-1.
     With `width`, the input is padded to that many tokens so every step has one shape:
     padding rows see only the context and themselves, and no real row sees them.
-    `step`: a TargetRunner's (possibly captured) step; None runs the target eagerly.
+    `step`: a TargetRunner's (possibly recorded) step for that width (`step_for`); None
+    runs the target eagerly.
     """
-    k = tree.size
-    tokens, depths, mask = tree.tokens, tree.depths, tree.verify_mask
+    cache.reserve(max(width or 0, tree.size))
+    start = cache.write_position()
+    if step is None:
+        return tree_forward(target, cache, width, tree.tokens, tree.depths, tree.verify_mask,
+                            start)
+    return step(tree.tokens, tree.depths, tree.verify_mask, start)
+
+
+def tree_forward(target: Target, cache: KVCache, width: int | None, tokens: Tensor,
+                 depths: Tensor, mask: Tensor, start: Tensor) -> tuple[Tensor, Tensor]:
+    """`verify_tree`'s forward, tensors only (a recorded step): the committed length is
+    `start` (1,) on the device, and padding, positions and masks are made here."""
+    k = tokens.shape[0]
     if width is not None and width > k:
         pad = width - k
         tokens = torch.cat([tokens, tokens[:1].expand(pad)])
         depths = torch.cat([depths, depths.new_zeros(pad)])
-        mask = torch.eye(width, dtype=torch.bool, device=mask.device)
-        mask[:k, :k] = tree.verify_mask
-    cache.begin_step(tokens.shape[0])
-    positions = (cache.length + depths)[None]
-    masks = cache.attention_mask(mask, positions[0])  # one per kind of layer (kv_cache.py)
-    if step is None:
-        features, logits = target.forward(tokens[None], positions, cache.hf, masks)
-    else:
-        features, logits = step(tokens[None], positions, masks, cache.write_position())
+        mask = torch.eye(width, dtype=torch.bool, device=mask.device) | \
+            torch.nn.functional.pad(mask, (0, pad, 0, pad))
+    positions = (start + depths)[None]
+    masks = cache.mask_at(mask, start, positions[0])  # one per kind of layer (kv_cache.py)
+    cache.seek(start)
+    features, logits = target.forward(tokens[None], positions, cache.hf, masks)
     return features[:k], logits[:k]
+
+
+def verify_greedy(target: Target, cache: KVCache, tree: DraftTree, width: int | None,
+                  step: StaticStep) -> tuple[Tensor, Acceptance]:
+    """`verify_tree` and greedy acceptance in one (recorded) step, `step_for(width,
+    greedy=True)`: the features (K, H) and the Acceptance (the cycle's one host sync).
+    The logits stay inside the step. Trees without the official FTA's splice."""
+    cache.reserve(max(width or 0, tree.size))
+    dead = () if tree.dead is None else (tree.dead,)
+    features, packed, order, bonus = step(tree.tokens, tree.parents, tree.depths, tree.mask,
+                                          cache.write_position(), *dead)
+    return features, matched(tree.size, packed, order, bonus)
+
+
+def greedy_tree_forward(target: Target, cache: KVCache, width: int | None, tokens: Tensor,
+                        parents: Tensor, depths: Tensor, mask: Tensor, start: Tensor,
+                        *dead: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`tree_forward`, then `match_picks` on the target's argmax at every node (tensors
+    only): features and match_picks' outputs. dead: the tree's, if it has one."""
+    features, logits = tree_forward(target, cache, width, tokens, depths, mask, start)
+    dead_nodes = dead[0] if dead else torch.zeros_like(tokens, dtype=torch.bool)
+    return features, *match_picks(tokens, parents, depths, mask, dead_nodes, logits.argmax(-1))
 
 
 class TargetRunner:
@@ -155,7 +186,8 @@ class TargetRunner:
         if engine == "compile":  # inductor cannot lower the packed products (linear.py)
             target.unpack()
         self.cache: KVCache | None = None
-        self.step: StaticStep | None = None
+        # the target's step by padded width, and whether it accepts greedily too
+        self.steps: dict[tuple[int | None, bool], StaticStep] = {}
         # acceptance's device part (tensors only), recorded per tree size like any step
         self.accept_step = StaticStep(match_picks, engine)
 
@@ -163,15 +195,24 @@ class TargetRunner:
         model = self.target.model
         cache, new = reuse_or_allocate(self.cache, capacity, self.engine != "eager",
                                        lambda n, trim: KVCache.for_model(model, n, trim))
-        if new:
-            self.cache = cache
-
-            def target_step(tokens, positions, mask, write_at):
-                cache.seek(write_at)
-                return self.target.forward(tokens, positions, cache.hf, mask)
-
-            self.step = StaticStep(target_step, self.engine)
+        if new:  # recorded steps are bound to a cache
+            self.cache, self.steps = cache, {}
         return cache
+
+    def step_for(self, width: int | None, greedy: bool = False) -> StaticStep:
+        """The target's step over trees padded to `width` tokens (None: unpadded) on the
+        current cache (`cache_for`), recorded per tree size by captured engines: the
+        forward (`tree_forward`), or with `greedy` the forward and greedy acceptance
+        (`greedy_tree_forward`)."""
+        if (width, greedy) not in self.steps:
+            cache, target = self.cache, self.target
+            fn = greedy_tree_forward if greedy else tree_forward
+            # A greedy cycle reads its outputs before the next verify (the host list, the
+            # accepted nodes' features and cache entries): no copies (graphs.StaticStep)
+            self.steps[width, greedy] = StaticStep(
+                lambda *inputs: fn(target, cache, width, *inputs), self.engine,
+                fresh=0 if greedy else None)
+        return self.steps[width, greedy]
 
 
 def target_runner(target: Target, engine: str) -> TargetRunner:
@@ -258,11 +299,20 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
             tree = drafter.propose()
             if config.temperature > 0 and tree.spliced_paths is not None:
                 tree = official_for_sampling(tree)  # the released order at T > 0 (fta.py)
-        with timer("verify"):
-            features, logits = verify_tree(target, cache, tree, width, runner.step)
-        with timer("accept_commit"):
-            result = accept(tree, logits, config.temperature, generator, runner.accept_step)
-            commit_accepted(cache, drafter, tree, features, result)
+        if config.temperature == 0 and tree.spliced_paths is tree.spliced_attend is None:
+            with timer("verify"):  # and greedy acceptance, in one step
+                features, result = verify_greedy(target, cache, tree, width,
+                                                 runner.step_for(width, greedy=True))
+            with timer("accept_commit"):
+                commit_accepted(cache, drafter, tree, features, result)
+        else:
+            with timer("verify"):
+                features, logits = verify_tree(target, cache, tree, width,
+                                               runner.step_for(width))
+            with timer("accept_commit"):
+                result = accept(tree, logits, config.temperature, generator,
+                                runner.accept_step)
+                commit_accepted(cache, drafter, tree, features, result)
         if on_cycle is not None:
             on_cycle(tree, result.tokens)
         yield result.tokens

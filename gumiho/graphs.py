@@ -2,9 +2,10 @@
 
 On a GPU an eager Hugging Face step is host-bound: launching a small model's ~300 kernels
 costs more than running them. A captured step replays all of them with one launch. Every
-step the engine captures (the target's plain and verify steps, the drafter's serial level
-and its MLP heads) is written as a function of tensors only, with no host reads, so it can
-be recorded once per input shape and replayed:
+step the engine captures (the target's plain and verify steps, with greedy acceptance; a
+serial drafter's whole drafting, catch-up to tree; Medusa's heads; a lookup chain's
+attachment) is written as a function of tensors only, with no host reads, so it can be
+recorded once per input shape and replayed:
 
 * `eager`: call the function (the CPU default).
 * `graphs`: record it into a `torch.cuda.CUDAGraph` (CUDA and ROCm; the GPU default).
@@ -172,10 +173,15 @@ def _site() -> str:
 
 class StaticStep:
     """fn(*tensors) -> tuple of tensors, recorded once per input shape and replayed.
-    Callers keep the shapes few (verify and catch-up steps are padded to one width)."""
+    Callers keep the shapes few (verify and catch-up steps are padded to one width).
 
-    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], engine: str):
-        self.fn, self.engine = fn, engine
+    Outputs are copies, so a later replay cannot overwrite a result still in use; with
+    `fresh=n` only the first n are, and the rest are the step's own output buffers, valid
+    until its next call (each copy is a kernel launch on the host's critical path)."""
+
+    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], engine: str,
+                 fresh: int | None = None):
+        self.fn, self.engine, self.fresh = fn, engine, fresh
         self.entries: dict[tuple, _Graph | _Replay] = {}
         self._pool = None
         self._compiled = None
@@ -194,7 +200,8 @@ class StaticStep:
             outputs = entry()
         finally:
             REPLAYING.active = False
-        return tuple(out.clone() for out in outputs)
+        fresh = len(outputs) if self.fresh is None else self.fresh
+        return tuple(out.clone() if i < fresh else out for i, out in enumerate(outputs))
 
     def _capture(self, inputs: tuple[Tensor, ...]) -> _Graph | _Replay:
         if self.engine == "static":

@@ -126,12 +126,18 @@ class KVCache:
 
         offset > 0 stacks a step on uncommitted entries of earlier steps (the drafter's
         tree levels). Rewinding makes a step independent of what the last one left behind."""
-        end = self.length + offset + new_tokens
+        self.reserve(offset + new_tokens)
+        self.rewind(self.length + offset)
+
+    def reserve(self, slots: int) -> None:
+        """The host side of `begin_step`, for steps that seek their own write positions
+        (device tensors): check that `slots` uncommitted slots past the committed length fit,
+        and let a trimmed cache's steps attend over them."""
+        end = self.length + slots
         if end > self.capacity:
             raise GumihoError(f"KV cache full ({self.capacity} slots): raise the capacity")
         if self.trim:
             self.visible = end
-        self.rewind(self.length + offset)
 
     def attention_mask(self, tree_mask: Tensor, positions: Tensor | None = None) -> Tensor:
         """The (M, 1, K, visible) bool masks (visible: the capacity, or the slots in use
@@ -156,6 +162,26 @@ class KVCache:
         # Slot j < length holds position j; the new tokens' slots hold their own positions.
         keys = torch.arange(self.visible, device=mask.device)
         keys[self.length : self.length + k] = positions
+        near = positions[:, None] - keys[None, :] < self.window  # HF: q - kv < window
+        return torch.stack([mask & near if kind == SLIDING else mask
+                            for kind in self.kinds])[:, None]
+
+    def mask_at(self, tree_mask: Tensor, start: Tensor, positions: Tensor | None = None
+                ) -> Tensor:
+        """`attention_mask` for a step that knows the committed length only as a device
+        tensor, start (1,) long: the step's U uncommitted slots begin at slot `start`. The
+        masks are made on the device from it (a recorded step may not read `length`, which
+        a replay would see frozen). positions: as for `attention_mask`."""
+        k, u = tree_mask.shape
+        rel = torch.arange(self.visible, device=tree_mask.device) - start  # (visible,)
+        new = tree_mask.index_select(1, rel.clamp(0, u - 1)) & (rel < u)  # (K, visible)
+        mask = new | (rel < 0)
+        if self.window is None:
+            return mask[None, None]
+        if positions is None or u != k:
+            raise GumihoError("internal: a sliding-window mask needs the step's positions")
+        # slot j < start holds position j; the new tokens' slots hold their own positions
+        keys = torch.where(rel >= 0, positions[rel.clamp(0, k - 1)], rel + start)
         near = positions[:, None] - keys[None, :] < self.window  # HF: q - kv < window
         return torch.stack([mask & near if kind == SLIDING else mask
                             for kind in self.kinds])[:, None]

@@ -17,12 +17,14 @@ chain reaches the device in one non-blocking copy.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from gumiho.drafter_api import DrafterWrapper
+from gumiho.graphs import StaticStep
 from gumiho.hostsync import upload
 from gumiho.tree import DraftTree
 
@@ -97,15 +99,33 @@ def attach_chain(tree: DraftTree, chain: Tensor, valid: Tensor, max_depth: int) 
     return replace(merged, dead=torch.cat([old_dead, dead_t]), priority=priority)
 
 
-def chain_to_device(tokens: list[int], length: int, device: torch.device
-                    ) -> tuple[Tensor, Tensor]:
-    """(chain (L,), valid (L,)) on the device in one copy that does not stall the host
-    (pinned memory, non-blocking, on an accelerator)."""
+def chain_to_device(tokens: list[int], length: int, device: torch.device) -> Tensor:
+    """The chain padded to L = `length` slots and its valid flags, packed (2L,) = [chain,
+    valid], on the device in one copy that does not stall the host (pinned memory,
+    non-blocking, on an accelerator); `unpack_chain` splits it."""
     packed = np.zeros(2 * length, dtype=np.int64)
     packed[: len(tokens)] = tokens
     packed[length : length + len(tokens)] = 1
-    on_device = upload(packed, device)
-    return on_device[:length], on_device[length:].bool()
+    return upload(packed, device)
+
+
+def unpack_chain(packed: Tensor) -> tuple[Tensor, Tensor]:
+    """(chain (L,), valid (L,) bool) of `chain_to_device`'s (2L,)."""
+    length = packed.shape[0] // 2
+    return packed[:length], packed[length:].bool()
+
+
+def attach_fn(max_depth: int, tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor,
+              *rest: Tensor) -> tuple[Tensor, ...]:
+    """`attach_chain` on a tree's fields, tensors only (a recorded step): rest is the tree's
+    `dead` (bool) and `priority` (float), those it has, then the packed chain. Returns the
+    merged tree's tokens, parents, depths, mask, dead and (if the tree had one) priority."""
+    *extra, packed = rest
+    fields = {"dead" if x.dtype == torch.bool else "priority": x for x in extra}
+    merged = attach_chain(DraftTree(tokens, parents, depths, mask, **fields),
+                          *unpack_chain(packed), max_depth)
+    return (merged.tokens, merged.parents, merged.depths, merged.mask, merged.dead,
+            *(() if merged.priority is None else (merged.priority,)))
 
 
 class LookupDrafter(DrafterWrapper):
@@ -129,10 +149,14 @@ class LookupDrafter(DrafterWrapper):
     `first`: a cycle with a continuation verifies the chain alone and skips the drafter
     (its features wait in `observe`'s queue and are caught up at its next draft), so
     copy-heavy stretches cost what prompt lookup costs and the drafter runs elsewhere.
-    Eager steps only: captured ones keep one tree shape."""
+    Eager steps only: captured ones keep one tree shape.
+
+    With `static_shape`, attaching the chain (about 14 kernels a slot) is one step of
+    `engine` (graphs.py), recorded by captured engines."""
 
     def __init__(self, inner, tokens: int = 10, max_n: int = 3, min_n: int = 2,
-                 static_shape: bool = False, first: bool = False, short: int = 2):
+                 static_shape: bool = False, first: bool = False, short: int = 2,
+                 engine: str = "eager"):
         super().__init__(inner)
         self.tokens, self.static_shape = tokens, static_shape
         self.max_n, self.min_n, self.short = max_n, min_n, short
@@ -140,6 +164,7 @@ class LookupDrafter(DrafterWrapper):
         self.name = "lookup" if inner.name == "ar" else f"{inner.name}+lookup"
         self.max_nodes += tokens
         self.draft_depth += tokens
+        self._attach_step = StaticStep(partial(attach_fn, self.draft_depth), engine)
 
     def begin(self, target, capacity: int) -> None:
         self.inner.begin(target, capacity)
@@ -158,11 +183,18 @@ class LookupDrafter(DrafterWrapper):
         # host ints: deciding costs no sync; a shorter match is a weaker guess
         found = self.index.chain(self.tokens, self.short)[1]
         if self.first and found:  # the chain alone; the drafter catches up next time
-            chain, valid = chain_to_device(found, len(found), self.device)
+            chain, valid = unpack_chain(chain_to_device(found, len(found), self.device))
             return attach_chain(DraftTree.chain(self.root), chain, valid, self.draft_depth)
         tree = self.inner.propose()
         slots = self.tokens if self.static_shape else len(found)
         if not slots:
             return tree
-        chain, valid = chain_to_device(found, slots, self.device)
-        return attach_chain(replace(tree, spliced_paths=None), chain, valid, self.draft_depth)
+        packed = chain_to_device(found, slots, self.device)
+        if not self.static_shape:
+            return attach_chain(replace(tree, spliced_paths=None), *unpack_chain(packed),
+                                self.draft_depth)
+        extra = tuple(x for x in (tree.dead, tree.priority) if x is not None)
+        fields = self._attach_step(tree.tokens, tree.parents, tree.depths, tree.mask, *extra,
+                                   packed)
+        return DraftTree(*fields[:4], dead=fields[4],
+                         priority=fields[5] if len(fields) > 5 else None)

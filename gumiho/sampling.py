@@ -58,10 +58,15 @@ def accept_matching(tree: DraftTree, picks: Tensor, step=None) -> Acceptance:
     One host sync: a single transfer brings back the accept length, the path's nodes and
     the tokens. `step`: `match_picks` as a (recorded) engine step, if the loop has one.
     """
-    k = tree.size
     dead = tree.dead if tree.dead is not None else torch.zeros_like(tree.tokens, dtype=torch.bool)
     packed, order, bonus = (step or match_picks)(tree.tokens, tree.parents, tree.depths,
                                                  tree.mask, dead, picks)
+    return matched(tree.size, packed, order, bonus)
+
+
+def matched(k: int, packed: Tensor, order: Tensor, bonus: Tensor) -> Acceptance:
+    """The Acceptance of `match_picks`' outputs for a K-node tree: one host sync, a single
+    transfer of the accept length, the path's tokens and its nodes."""
     host = packed.tolist()  # the host sync of the cycle: length, tokens, nodes
     n = host[0]
     nodes = host[k + 1 : k + 1 + n]

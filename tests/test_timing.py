@@ -22,13 +22,17 @@ def test_timing_tool_reports_every_phase(tiny_target_dir, capsys):
     assert report["engine"] == default_engine(torch.device(report["device"]))
     assert set(report["cycles"]) == {"gumiho", "eagle2", "medusa"}
     gumiho = report["cycles"]["gumiho"]
-    assert set(gumiho["per_cycle_s"]) == {"draft", "draft_catchup", "draft_serial",
-                                          "draft_heads", "draft_tree", "verify",
-                                          "accept_commit"}
     assert gumiho["identical_to_plain"] and gumiho["tree"]["total_tokens"] == 8
-    assert gumiho["per_cycle_s"]["draft_serial"] > 0 and gumiho["per_cycle_s"]["draft_heads"] > 0
-    assert "draft_heads" not in report["cycles"]["eagle2"]["per_cycle_s"] or \
-        report["cycles"]["eagle2"]["per_cycle_s"]["draft_heads"] == 0
+    if report["engine"] == "eager":  # drafting's parts; recorded, drafting is one step
+        assert set(gumiho["per_cycle_s"]) == {"draft", "draft_catchup", "draft_serial",
+                                              "draft_heads", "draft_tree", "verify",
+                                              "accept_commit"}
+        assert gumiho["per_cycle_s"]["draft_serial"] > 0
+        assert gumiho["per_cycle_s"]["draft_heads"] > 0
+        assert "draft_heads" not in report["cycles"]["eagle2"]["per_cycle_s"] or \
+            report["cycles"]["eagle2"]["per_cycle_s"]["draft_heads"] == 0
+    else:
+        assert set(gumiho["per_cycle_s"]) == {"draft", "verify", "accept_commit"}
     # the projection is tau x plain step / cycle, both timed without the profile's syncs
     wall = gumiho["unprofiled"]
     assert wall["cycle_s"] > 0 and wall["plain_step_s"] > 0

@@ -274,7 +274,7 @@ def test_teacher_forced_pass_matches_inference(tiny):
     prefill(tiny, cache, ids[:, :p])
     drafter.begin(tiny, 32)
     drafter.observe(features[0, :p], ids[0, 1 : p + 1])
-    out1, _ = drafter._catch_up()
+    _, out1, _, _ = drafter._catch_up()
     torch.testing.assert_close(out1, train_out["out1"][0, p - 1], atol=1e-5, rtol=1e-4)
     out2 = drafter._serial_level(ids[0, p + 1 : p + 2], out1[None],
                                  torch.zeros(1, 0, dtype=torch.bool))[0][0]

@@ -74,13 +74,14 @@ def gumiho_random(tiny_target):
 
 
 def test_tree_step_kernels_at_the_reference_tree(tiny_target):
-    """The captured tree step (MLP levels, selection, ancestor mask) at the reference
-    Gumiho tree (64 tokens, depth 7): on a GPU its kernels are tiny, so their number is
-    its cost. 137 when the mask walked one level per step (6 kernels a level); 92 with
-    repeated squaring and the floor applied inside the drafter's steps."""
+    """Building the tree (MLP levels, selection, ancestor mask; part of the recorded
+    drafting step) at the reference Gumiho tree (64 tokens, depth 7): on a GPU its kernels
+    are tiny, so their number is its cost. 137 when the mask walked one level per step (6
+    kernels a level); 92 with repeated squaring and the floor applied inside the drafter's
+    steps."""
     drafter = random_gumiho_after_prompt(tiny_target, TreeConfig.for_method("gumiho"))
-    calls, build = [], drafter._tree_step.fn
-    drafter._tree_step.fn = lambda *inputs: calls.append(inputs) or build(*inputs)
+    calls, build = [], drafter._tree_fn
+    drafter._tree_fn = lambda *inputs: calls.append(inputs) or build(*inputs)
     reference = drafter.propose()
     with LaunchCounter() as launches:
         tree = DraftTree(*build(*calls[0])[:4])
@@ -130,7 +131,7 @@ def test_fused_serial_step_is_the_models_in_fewer_kernels(tiny_target, method):
 
 def test_serial_level_siblings_do_not_see_each_other(gumiho_random):
     drafter = gumiho_random
-    out1, _ = drafter._catch_up()
+    _, out1, _, _ = drafter._catch_up()
     tokens = torch.tensor([4, 9, 23, 51])
     together, _, _ = drafter._serial_level(tokens, out1.expand(4, -1),
                                            torch.zeros(4, 0, dtype=torch.bool))

@@ -122,8 +122,9 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
     plain = run(target, PlainDrafter(), ids, config)
     cycles = max(fast.cycles - 1, 1)  # the prefill is not a cycle
     phases = {k: v / cycles for k, v in fast.phase_s.items() if k != "prefill"}
-    inner = sum(phases.get(p, 0.0) for p in ("draft_catchup", "draft_serial", "draft_heads"))
-    phases["draft_tree"] = max(phases.get("draft", 0.0) - inner, 0.0)
+    inner = [phases[p] for p in ("draft_catchup", "draft_serial", "draft_heads") if p in phases]
+    if inner:  # eager steps; a recorded drafting step is one phase (drafters.py)
+        phases["draft_tree"] = max(phases.get("draft", 0.0) - sum(inner), 0.0)
     cycle = phases["draft"] + phases["verify"] + phases["accept_commit"]
     plain_cycles = max(plain.cycles - 1, 1)
     plain_step = (plain.phase_s["verify"] + plain.phase_s["accept_commit"]
@@ -311,7 +312,8 @@ def print_report(report: dict) -> None:
         for phase in ("draft_catchup", "draft_serial", "draft_heads", "draft_tree", "draft",
                       "verify", "accept_commit"):
             if phase in cycle["per_cycle_s"]:
-                label = {"draft": "draft (total)"}.get(phase, phase)
+                label = {"draft": "draft (total)" if "draft_tree" in cycle["per_cycle_s"]
+                         else "draft (one recorded step)"}.get(phase, phase)
                 print(f"  {label:34s} {cycle['per_cycle_s'][phase] * 1e3:8.2f} ms")
         launches = cycle["launches_per_cycle"]
         detail = ", ".join(f"{m} {n:.0f}" for m, n in list(launches.items())[:5])
