@@ -58,10 +58,13 @@
 # so the next lease can fetch each variant (one call each, or two in a call without the
 # testbed) and unpack takes them all.
 # Next lease (what is still open): first, alone, SUITE_ARGS=@docs/results/gpu_next_first.txt
-# (5 ids: the sixth lease's three failures, fixed since, and the precision test added with
-# them), then the whole suite (not run whole on a GPU since f70fd32). The cycle with
-# CYCLE_ARGS="--kernels 15": which kernels make the 8B-shape drafting's 4.8 ms (issue 11's
-# 1.3 plain steps needs it under 1.7). The 2048-token runs raised held-out serial-1 on the
+# (the sixth lease's three failures, fixed since, the precision test added with them, and
+# the tests of the one-step drafting that replays as one CUDA graph since d82434d: the
+# graphs-vs-eager test first), then the whole suite (not run whole on a GPU since f70fd32).
+# The cycle with CYCLE_ARGS="--kernels 15": since d82434d a greedy cycle launches 25 kernels
+# outside recorded steps where it launched 102 (drafting one replay, acceptance inside the
+# verify step), so the 8B-shape cycle's 3.4 ms beside its verify should shrink; issue 11's
+# 1.3 plain steps needs it under 1.7 ms (the sixth lease: 1.47 plain steps at 32k). The 2048-token runs raised held-out serial-1 on the
 # GPU's bf16 rows (0.580 -> 0.588 over 8,192 draft tokens, -> 0.593 over 32,768) but not on
 # this CPU in fp32 (the widened run 0.592, the untrained widening 0.593); fetch both this
 # time and read both here before choosing. Variants not yet run: RUN_SUFFIX=_p1
