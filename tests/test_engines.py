@@ -36,6 +36,23 @@ def test_static_buffers_give_eager_tokens_with_long_accepts(smollm2, reference, 
     assert max(runs["static"][0].accept_lengths) >= 7  # padded catch-ups of every length
 
 
+@pytest.mark.parametrize("fta", ["official", "exact"])
+def test_static_buffers_with_fta_finish_the_tree_on_the_host(smollm2, reference, fta):
+    """The FTA modes draft through the recorded catch-up and levels steps (not the one
+    drafting step) and finish the tree eagerly: the same tokens as eager, and as plain."""
+    ids, plain = reference
+    full = ids + plain.token_ids
+    tree = TreeConfig.for_method("gumiho", fta=fta)
+    outs = {}
+    for engine in ("eager", "static"):
+        drafter = oracle_drafter("gumiho", smollm2, full, tree, engine=engine)
+        outs[engine] = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=N,
+                                                                 engine=engine))
+    assert outs["static"].token_ids == outs["eager"].token_ids == plain.token_ids
+    assert outs["static"].accept_lengths == outs["eager"].accept_lengths
+    assert max(outs["static"].accept_lengths) > 2
+
+
 @pytest.mark.parametrize("method", ["ar", "medusa"])
 def test_static_buffers_plain_and_medusa(smollm2, reference, method):
     ids, plain = reference
