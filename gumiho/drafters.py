@@ -161,10 +161,8 @@ class SerialDrafter:
         the longest accept (bonus + every draft level; padding rows see only themselves
         and are not committed), or eagerly (the eager engine; a captured engine's prompt).
         Reserves the cache slots the cycle's drafting writes."""
-        features = torch.cat([f for f, _ in self.pending]) if len(self.pending) > 1 \
-            else self.pending[0][0]  # (n, H): f_t
-        tokens = torch.cat([t for _, t in self.pending]) if len(self.pending) > 1 \
-            else self.pending[0][1]  # (n,): x_{t+1}
+        features, tokens = (parts[0] if len(parts) == 1 else torch.cat(parts)  # no copy of one
+                            for parts in zip(*self.pending, strict=True))  # (n, H): f_t; x_{t+1}
         self.pending = []
         n, width = tokens.shape[0], self.draft_depth + 1
         recorded = self.engine != "eager" and n <= width

@@ -299,7 +299,8 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
             tree = drafter.propose()
             if config.temperature > 0 and tree.spliced_paths is not None:
                 tree = official_for_sampling(tree)  # the released order at T > 0 (fta.py)
-        if config.temperature == 0 and tree.spliced_paths is tree.spliced_attend is None:
+        if config.temperature == 0 and tree.spliced_paths is None and \
+                tree.spliced_attend is None:
             with timer("verify"):  # and greedy acceptance, in one step
                 features, result = verify_greedy(target, cache, tree, width,
                                                  runner.step_for(width, greedy=True))

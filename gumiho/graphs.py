@@ -200,7 +200,9 @@ class StaticStep:
             outputs = entry()
         finally:
             REPLAYING.active = False
-        fresh = len(outputs) if self.fresh is None else self.fresh
+        # inductor's CUDA graphs (`compile`) share one memory pool across compiled steps,
+        # so there another step's replay may overwrite an output: every one is copied
+        fresh = len(outputs) if self.fresh is None or self.engine == "compile" else self.fresh
         return tuple(out.clone() if i < fresh else out for i, out in enumerate(outputs))
 
     def _capture(self, inputs: tuple[Tensor, ...]) -> _Graph | _Replay:
