@@ -403,18 +403,18 @@ class MedusaDrafter:
                 tokens: list[int] | None = None) -> None:
         self.feature, self.root = features[-1], next_tokens[-1:]
 
-    def _heads_fn(self, feature: Tensor) -> tuple[Tensor]:
+    def _heads_fn(self, feature: Tensor, root: Tensor) -> tuple[Tensor]:
+        """The tree's tokens (K,): the root, then each node's head's rank-r token."""
         hidden = self.model(feature.to(self.model.w.dtype))  # (N, H)
         ranked = self.model.logits(hidden, self.head).topk(self.max_rank).indices  # (N, r)
-        return (self.head.to_target(ranked),)
+        ranked = self.head.to_target(ranked)
+        depths = self.shape.depths
+        return (torch.where(depths > 0, ranked[(depths - 1).clamp(min=0), self.ranks], root),)
 
     @torch.no_grad()  # not inference_mode: compiled steps reject inference tensors
     def propose(self) -> DraftTree:
         with self.timer("draft_heads"):
-            (ranked,) = self._heads_step(self.feature)
-        depths = self.shape.depths
-        tokens = torch.where(depths > 0, ranked[(depths - 1).clamp(min=0), self.ranks],
-                             self.root)
+            (tokens,) = self._heads_step(self.feature, self.root)
         return replace(self.shape, tokens=tokens)
 
 
