@@ -4,6 +4,8 @@ The timing tool reports them per method; each counts over the cycles past the fi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from gumiho.engine import GenerateConfig, run
@@ -46,6 +48,33 @@ def launches_per_cycle(target: Target, drafter, ids: list[int], engine: str,
             on_cycle=start_counting)
     cycles = max(len(counted) - 1, 1)  # the last on_cycle ends the counted region
     return {module: n / cycles for module, n in launches.by_module.most_common()}
+
+
+def tree_build_s(target: Target, method: str, draft: str, tree, ids: list[int], engine: str,
+                 repeats: int = 20, draft_vocab: int = 0) -> float | None:
+    """Seconds of building one tree alone (the MLP levels, the selection, the ancestor
+    mask: `SerialDrafter._tree_fn`) as a step of `engine`, on the inputs of a real cycle:
+    inside the one recorded drafting step it is not a phase the profile can time. The
+    inputs come from an eager run of the same drafter; a recorded step's replay is timed
+    without its input copies. None for drafters without one (Medusa's tree is fixed) and
+    for the FTA modes and floors, which build their trees on the host."""
+    from gumiho.drafters import SerialDrafter, load_drafter
+    from gumiho.graphs import StaticStep
+    from gumiho.profiling import timed
+
+    drafter = load_drafter(method, target, draft,
+                           tree=replace(tree, lookup=0, lookup_first=False, draft_gate=0),
+                           engine="eager", random_vocab=draft_vocab)
+    if not isinstance(drafter, SerialDrafter) or tree.fta != "off" or \
+            tree.min_confidence > 0 or tree.extend_confidence > 0:
+        return None
+    calls, build = [], drafter._tree_fn
+    drafter._tree_fn = lambda *inputs: calls.append(inputs) or build(*inputs)
+    run(target, drafter, ids, GenerateConfig(max_new_tokens=8))
+    step = StaticStep(build, engine)
+    step(*calls[-1])  # records it
+    replay = next(iter(step.entries.values()), None)
+    return timed(replay or (lambda: build(*calls[-1])), target.device, repeats)
 
 
 def kernel_table(target: Target, drafter, ids: list[int], engine: str, max_new_tokens: int,

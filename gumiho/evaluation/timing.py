@@ -49,7 +49,12 @@ from gumiho.errors import (
     nonnegative_int,
     positive_int,
 )
-from gumiho.evaluation.profiling import host_syncs_per_cycle, kernel_table, launches_per_cycle
+from gumiho.evaluation.profiling import (
+    host_syncs_per_cycle,
+    kernel_table,
+    launches_per_cycle,
+    tree_build_s,
+)
 from gumiho.generate import add_target_args, add_tree_args, tree_options
 from gumiho.graphs import resolve_engine
 from gumiho.methods import DRAFTER_METHODS, method_spec
@@ -141,6 +146,8 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
                                                          max_new_tokens),
             "launches_per_cycle": launches_per_cycle(target, drafter, ids, engine,
                                                      max_new_tokens),
+            "tree_build_s": tree_build_s(target, method, draft, tree, ids, engine,
+                                         draft_vocab=draft_vocab),
             "identical_to_plain": fast.token_ids == plain.token_ids,
             **({"kernels": kernel_table(target, drafter, ids, engine, max_new_tokens, kernels),
                 "plain_kernels": kernel_table(target, PlainDrafter(), ids, engine,
@@ -315,6 +322,8 @@ def print_report(report: dict) -> None:
                 label = {"draft": "draft (total)" if "draft_tree" in cycle["per_cycle_s"]
                          else "draft (one recorded step)"}.get(phase, phase)
                 print(f"  {label:34s} {cycle['per_cycle_s'][phase] * 1e3:8.2f} ms")
+        if cycle.get("tree_build_s") is not None:
+            print(f"  {'tree building, as a step alone':34s} {cycle['tree_build_s'] * 1e3:8.2f} ms")
         launches = cycle["launches_per_cycle"]
         detail = ", ".join(f"{m} {n:.0f}" for m, n in list(launches.items())[:5])
         print(f"  {'kernel launches per cycle':34s} {sum(launches.values()):8.0f}  ({detail})")
