@@ -48,7 +48,7 @@ def exact_bf16_here(device: torch.device) -> bool:
     """Whether the demo's default on `device` is bfloat16 with the row-invariant attention:
     a CPU with AMX, whose bf16 products give each of a verify's rows what it gets alone.
     There a bf16 verify of 8-16 tokens costs about one plain step, and the output is bf16
-    plain decoding's bit for bit (README, Exact bfloat16 on a CPU); elsewhere float32."""
+    plain decoding's bit for bit (docs/cpu_costs.md, Exact bfloat16 on a CPU); elsewhere float32."""
     return (device.type == "cpu" and amx_cpu() and rows_independent(torch.bfloat16)
             and invariant_here(torch.bfloat16))
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                    "GPU, eager on a CPU")
     p.add_argument("--attention", default=None, choices=ATTENTION_CHOICES,
                    help="the target's attention; sdpa_invariant: bf16 on a CPU gives plain "
-                   "decoding's output bit for bit (README, bfloat16 on a CPU)")
+                   "decoding's output bit for bit (docs/cpu_costs.md, bfloat16 on a CPU)")
     args = p.parse_args(argv)
     if not args.prompt.strip():  # before the slow load and tree-size calibration
         raise GumihoError("empty prompt: give some text to answer")

@@ -28,7 +28,7 @@ projection costs about the same for 1 to 16 input rows, where float32 MKL costs 
 (a whole SmolLM2 step on the 2026-11-26 dev machine: fp32 41 ms for 1 token, 77 for 16;
 bf16 39 and 44). oneDNN reorders a plain weight into its blocked layout on every call;
 reordering once at load (`PackedLinear`) makes a bf16 step about 20% faster (39 against
-50 ms for one token; README, bfloat16 on a CPU) and gives bit-identical results (the same
+50 ms for one token; docs/cpu_costs.md, bfloat16 on a CPU) and gives bit-identical results (the same
 kernel runs). torch.compile cannot lower the packed product: its engine unpacks
 (`unpack_linears`).
 

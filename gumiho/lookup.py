@@ -144,7 +144,7 @@ class LookupDrafter(DrafterWrapper):
     benchmarks and held-out ShareGPT; scripts/lookup_chains.py) a 2-gram match's first
     token is accepted in 33-66% of cycles and its mean run is 0.6-3.4 tokens, a 3-gram's
     in 67-100% with runs of 2.7-7.4, while on this 2-core CPU verifying 3 tokens costs
-    1.10 plain steps and 11 tokens 1.75 (README, Measured costs).
+    1.10 plain steps and 11 tokens 1.75 (docs/cpu_costs.md).
 
     `first`: a cycle with a continuation verifies the chain alone and skips the drafter
     (its features wait in `observe`'s queue and are caught up at its next draft), so

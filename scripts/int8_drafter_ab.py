@@ -1,5 +1,5 @@
 """Would an int8 drafter pay on this CPU? An interleaved A/B, kept as a record of a path we
-tried and left out (README, Measured costs).
+tried and left out (docs/cpu_costs.md).
 
 A drafter probe (catch-up over the accepted tokens, first serial level, the draft head) reads
 ~50 MB of fp32 weights that the target's 540 MB sweep has just pushed out of the caches, so
