@@ -84,14 +84,20 @@ def test_cuda_graphs_give_eager_tokens():
 
     target = tiny_llama(logit_scale=4.0)
     target.model.to("cuda")
-    prompt = [5, 17, 3, 42, 8, 9, 11]
+    prompt = [5, 17, 3, 42, 8, 9, 11, 5, 17, 3]  # a recurring 3-gram: the lookup chain drafts
+    trees = {"gumiho": TreeConfig.for_method("gumiho", total_tokens=16, top_k=4, mlp_topk=4,
+                                             pruning=4),
+             "gumiho+lookup": TreeConfig.for_method("gumiho", total_tokens=16, top_k=4,
+                                                    mlp_topk=4, pruning=4, lookup=4),
+             "eagle2": TreeConfig.for_method("eagle2", total_tokens=16, top_k=4, depth=4),
+             "medusa": TreeConfig.for_method("medusa", total_tokens=16)}
     outs = {}
     for engine in ("eager", "graphs"):
-        tree = TreeConfig.for_method("gumiho", total_tokens=16, top_k=4, mlp_topk=4, pruning=4)
-        drafter = load_drafter("gumiho", target, "random", tree=tree, engine=engine)
+        drafters = [load_drafter(name.split("+")[0], target, "random", tree=tree,
+                                 engine=engine) for name, tree in trees.items()]
         outs[engine] = [run(target, d, prompt, GenerateConfig(max_new_tokens=32,
                                                               engine=engine)).token_ids
-                        for d in (drafter, PlainDrafter())]
+                        for d in drafters + [PlainDrafter()]]
     assert outs["graphs"] == outs["eager"]
 
 
