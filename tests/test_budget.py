@@ -104,12 +104,17 @@ def test_a_depth_one_gumiho_tree_drafts_level_one_alone(smollm2):
     assert all(int(t.depths.max()) <= 1 and t.size <= 3 for t in shallow)
 
 
-def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["eager", "static"])
+def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypatch, engine):
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
     target = load_target(tiny_target_dir)
     tree = TreeConfig.for_method("gumiho", total_tokens=8, top_k=3, mlp_topk=3, pruning=3)
-    report = budget.choose_tree(target, "gumiho", "random", tree, "eager",
+    report = budget.choose_tree(target, "gumiho", "random", tree, engine,
                                 max_new_tokens=8, widths=(4, 8))
+    # every shape pays the catch-up: timed as a phase by eager steps, and derived from the
+    # drafting where a captured engine records it inside the one drafting step
+    fixed = report["fixed_s"]
+    assert 0 < fixed["draft_catchup"] < fixed["draft"]
     shapes = report["shapes"]
     assert {(r["total_tokens"], r["depth"], r["chain"]) for r in shapes.values()} == \
         {(w, d, False) for w in (4, 8) for d in range(2, 8) if w - 1 >= d} | \
