@@ -44,29 +44,34 @@ def record_pools(draft: str, questions: int, max_new: int, top_k: int, mlp_topk:
     tree = TreeConfig(total_tokens=1 + 2 * top_k + 5 * mlp_topk, top_k=top_k,
                       mlp_topk=mlp_topk, pruning=mlp_topk, depth=7, fta="off")
     drafter = load_drafter("gumiho", target, draft, tree=tree, engine="eager")
-    rows, verify = [], engine.verify_tree
+    # the verify forward's logits (inside the greedy verify step, which keeps them), paired
+    # with the cycle's tree by the loop's on_cycle hook
+    rows, forward, last = [], engine.tree_forward, {}
 
-    def recording_verify(target, cache, tree, *args, **kwargs):
-        features, logits = verify(target, cache, tree, *args, **kwargs)
+    def recording_forward(*args, **kwargs):
+        features, logits = forward(*args, **kwargs)
+        last["logits"] = logits
+        return features, logits
+
+    def record(tree, emitted):
         if tree.size > 1:
-            greedy = logits.argmax(-1)
+            greedy = last["logits"].argmax(-1)
             score = tree.priority.double().numpy().copy()
             score[0] = 0.0  # the root's priority is +inf
             rows.append({"parents": tree.parents.numpy(), "depths": tree.depths.numpy(),
                          "score": score, "bench": bench,
                          "correct": (tree.tokens == greedy[tree.parents.clamp(min=0)]).numpy()})
-        return features, logits
 
-    engine.verify_tree = recording_verify
+    engine.tree_forward = recording_forward
     try:
         for bench in BENCHMARKS:
             for q in load_questions(bench)[:questions]:
                 result = run(target, drafter, target.chat_ids(q["turns"][0]),
-                             GenerateConfig(max_new_tokens=max_new))
+                             GenerateConfig(max_new_tokens=max_new), on_cycle=record)
                 print(f"{bench} {q['question_id']}: {result.new_tokens} tokens, tau "
                       f"{result.tau:.2f} with the whole pool", flush=True)
     finally:
-        engine.verify_tree = verify
+        engine.tree_forward = forward
     for row in rows:  # on the accepted path: correct and every ancestor correct
         ok = row["correct"].copy()
         ok[0] = True
