@@ -151,26 +151,13 @@ class KVCache:
         positions: (K,) the new tokens' positions; needed when there is a window (then the
         K new tokens must be all the uncommitted ones, U == K).
         """
-        k, u = tree_mask.shape
-        mask = torch.zeros(k, self.visible, dtype=torch.bool, device=tree_mask.device)
-        mask[:, : self.length] = True
-        mask[:, self.length : self.length + u] = tree_mask
-        if self.window is None:
-            return mask[None, None]
-        if positions is None or u != k:
-            raise GumihoError("internal: a sliding-window mask needs the step's positions")
-        # Slot j < length holds position j; the new tokens' slots hold their own positions.
-        keys = torch.arange(self.visible, device=mask.device)
-        keys[self.length : self.length + k] = positions
-        near = positions[:, None] - keys[None, :] < self.window  # HF: q - kv < window
-        return torch.stack([mask & near if kind == SLIDING else mask
-                            for kind in self.kinds])[:, None]
+        return self.mask_at(tree_mask, self.write_position(), positions)
 
     def mask_at(self, tree_mask: Tensor, start: Tensor, positions: Tensor | None = None
                 ) -> Tensor:
-        """`attention_mask` for a step that knows the committed length only as a device
-        tensor, start (1,) long: the step's U uncommitted slots begin at slot `start`. The
-        masks are made on the device from it (a recorded step may not read `length`, which
+        """`attention_mask` with the committed length given as a device tensor, start (1,)
+        long: the step's U uncommitted slots begin at slot `start`. The masks are made on
+        the device from it, so a recorded step can use it (it may not read `length`, which
         a replay would see frozen). positions: as for `attention_mask`."""
         k, u = tree_mask.shape
         rel = torch.arange(self.visible, device=tree_mask.device) - start  # (visible,)
