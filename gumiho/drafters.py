@@ -113,6 +113,8 @@ class SerialDrafter:
             else None
         extend = max(tree.min_confidence, tree.extend_confidence)
         self.extend_floor = math.log(extend) if extend > 0 and eager else None
+        # no FTA and no floors: a cycle's drafting is one recorded step (`_cycle_fn`)
+        self.one_step = tree.fta == "off" and self.floor is None and self.extend_floor is None
         self.cache: KVCache | None = None
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)  # the loop's, to profile
 
@@ -297,8 +299,7 @@ class SerialDrafter:
         """The catch-up over the pairs observed since the last proposal (committing them),
         then the tree: serial levels, MLP heads, selection (`_levels`, `_tree_fn`). In the
         default tree (no FTA, no confidence floors) all of it is one recorded step."""
-        fused = self.tree.fta == "off" and self.floor is None and self.extend_floor is None
-        if self.pending and fused:
+        if self.pending and self.one_step:
             tokens, features, meta, n, recorded = self._take_pending()
             fields = (self._cycle_step if recorded else self._cycle_fn)(tokens, features, meta)
             self.cache.commit(n)
@@ -309,7 +310,7 @@ class SerialDrafter:
         root, out1, values, indices = self.state
         self.cache.reserve((self.serial_depth - 1) * self.beam)
         start = self.cache.write_position()
-        if fused:
+        if self.one_step:
             fields = self._draft_step(root, out1, values, indices, start)
             return DraftTree(*fields[:4], priority=fields[4])
         if self.floor is None and self.extend_floor is None:

@@ -4,8 +4,6 @@ The timing tool reports them per method; each counts over the cycles past the fi
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from gumiho.engine import GenerateConfig, run
@@ -50,27 +48,28 @@ def launches_per_cycle(target: Target, drafter, ids: list[int], engine: str,
     return {module: n / cycles for module, n in launches.by_module.most_common()}
 
 
-def tree_build_s(target: Target, method: str, draft: str, tree, ids: list[int], engine: str,
-                 repeats: int = 20, draft_vocab: int = 0) -> float | None:
+def tree_build_s(target: Target, drafter, ids: list[int], engine: str, repeats: int = 20
+                 ) -> float | None:
     """Seconds of building one tree alone (the MLP levels, the selection, the ancestor
     mask: `SerialDrafter._tree_fn`) as a step of `engine`, on the inputs of a real cycle:
     inside the one recorded drafting step it is not a phase the profile can time. The
-    inputs come from an eager run of the same drafter; a recorded step's replay is timed
-    without its input copies. None for drafters without one (Medusa's tree is fixed) and
-    for the FTA modes and floors, which build their trees on the host."""
-    from gumiho.drafters import SerialDrafter, load_drafter
+    inputs come from an eager run of the same network and tree; a recorded step's replay
+    is timed without its input copies. None for drafters without one (Medusa's tree is
+    fixed) and for the FTA modes and floors, which build their trees on the host."""
+    from gumiho.drafters import SerialDrafter
     from gumiho.graphs import StaticStep
     from gumiho.profiling import timed
 
-    drafter = load_drafter(method, target, draft,
-                           tree=replace(tree, lookup=0, lookup_first=False, draft_gate=0),
-                           engine="eager", random_vocab=draft_vocab)
-    if not isinstance(drafter, SerialDrafter) or tree.fta != "off" or \
-            tree.min_confidence > 0 or tree.extend_confidence > 0:
+    while hasattr(drafter, "inner"):  # a lookup chain or a gate around it
+        drafter = drafter.inner
+    if not isinstance(drafter, SerialDrafter):
         return None
-    calls, build = [], drafter._tree_fn
-    drafter._tree_fn = lambda *inputs: calls.append(inputs) or build(*inputs)
-    run(target, drafter, ids, GenerateConfig(max_new_tokens=8))
+    eager = SerialDrafter(drafter.model, drafter.tree, engine="eager")
+    if not eager.one_step:
+        return None
+    calls, build = [], eager._tree_fn
+    eager._tree_fn = lambda *inputs: calls.append(inputs) or build(*inputs)
+    run(target, eager, ids, GenerateConfig(max_new_tokens=8))
     step = StaticStep(build, engine)
     step(*calls[-1])  # records it
     replay = next(iter(step.entries.values()), None)
