@@ -9,8 +9,13 @@ recorded once per input shape and replayed:
 
 * `eager`: call the function (the CPU default).
 * `graphs`: record it into a `torch.cuda.CUDAGraph` (CUDA and ROCm; the GPU default).
-* `compile`: `torch.compile` it (`mode="reduce-overhead"`, i.e. compiled kernels inside
-  CUDA graphs, on a GPU; plain inductor on a CPU).
+* `compile`: `torch.compile` it (inductor: elementwise chains fused into fewer kernels),
+  and on a GPU record the compiled step into a CUDA graph of our own, as `graphs` does.
+  Not inductor's own graphs (`mode="reduce-overhead"`): it declines them for a step that
+  writes an input in place ("skipping cudagraphs due to mutated inputs", the fourth GPU
+  lease's log: every step that writes a KV cache), so the steps ran launch by launch; and
+  its graphs share one memory pool across steps, so one step's replay could overwrite
+  another's outputs.
 * `static`: no capture, but every call goes through the static buffers as a replay would,
   and is checked against what a capture would have frozen (`HostStateCheck`): the first
   call of each shape records its operators, their Python arguments and the addresses of
@@ -200,22 +205,26 @@ class StaticStep:
             outputs = entry()
         finally:
             REPLAYING.active = False
-        # inductor's CUDA graphs (`compile`) share one memory pool across compiled steps,
-        # so there another step's replay may overwrite an output: every one is copied
-        fresh = len(outputs) if self.fresh is None or self.engine == "compile" else self.fresh
+        fresh = len(outputs) if self.fresh is None else self.fresh
         return tuple(out.clone() if i < fresh else out for i, out in enumerate(outputs))
 
     def _capture(self, inputs: tuple[Tensor, ...]) -> _Graph | _Replay:
         if self.engine == "static":
             return _Replay(self.fn, inputs, check=True)
-        if self.engine == "graphs":
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            return _Graph(self.fn, inputs, self._pool)
-        if self._compiled is None:
-            # Each step function is compiled once per shape and per cache it closes over;
-            # the default limit of 8 would silently fall back to eager in long sessions.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            mode = "reduce-overhead" if inputs[0].device.type == "cuda" else None
-            self._compiled = torch.compile(self.fn, mode=mode, dynamic=False)
-        return _Replay(self._compiled, inputs)
+        fn = self.fn
+        if self.engine == "compile":
+            if self._compiled is None:
+                # Each step function is compiled once per shape and per cache it closes
+                # over; the default limit of 8 would silently fall back to eager in long
+                # sessions.
+                torch._dynamo.config.recompile_limit = max(
+                    torch._dynamo.config.recompile_limit, 64)
+                self._compiled = torch.compile(self.fn, dynamic=False)
+            fn = self._compiled
+            if inputs[0].device.type != "cuda":
+                return _Replay(fn, inputs)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # `_Graph` calls fn three times before it records: a compiled fn compiles and
+        # autotunes there, never inside the capture
+        return _Graph(fn, inputs, self._pool)

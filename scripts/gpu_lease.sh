@@ -39,7 +39,8 @@
 # alone), held-out serial-1 0.529 -> 0.573. A few tests alone: SUITE_ARGS=tests/test_x.py
 # with the suite phase (a bare pytest there lacks the staged packages on PYTHONPATH).
 # `--engine compile` at the 8B shape did not finish in 200 s (inductor skips CUDA graphs:
-# the cache's index_copy_ mutates an input); not worth a call again.
+# the cache's index_copy_ mutates an input). Since then `compile` records inductor's kernels
+# into our own CUDA graphs (no mutated-input refusal): see "Next lease".
 # The fifth lease (H100, 779 s, docs/results/gpu_h100_fifth): .stage/1 (receive, 43 s with
 # the start), .stage/2 with `heldout` (100 s), .stage/3 with campaign (Gumiho, BATCH=32
 # ACCUM=1 MAX_STEPS=600) + suite (SUITE_WORKERS=12, cut at 265 s: 512 passed, 0 failed, 25
@@ -74,6 +75,11 @@
 # does not show here). The testbed with TESTBED_VOCAB=32768: the shipped network exported
 # over 32,768 draft tokens reads tau 2.85 at the CPU's reference tree (2.72 over its 8,192),
 # with no training; what it costs a GPU cycle at SmolLM2's size is not measured yet.
+# `compile` (inductor's fused kernels in our own CUDA graphs) is untried on a GPU: after
+# the graphs-vs-eager test (which now runs it too), CYCLE_METHODS=gumiho CYCLE_DRAFT_VOCAB=0
+# CYCLE_ARGS="--engine compile --widths 1,64" shows whether fewer, fused kernels take the
+# drafting (~320 small operators in its one graph) toward 1.3 plain steps; it compiles each
+# step once per shape, so give it CYCLE_LIMIT=300 and cut it if it is slower to start.
 # USE_CAMPAIGN=1 runs the testbed with the campaign's drafters instead of the shipped ones.
 #
 # Every phase first takes in whatever pieces were carried (`receive`), so any order works

@@ -79,7 +79,8 @@ def test_compile_engine_gives_eager_tokens(tiny_target):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graphs_give_eager_tokens():
+@pytest.mark.parametrize("engine", ["graphs", "compile"])  # compile: inductor's, recorded
+def test_cuda_graphs_give_eager_tokens(engine):
     from conftest import tiny_llama
 
     target = tiny_llama(logit_scale=4.0)
@@ -92,13 +93,13 @@ def test_cuda_graphs_give_eager_tokens():
              "eagle2": TreeConfig.for_method("eagle2", total_tokens=16, top_k=4, depth=4),
              "medusa": TreeConfig.for_method("medusa", total_tokens=16)}
     outs = {}
-    for engine in ("eager", "graphs"):
-        drafters = [load_drafter(name.split("+")[0], target, "random", tree=tree,
-                                 engine=engine) for name, tree in trees.items()]
-        outs[engine] = [run(target, d, prompt, GenerateConfig(max_new_tokens=32,
-                                                              engine=engine)).token_ids
-                        for d in drafters + [PlainDrafter()]]
-    assert outs["graphs"] == outs["eager"]
+    for name in ("eager", engine):
+        drafters = [load_drafter(method.split("+")[0], target, "random", tree=tree,
+                                 engine=name) for method, tree in trees.items()]
+        outs[name] = [run(target, d, prompt, GenerateConfig(max_new_tokens=32,
+                                                            engine=name)).token_ids
+                      for d in drafters + [PlainDrafter()]]
+    assert outs[engine] == outs["eager"]
 
 
 def test_graphs_engine_refused_without_a_gpu():
