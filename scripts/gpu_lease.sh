@@ -58,28 +58,40 @@
 # (a Gumiho drafter is 3 of a call's 8 files): fetch now names its archive by RUN_SUFFIX,
 # so the next lease can fetch each variant (one call each, or two in a call without the
 # testbed) and unpack takes them all.
-# Next lease (what is still open): first, alone, SUITE_ARGS=@docs/results/gpu_next_first.txt
-# (the sixth lease's three failures, fixed since, the precision test added with them, and
-# the tests of the one-step drafting that replays as one CUDA graph since d82434d: the
-# graphs-vs-eager test first), then the whole suite (not run whole on a GPU since f70fd32).
-# The cycle with CYCLE_ARGS="--kernels 15": since d82434d a greedy cycle launches 25 kernels
-# outside recorded steps where it launched 102 (drafting one replay, acceptance inside the
-# verify step), so the 8B-shape cycle's 3.4 ms beside its verify should shrink; issue 11's
-# 1.3 plain steps needs it under 1.7 ms (the sixth lease: 1.47 plain steps at 32k). The 2048-token runs raised held-out serial-1 on the
-# GPU's bf16 rows (0.580 -> 0.588 over 8,192 draft tokens, -> 0.593 over 32,768) but not on
-# this CPU in fp32 (the widened run 0.592, the untrained widening 0.593); fetch both this
-# time and read both here before choosing. Variants not yet run: RUN_SUFFIX=_p1
-# TRAIN_ARGS="--ploss-weight 1.0" (the serial step's token loss ten times the reference's)
-# and RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight 0.1"; PRECISION=fp32 would train on
-# the fp32 features the CPU evaluates with (whether bf16 features are why the GPU's gain
-# does not show here). The testbed with TESTBED_VOCAB=32768: the shipped network exported
-# over 32,768 draft tokens reads tau 2.85 at the CPU's reference tree (2.72 over its 8,192),
-# with no training; what it costs a GPU cycle at SmolLM2's size is not measured yet.
-# `compile` (inductor's fused kernels in our own CUDA graphs) is untried on a GPU: after
-# the graphs-vs-eager test (which now runs it too), CYCLE_METHODS=gumiho CYCLE_DRAFT_VOCAB=0
-# CYCLE_ARGS="--engine compile --widths 1,64" shows whether fewer, fused kernels take the
-# drafting (~320 small operators in its one graph) toward 1.3 plain steps; it compiles each
-# step once per shape, so give it CYCLE_LIMIT=300 and cut it if it is slower to start.
+# Next lease (what is still open; ~850 s of device time, calls back to back):
+#   1  .stage/3: SUITE_ARGS=@docs/results/gpu_next_first.txt SUITE_WORKERS=6 SUITE_LIMIT=150
+#        bash scripts/gpu_lease.sh suite; CYCLE_METHODS=gumiho CYCLE_ARGS="--kernels 15"
+#        CYCLE_LIMIT=90 CYCLE_DV_LIMIT=70 bash scripts/gpu_lease.sh cycle; CYCLE_METHODS=gumiho
+#        CYCLE_DRAFT_VOCAB=0 CYCLE_TAG=_compile CYCLE_ARGS="--engine compile --widths 1,64"
+#        CYCLE_LIMIT=200 bash scripts/gpu_lease.sh cycle
+#      The first tests: the sixth lease's three failures (fixed since) and the one-step
+#      drafting, which has never replayed as a real CUDA graph (`static` is the CPU's
+#      stand-in), graphs and compile both. The cycle: since d82434d a greedy cycle launches
+#      25 kernels outside recorded steps where it launched 102, so the 8B cycle's 3.4 ms
+#      beside its verify (1.47 plain steps at 32k; bar 1.3, i.e. under 1.7 ms) should
+#      shrink; `--kernels 15` names the kernels that take the device's time, and the line
+#      "tree building, as a step alone" is issue 11's tree figure (bar: with accept, 1 ms).
+#      compile: inductor's fused kernels in our own graphs, never tried on a GPU.
+#   2  .stage/1 (receive).
+#   3  .stage/2: bash scripts/gpu_lease.sh small_cycle, then the campaign with the whole
+#      suite beside it (SmolLM2's 64-token cycle is 1.7 plain steps and its plain step
+#      ~4.5 ms of ~1,400 small kernels: small_cycle says where the rest goes). Campaign:
+#      Gumiho over DRAFT_VOCAB=32768 from the shipped drafter, MAX_LEN=512 BATCH=32 ACCUM=1,
+#      as many steps as the call allows (the fifth lease's 600 steps took 167 s alone);
+#      the variants not yet run, as a second run beside it: RUN_SUFFIX=_p1
+#      TRAIN_ARGS="--ploss-weight 1.0" (the serial step's token loss ten times the
+#      reference's) or RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight 0.1", or
+#      PRECISION=fp32 (features as the CPU evaluates them: the 2048-token runs rose on the
+#      GPU's bf16 rows, 0.580 -> 0.593, but not on this CPU in fp32, 0.592 against the
+#      untrained widening's 0.593). Fetch each run and read both here before choosing.
+#   4  wait + pick + fetch + testbed: USE_CAMPAIGN=1 TESTBED_VOCAB=32768 (when the picked
+#      run is not already over 32,768) GUMIHO_VARIANTS="--lookup 10" QEND=2 MAXNEW=128 and
+#      the six benchmarks: issue 12's GPU bar is 2x over graph-captured plain decoding
+#      (1.61x / 1.56x so far at tau 2.57 / 2.69); on the CPU, the 32,768-token export
+#      and a lookup chain beside the tree each raised tau at the reference tree (2.72 ->
+#      2.85 and -> 3.09), and the lookup chain is attached by a recorded step since
+#      d82434d (it launched 165 kernels a cycle before: prompt lookup alone was 0.87x on
+#      the sixth lease's GPU).
 # USE_CAMPAIGN=1 runs the testbed with the campaign's drafters instead of the shipped ones.
 #
 # Every phase first takes in whatever pieces were carried (`receive`), so any order works
@@ -177,6 +189,7 @@ need() {  # what: SmolLM2 | ShareGPT | drafters
 cycle_table() {  # NAME LIMIT TIMING-ARGS...: one timing run at the 8B shape, JSON and report
   local name=$1 limit=$2
   shift 2
+  name+=${CYCLE_TAG:-}  # e.g. CYCLE_TAG=_compile beside a graphs run in the same call
   timeout "$limit" python3 -m gumiho.evaluation.timing --shape llama3-8b --device "$DEVICE" \
     --tau 4.46 --json "$@" ${CYCLE_ARGS:-} > "$RESULTS/$name.json"
   python3 -c "import json, sys; from gumiho.evaluation.timing import print_report as p; \
@@ -191,6 +204,19 @@ cycle() {  # the cycle table at the Llama-3-8B shape; needs nothing staged. Whol
   (( vocab > 0 )) || return 0
   cycle_table cycle_8b_vocab "${CYCLE_DV_LIMIT:-90}" --methods gumiho --widths 1,16,64 \
     --draft-vocab "$vocab"
+}
+
+small_cycle() {  # the cycle on the testbed itself: SmolLM2 and the shipped Gumiho, real
+  # prompts (the testbed's plain decoding ran ~4.5 ms a token on an H100, 1,400 kernels a
+  # step: where its Gumiho cycle's 1.7 plain steps go, kernel by kernel), graphs then compile
+  need SmolLM2; need drafters
+  local engine
+  for engine in ${SMALL_ENGINES:-graphs compile}; do
+    timeout "${SMALL_LIMIT:-150}" python3 -m gumiho.evaluation.timing --device "$DEVICE" \
+      --engine "$engine" --methods gumiho --draft gumiho/assets/smollm2/gumiho \
+      --widths 1,64 --kernels 15 ${SMALL_ARGS:-} | tee "$RESULTS/small_cycle_$engine.txt" \
+      || echo "(cut at ${SMALL_LIMIT:-150} s)"
+  done
 }
 
 suite() {  # the whole suite on the GPU
@@ -393,7 +419,7 @@ unpack() {  # here: the fetched drafters into runs/gpu_campaign/
   ls -R runs/gpu_campaign
 }
 
-[[ $# -gt 0 ]] || die "give phases: pack | cycle suite testbed equality probe heldout campaign wait pick fetch | unpack DIR"
+[[ $# -gt 0 ]] || die "give phases: pack | cycle small_cycle suite testbed equality probe heldout campaign wait pick fetch | unpack DIR"
 case $1 in
   pack) pack; exit ;;
   unpack) unpack "${2:-}"; exit ;;
@@ -402,7 +428,7 @@ receive
 failed=0
 for phase in "$@"; do  # a failing phase does not stop the ones after it (device time is dear)
   case $phase in
-    cycle|suite|testbed|equality|heldout|campaign|probe|fetch|progress|pick) ($phase) || { failed=1
+    cycle|small_cycle|suite|testbed|equality|heldout|campaign|probe|fetch|progress|pick) ($phase) || { failed=1
       echo "error: phase $phase failed; going on" >&2; } ;;
     wait) wait_runs ;;
     receive) ;;
