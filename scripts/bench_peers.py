@@ -4,6 +4,12 @@ drafters. Greedy; each variant runs on every prompt in turn, repeats interleaved
 machine load hits every variant alike. Prints tokens/s per prompt and ratios to HF plain.
 
     python scripts/bench_peers.py [--new-tokens 96] [--repeats 3] [--methods ar,lookup,gumiho]
+    python scripts/bench_peers.py --device cuda [--hf-static]   # a GPU: bf16, our graphs
+
+On a GPU our loop runs on its default engine (CUDA graphs) and transformers' `generate` as
+a user calls it (a dynamic cache, eager kernels); `--hf-static` adds `generate` with
+`cache_implementation="static"`, which transformers compiles: the fastest baseline a GPU
+user has without a serving engine.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
-from gumiho.drafters import load_drafter
 from gumiho.generate import SpeculativeGenerator
 from gumiho.target import load_target, resolve_target_path
 
@@ -43,24 +48,28 @@ DRAFTS = {"gumiho": "gumiho/assets/smollm2/gumiho", "eagle2": "gumiho/assets/smo
           "medusa": "gumiho/assets/smollm2/medusa"}
 
 
-def stock_model(name: str):
-    """The target as a user loads it: a stock transformers model in fp32 with sdpa
-    attention, untouched by us (wrap_target switches its own copy's attention function)."""
+def stock_model(name: str, device: torch.device, dtype: torch.dtype):
+    """The target as a user loads it: a stock transformers model with sdpa attention,
+    untouched by us (wrap_target switches its own copy's attention function)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(resolve_target_path(name), dtype=torch.float32,
-                                                attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(resolve_target_path(name), dtype=dtype,
+                                                attn_implementation="sdpa").to(device).eval()
 
 
-def hf_runner(model, target, ids: list[int], new_tokens: int, lookup: int | None):
-    input_ids = torch.tensor([ids])
+def hf_runner(model, target, ids: list[int], new_tokens: int, lookup: int | None,
+              cache: str | None = None):
+    input_ids = torch.tensor([ids], device=model.device)
     stops = sorted(target.stop_token_ids)
+    extra = {"cache_implementation": cache} if cache else {}
 
     def go() -> int:
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                              max_new_tokens=new_tokens, do_sample=False,
                              eos_token_id=stops, pad_token_id=stops[0],
-                             prompt_lookup_num_tokens=lookup)
+                             prompt_lookup_num_tokens=lookup, **extra)
+        if out.device.type == "cuda":
+            torch.cuda.synchronize()
         return out.shape[1] - input_ids.shape[1]
 
     return go
@@ -80,14 +89,25 @@ def main() -> None:
     p.add_argument("--methods", default="ar,lookup,gumiho")
     p.add_argument("--draft", action="append", default=[],
                    help="METHOD=DIR: a drafter other than the shipped one")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None,
+                   help="default: float32 on a CPU, bfloat16 on a GPU")
+    p.add_argument("--hf-static", action="store_true",
+                   help="also transformers' generate with a static (compiled) cache")
     args = p.parse_args()
     drafts = {**DRAFTS, **dict(d.split("=", 1) for d in args.draft)}
-    target, stock = load_target("smollm2"), stock_model("smollm2")
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+    target = load_target("smollm2", device=str(device), dtype=str(dtype).split(".")[1])
+    stock = stock_model("smollm2", device, dtype)
     prompts = {name: target.chat_ids(text) for name, text in PROMPTS.items()}
     variants = {"hf": lambda ids: hf_runner(stock, target, ids, args.new_tokens, None),
                 "hf_lookup": lambda ids: hf_runner(stock, target, ids, args.new_tokens, 10)}
+    if args.hf_static:
+        variants["hf_static"] = lambda ids: hf_runner(stock, target, ids, args.new_tokens,
+                                                      None, "static")
     for method in args.methods.split(","):
-        gen = SpeculativeGenerator(target, load_drafter(method, target, drafts.get(method)))
+        gen = SpeculativeGenerator.load(target, method, drafts.get(method))
         variants[method] = lambda ids, gen=gen: our_runner(gen, ids, args.new_tokens)
     runners = {(v, name): make(ids) for v, make in variants.items()
                for name, ids in prompts.items()}
@@ -106,6 +126,7 @@ def main() -> None:
                            "vs_hf": round(statistics.median(rates[(v, name)]) / base, 2)}
                        for v in variants}
     print(json.dumps({"new_tokens": args.new_tokens, "repeats": args.repeats,
+                      "device": str(device), "dtype": str(dtype),
                       "threads": torch.get_num_threads(), "prompts": table}, indent=1))
 
 

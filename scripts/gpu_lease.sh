@@ -208,7 +208,8 @@ cycle() {  # the cycle table at the Llama-3-8B shape; needs nothing staged. Whol
 
 small_cycle() {  # the cycle on the testbed itself: SmolLM2 and the shipped Gumiho, real
   # prompts (the testbed's plain decoding ran ~4.5 ms a token on an H100, 1,400 kernels a
-  # step: where its Gumiho cycle's 1.7 plain steps go, kernel by kernel), graphs then compile
+  # step: where its Gumiho cycle's 1.7 plain steps go, kernel by kernel), graphs then
+  # compile; then scripts/bench_peers.py (PEERS_LIMIT=0 skips it)
   need SmolLM2; need drafters
   local engine
   for engine in ${SMALL_ENGINES:-graphs compile}; do
@@ -217,6 +218,12 @@ small_cycle() {  # the cycle on the testbed itself: SmolLM2 and the shipped Gumi
       --widths 1,64 --kernels 15 ${SMALL_ARGS:-} | tee "$RESULTS/small_cycle_$engine.txt" \
       || echo "(cut at ${SMALL_LIMIT:-150} s)"
   done
+  # our plain decoding against transformers' generate on this GPU (issue 12: our baseline
+  # at least as fast as what a user has), with its static compiled cache too
+  (( ${PEERS_LIMIT:-200} > 0 )) || return 0
+  timeout "${PEERS_LIMIT:-200}" python3 scripts/bench_peers.py --device "$DEVICE" \
+    --hf-static --new-tokens 96 --repeats 2 --methods ar,lookup,gumiho \
+    > "$RESULTS/peers.json" || echo "(peers cut at ${PEERS_LIMIT:-200} s)"
 }
 
 suite() {  # the whole suite on the GPU
