@@ -61,8 +61,7 @@ class _SharedPositionLayer(StaticLayer):
         self.cumulative_length = cache.position  # () long, shared; what HF reads as length
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
-        slots = torch.arange(key_states.shape[-2], device=key_states.device) + \
-            self.cumulative_length
+        slots = self.cache.slots(key_states.shape[-2])
         self.keys.index_copy_(2, slots, key_states)
         self.values.index_copy_(2, slots, value_states)
         seen = self.cache.visible
@@ -85,6 +84,7 @@ class KVCache:
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
         self.position = torch.zeros((), dtype=torch.long, device=device)  # next write slot
+        self._slots: Tensor | None = None  # this step's write slots (`slots`)
         # (layers, keys/values, B, heads, capacity, head_dim): one tensor for every layer
         self.storage = torch.zeros(len(layer_types), 2, 1, heads, capacity, head_dim,
                                    dtype=dtype, device=device)
@@ -107,10 +107,21 @@ class KVCache:
     def rewind(self, length: int) -> None:
         """Make the next forward write its K new entries at slots length..length+K-1."""
         self.position.fill_(length)
+        self._slots = None
 
     def seek(self, write_at: Tensor) -> None:
         """Device-side `rewind`, for captured steps: write_at is a (1,) long tensor."""
         self.position.copy_(write_at[0])
+        self._slots = None
+
+    def slots(self, new_tokens: int) -> Tensor:
+        """The slots a step of `new_tokens` tokens writes, position..position+K-1: made at
+        its first layer and shared by the rest (two kernels a step, not two per layer; a
+        small model's step on a GPU costs what its kernels number). Only `rewind` and `seek`
+        move the position, and both drop them."""
+        if self._slots is None or self._slots.shape[0] != new_tokens:
+            self._slots = torch.arange(new_tokens, device=self.device) + self.position
+        return self._slots
 
     def write_position(self, offset: int = 0) -> Tensor:
         """Where the next step writes, as the (1,) tensor a captured step takes."""
