@@ -108,13 +108,18 @@ class Target:
 
     def _decoder_masks(self, attention_mask: Tensor):
         """Our (M, 1, K, capacity) bool masks in the form the decoder takes: one 4D mask, or
-        a dict by layer type when full and sliding layers are mixed; additive floats for
-        eager attention (it adds the mask to the scores)."""
-        if self.config._attn_implementation == "eager":
+        a dict by layer type when full and sliding layers are mixed. Additive floats for
+        eager attention (it adds the mask to the scores) and for sdpa, whose kernels would
+        otherwise turn a bool mask into the same 0 / -inf floats in every layer (a kernel
+        per layer per step on a GPU; here once a step). The row-invariant attention reads
+        bool masks."""
+        implementation = self.config._attn_implementation
+        if implementation in ("eager", "sdpa", SDPA_GQA):
             dtype = self.dtype
-            attention_mask = torch.zeros(attention_mask.shape, dtype=dtype,
-                                         device=attention_mask.device).masked_fill(
-                ~attention_mask, torch.finfo(dtype).min)
+            hidden = torch.finfo(dtype).min if implementation == "eager" else float("-inf")
+            attention_mask = torch.full(attention_mask.shape, hidden, dtype=dtype,
+                                        device=attention_mask.device).masked_fill(
+                attention_mask, 0.0)
         if attention_mask.shape[0] == 1:
             return attention_mask
         return {kind: m[None] for kind, m in zip(self._layer_kinds, attention_mask, strict=True)}

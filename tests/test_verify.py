@@ -131,3 +131,29 @@ def test_trimmed_step_attends_over_the_slots_in_use_only(tiny_target):
         assert mask.shape[-1] == keys.shape[2] == width
         outs.append(verify_tree(tiny_target, cache, tree)[1])
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+def test_sdpa_gets_the_mask_as_additive_floats_with_the_same_bits(smollm2, monkeypatch):
+    """An sdpa target takes each step's mask as 0 / -inf floats made once (not a bool mask
+    its kernels convert in every layer): the same features and logits bit for bit, for the
+    prompt and for a tree."""
+    from gumiho.target import Target
+    from gumiho.tree import DraftTree
+
+    def step():
+        cache = KVCache.for_model(smollm2.model, 64)
+        first = prefill(smollm2, cache, torch.tensor([[1, 510, 3375, 314, 253, 2365]]))
+        tree = DraftTree.from_parents(torch.tensor([5, 6, 7, 8, 9], device=smollm2.device),
+                                      torch.tensor([-1, 0, 0, 1, 2]))
+        return (*first, *verify_tree(smollm2, cache, tree))
+
+    assert smollm2.config._attn_implementation in ("sdpa", "sdpa_gqa")
+    additive = step()
+    masks_seen = []
+    original = Target._decoder_masks
+    monkeypatch.setattr(Target, "_decoder_masks",
+                        lambda self, m: masks_seen.append(original(self, m).dtype) or m)
+    as_bool = step()
+    assert masks_seen and all(dtype == smollm2.dtype for dtype in masks_seen)
+    for x, y in zip(additive, as_bool, strict=True):
+        assert torch.equal(x, y)
