@@ -140,9 +140,11 @@ class _Launches(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.owner.active and not getattr(REPLAYING, "active", False) and \
-                not func.is_view and func not in _NO_KERNEL:
-            self.owner.by_module[_gumiho_module()] += 1
+        if self.owner.active and not func.is_view and func not in _NO_KERNEL:
+            if getattr(REPLAYING, "active", False):
+                self.owner.inside += 1
+            else:
+                self.owner.by_module[_gumiho_module()] += 1
         return out
 
 
@@ -156,11 +158,14 @@ class LaunchCounter:
 
     On a GPU each launch costs the host a few microseconds, so this is what the cycle's
     eager part (tree building, acceptance, cache compaction) costs beyond its syncs. Steps
-    a captured engine records (`static` replays them in Python) are not counted; views
-    launch nothing and are not counted either."""
+    a captured engine records (`static` replays them in Python) are not counted there but
+    in `inside`: one replay launches them all, but each is still a kernel the device runs,
+    and a small model's recorded step costs about what its kernels number. Views launch
+    nothing and are not counted."""
 
     def __init__(self, active: bool = True):
         self.by_module: Counter[str] = Counter()
+        self.inside = 0  # kernels run inside recorded steps
         self.active = active  # switch on later, e.g. after a prefill
 
     @property

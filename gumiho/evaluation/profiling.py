@@ -32,9 +32,10 @@ def host_syncs_per_cycle(target: Target, drafter, ids: list[int], engine: str,
 
 
 def launches_per_cycle(target: Target, drafter, ids: list[int], engine: str,
-                       max_new_tokens: int) -> dict[str, float]:
-    """Kernels launched outside recorded steps per verify cycle, by module (hostsync.py);
-    with the eager engine every step's kernels count too."""
+                       max_new_tokens: int) -> tuple[dict[str, float], float]:
+    """Kernels launched outside recorded steps per verify cycle, by module, and kernels
+    run inside them per cycle (hostsync.LaunchCounter); with the eager engine every step's
+    kernels count as launched outside, and none inside."""
     counted = []
 
     def start_counting(tree, emitted):  # from the end of the first verify cycle on
@@ -45,7 +46,8 @@ def launches_per_cycle(target: Target, drafter, ids: list[int], engine: str,
         run(target, drafter, ids, GenerateConfig(max_new_tokens=max_new_tokens, engine=engine),
             on_cycle=start_counting)
     cycles = max(len(counted) - 1, 1)  # the last on_cycle ends the counted region
-    return {module: n / cycles for module, n in launches.by_module.most_common()}
+    return ({module: n / cycles for module, n in launches.by_module.most_common()},
+            launches.inside / cycles)
 
 
 def tree_build_s(target: Target, drafter, ids: list[int], engine: str, repeats: int = 20

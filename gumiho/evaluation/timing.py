@@ -144,14 +144,24 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
                            "cycle_over_plain_step": wall_cycle / wall_plain},
             "host_syncs_per_cycle": host_syncs_per_cycle(target, drafter, ids, engine,
                                                          max_new_tokens),
-            "launches_per_cycle": launches_per_cycle(target, drafter, ids, engine,
-                                                     max_new_tokens),
+            **launch_counts(target, drafter, ids, engine, max_new_tokens),
             "tree_build_s": tree_build_s(target, drafter, ids, engine),
             "identical_to_plain": fast.token_ids == plain.token_ids,
             **({"kernels": kernel_table(target, drafter, ids, engine, max_new_tokens, kernels),
                 "plain_kernels": kernel_table(target, PlainDrafter(), ids, engine,
                                               max_new_tokens, kernels)}
                if kernels else {})}
+
+
+def launch_counts(target: Target, drafter, ids: list[int], engine: str,
+                  max_new_tokens: int) -> dict:
+    """Kernels per cycle launched outside recorded steps (by module) and run inside them,
+    and the same for plain decoding's step: on a GPU the first cost the host, the second
+    the device (a small model's recorded step costs about what its kernels number)."""
+    outside, inside = launches_per_cycle(target, drafter, ids, engine, max_new_tokens)
+    _, plain_inside = launches_per_cycle(target, PlainDrafter(), ids, engine, max_new_tokens)
+    return {"launches_per_cycle": outside, "kernels_in_steps_per_cycle": inside,
+            "plain_kernels_in_steps": plain_inside}
 
 
 def unprofiled_cycle_s(target: Target, drafter, ids: list[int], engine: str,
@@ -326,6 +336,10 @@ def print_report(report: dict) -> None:
         launches = cycle["launches_per_cycle"]
         detail = ", ".join(f"{m} {n:.0f}" for m, n in list(launches.items())[:5])
         print(f"  {'kernel launches per cycle':34s} {sum(launches.values()):8.0f}  ({detail})")
+        if cycle.get("kernels_in_steps_per_cycle"):
+            print(f"  {'kernels inside recorded steps':34s} "
+                  f"{cycle['kernels_in_steps_per_cycle']:8.0f}  (a plain step: "
+                  f"{cycle['plain_kernels_in_steps']:.0f})")
         if cycle["host_syncs_per_cycle"] is not None:
             print(f"  {'host syncs per cycle':34s} {cycle['host_syncs_per_cycle']:8.2f}")
         proj, wall = cycle["projected"], cycle["unprofiled"]
