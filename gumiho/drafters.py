@@ -321,7 +321,7 @@ class SerialDrafter:
             if drafted is None:
                 return DraftTree.chain(root)  # no draft is likely enough: a plain step
         serial, heads = drafted
-        pool, branches = self._mlp_pool(serial, *heads)
+        pool, branches = self._mlp_pool(serial, *heads, with_branches=self.tree.fta == "exact")
         budget = self.tree.total_tokens - 1
         if self.floor is not None:  # the best nodes are the likeliest: keep those above the floor
             budget = min(budget, int((pool.scores >= self.floor).sum()))
@@ -338,20 +338,23 @@ class SerialDrafter:
         drafting their children."""
         return floor is None or float(level.scores[0]) >= floor
 
-    def _mlp_pool(self, serial: Pool, top_values: Tensor, top_indices: Tensor
-                  ) -> tuple[Pool, Tensor]:
+    def _mlp_pool(self, serial: Pool, top_values: Tensor, top_indices: Tensor,
+                  with_branches: bool = True) -> tuple[Pool, Tensor | None]:
         """The serial pool extended by one pruned level per MLP head, and each pool node's
         branch: the level-2 row (0..R-1) whose heads drew it (-1 above the MLP levels and
         for level-2 nodes without heads); head h's candidates for a node come from its
-        branch's row. top_values, top_indices (R, heads, m) from the heads."""
+        branch's row. top_values, top_indices (R, heads, m) from the heads. Without
+        `with_branches` (only `--fta exact` reads them) the branches are None: 7 kernels
+        fewer in the recorded drafting step."""
         if top_values.numel() == 0:
-            return serial, torch.full_like(serial.tokens, -1)
+            return serial, torch.full_like(serial.tokens, -1) if with_branches else None
         k, rows = self.beam, self.mlp_rows
         first = serial.tokens.shape[0] - k  # pool index of level 2's node 0
         branch = torch.arange(rows, device=serial.tokens.device)
-        row_of = torch.arange(serial.tokens.shape[0], device=branch.device) - first
-        levels = [serial]
-        branches = [torch.where((row_of >= 0) & (row_of < rows), row_of, -1)]
+        levels, branches = [serial], []
+        if with_branches:
+            row_of = torch.arange(serial.tokens.shape[0], device=branch.device) - first
+            branches.append(torch.where((row_of >= 0) & (row_of < rows), row_of, -1))
         scores = serial.scores[first : first + rows]
         for head in range(self.heads):
             level, row = expand_level(scores, top_indices[branch, head],
@@ -360,13 +363,13 @@ class SerialDrafter:
             branch, scores = branch[row], level.scores
             levels.append(level)
             branches.append(branch)
-        return Pool.concat(levels), torch.cat(branches)
+        return Pool.concat(levels), torch.cat(branches) if with_branches else None
 
     def _tree_fn(self, root, tokens, parents, scores, depths, top_values, top_indices):
         """The tree from the serial pool and the heads' candidates: the MLP levels, then the
         best W - 1 nodes. Tensors only: DraftTree fields and priority."""
         pool, _ = self._mlp_pool(Pool(tokens, parents, scores, depths), top_values,
-                                 top_indices)
+                                 top_indices, with_branches=False)
         tree, _ = select_tree(root[0], pool, self.tree.total_tokens - 1, self.draft_depth)
         return tree.tokens, tree.parents, tree.depths, tree.mask, tree.priority
 
