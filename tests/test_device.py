@@ -94,6 +94,8 @@ def test_recorded_steps_run_few_kernels(smollm2):
     (SmolLM2's plain step ran ~4.5 ms on an H100, ~1,300 operators of a few microseconds):
     each step is held to its count, so work repeated per layer, or drafting grown by a
     kernel per tree level, shows here on the CPU."""
+    if smollm2.device.type != "cpu":  # the budgets are the CPU's operator counts
+        pytest.skip("counted as the CPU's operators (a GPU's products and norms differ)")
     ids = smollm2.chat_ids("List three uses of a paperclip.")
     counts = {}
     for method in IN_STEP_BUDGET:
