@@ -80,10 +80,11 @@
 #      as many steps as the call allows (the fifth lease's 600 steps took 167 s alone);
 #      the variants not yet run, as a second run beside it: RUN_SUFFIX=_p1
 #      TRAIN_ARGS="--ploss-weight 1.0" (the serial step's token loss ten times the
-#      reference's) or RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight 0.1", or
-#      PRECISION=fp32 (features as the CPU evaluates them: the 2048-token runs rose on the
-#      GPU's bf16 rows, 0.580 -> 0.593, but not on this CPU in fp32, 0.592 against the
-#      untrained widening's 0.593). Fetch each run and read both here before choosing.
+#      reference's) or RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight 0.1" (the
+#      2048-token runs rose on the GPU's bf16 rows, 0.580 -> 0.593, but not on this CPU in
+#      fp32, 0.592 against the untrained widening's 0.593; not the features' precision:
+#      bf16-target held-out features read 0.585 here against fp32's 0.586, so PRECISION=fp32
+#      is a weaker bet). Fetch each run and read both here before choosing.
 #   4  wait + pick + fetch + testbed: USE_CAMPAIGN=1 TESTBED_VOCAB=32768 (when the picked
 #      run is not already over 32,768) GUMIHO_VARIANTS="--lookup 10" QEND=2 MAXNEW=128 and
 #      the six benchmarks: issue 12's GPU bar is 2x over graph-captured plain decoding
