@@ -389,6 +389,22 @@ def test_breaking_out_of_stream_leaves_the_partial_result(plain_gen):
     assert partial.cycles == partial.new_tokens and partial.wall_s > 0
 
 
+def test_generate_decodes_once_and_stream_every_cycle(plain_gen, monkeypatch):
+    """`generate` decodes the text once, at the end: a decode of the text so far every
+    cycle (what `stream` must do) costs plain decoding, a cycle per token, more than a
+    drafter, and the evaluation times `generate`."""
+    decoded = []
+    original = type(plain_gen.target).decode
+    monkeypatch.setattr(type(plain_gen.target), "decode",
+                        lambda self, ids: decoded.append(len(ids)) or original(self, ids))
+    result = plain_gen.generate("Name three colours.", max_new_tokens=12)
+    assert decoded == [result.new_tokens]
+    decoded.clear()
+    pieces = list(plain_gen.stream("Name three colours.", max_new_tokens=12))
+    assert len(decoded) == plain_gen.last_result.cycles + 1
+    assert "".join(pieces) == plain_gen.last_result.text == result.text
+
+
 def test_a_newer_stream_supersedes_an_older_one(plain_gen):
     first = plain_gen.stream("Count to ten.", max_new_tokens=20)
     next(first)
