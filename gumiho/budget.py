@@ -291,13 +291,20 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
             return json.loads(path.read_text())
         except (json.JSONDecodeError, KeyError, ValueError):
             log.warning("ignoring an unreadable cached tree shape %s", path)
-    log.warning("choosing the tree shape for this device (once per drafter and device; "
-                "about a minute on a CPU) ...")
     # Calibrate on the plain dynamic tree: its subtrees are what smaller shapes give.
     reference = replace(without_wrappers(tree), fta="off")
+    shapes = candidate_shapes(method, reference, widths)
+    if engine == "compile":  # every shape and width is a step of its own to compile
+        steps = len(shapes) + len({1, *(s.total_tokens for s in shapes)})
+        log.warning("choosing the tree shape for this device (once per drafter, device and "
+                    "engine): --engine compile compiles each of the %d shapes and widths it "
+                    "times, which can take an hour (--total-tokens N skips the choice) "
+                    "...", steps)
+    else:
+        log.warning("choosing the tree shape for this device (once per drafter and device; "
+                    "about a minute on a CPU) ...")
     drafter = load_drafter(method, target, draft, tree=reference, engine=engine)
     trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens)
-    shapes = candidate_shapes(method, reference, widths)
     accept = accept_by_shape(trees, drafts, shapes)
     # the widths in turns, the fastest round of each (profiling.fastest_interleaved): on a
     # shared machine a burst of load once moved one width's median enough to change the pick
