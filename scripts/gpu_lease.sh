@@ -58,41 +58,47 @@
 # (a Gumiho drafter is 3 of a call's 8 files): fetch now names its archive by RUN_SUFFIX,
 # so the next lease can fetch each variant (one call each, or two in a call without the
 # testbed) and unpack takes them all.
-# Next lease (what is still open; ~850 s of device time, calls back to back):
-#   1  .stage/3: SUITE_ARGS=@docs/results/gpu_next_first.txt SUITE_WORKERS=6 SUITE_LIMIT=150
-#        bash scripts/gpu_lease.sh suite; CYCLE_METHODS=gumiho CYCLE_ARGS="--kernels 15"
-#        CYCLE_LIMIT=90 CYCLE_DV_LIMIT=70 bash scripts/gpu_lease.sh cycle; CYCLE_METHODS=gumiho
-#        CYCLE_DRAFT_VOCAB=0 CYCLE_TAG=_compile CYCLE_ARGS="--engine compile --widths 1,64"
-#        CYCLE_LIMIT=200 bash scripts/gpu_lease.sh cycle
+# Next lease (what is still open), calls back to back, limits summing to ~870 s of the
+# 900 with the start (~40 s); the training must not share the GPU with a timing:
+#   1  .stage/3 (~220 s): SUITE_ARGS=@docs/results/gpu_next_first.txt SUITE_WORKERS=6
+#        SUITE_LIMIT=120 bash scripts/gpu_lease.sh suite; CYCLE_METHODS=gumiho
+#        CYCLE_ARGS="--kernels 15" CYCLE_LIMIT=80 CYCLE_DV_LIMIT=70 bash scripts/gpu_lease.sh
+#        cycle
 #      The first tests: the sixth lease's three failures (fixed since) and the one-step
 #      drafting, which has never replayed as a real CUDA graph (`static` is the CPU's
-#      stand-in), graphs and compile both. The cycle: since d82434d a greedy cycle launches
+#      stand-in), under graphs and compile. The cycle: since d82434d a greedy cycle launches
 #      25 kernels outside recorded steps where it launched 102, so the 8B cycle's 3.4 ms
 #      beside its verify (1.47 plain steps at 32k; bar 1.3, i.e. under 1.7 ms) should
 #      shrink; `--kernels 15` names the kernels that take the device's time, and the line
 #      "tree building, as a step alone" is issue 11's tree figure (bar: with accept, 1 ms).
-#      compile: inductor's fused kernels in our own graphs, never tried on a GPU.
-#   2  .stage/1 (receive).
-#   3  .stage/2: bash scripts/gpu_lease.sh small_cycle, then the campaign with the whole
-#      suite beside it (SmolLM2's 64-token cycle is 1.7 plain steps and its plain step
-#      ~4.5 ms of ~1,400 small kernels: small_cycle says where the rest goes). Campaign:
-#      Gumiho over DRAFT_VOCAB=32768 from the shipped drafter, MAX_LEN=512 BATCH=32 ACCUM=1,
-#      as many steps as the call allows (the fifth lease's 600 steps took 167 s alone);
-#      the variants not yet run, as a second run beside it: RUN_SUFFIX=_p1
-#      TRAIN_ARGS="--ploss-weight 1.0" (the serial step's token loss ten times the
-#      reference's) or RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight 0.1" (the
+#   2  .stage/1 (receive, ~5 s).
+#   3  .stage/2 (~300 s): SMALL_ENGINES=graphs SMALL_LIMIT=70 PEERS_LIMIT=110 bash
+#        scripts/gpu_lease.sh small_cycle; then the campaign (background) with the whole
+#        suite beside it (SUITE_LIMIT=100).
+#      small_cycle: SmolLM2's 64-token cycle was 1.7 plain steps and its plain step ~4.5 ms
+#      of ~1,150 small kernels, where the kernels alone count 1.29 plain steps a cycle now:
+#      it says where the rest goes, and bench_peers our plain loop against transformers'
+#      generate on the GPU. Campaign: Gumiho over DRAFT_VOCAB=32768 from the shipped
+#      drafter, MAX_LEN=512 BATCH=32 ACCUM=1, as many steps as calls 3 and 4 allow (the
+#      fifth lease's 600 steps took 167 s alone), and beside it one variant not yet run:
+#      RUN_SUFFIX=_p1 TRAIN_ARGS="--ploss-weight 1.0" (the serial step's token loss ten
+#      times the reference's) or RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight 0.1". (The
 #      2048-token runs rose on the GPU's bf16 rows, 0.580 -> 0.593, but not on this CPU in
 #      fp32, 0.592 against the untrained widening's 0.593; not the features' precision:
 #      bf16-target held-out features read 0.585 here against fp32's 0.586, so PRECISION=fp32
-#      is a weaker bet). Fetch each run and read both here before choosing.
-#   4  wait + pick + fetch + testbed: USE_CAMPAIGN=1 TESTBED_VOCAB=32768 (when the picked
-#      run is not already over 32,768) GUMIHO_VARIANTS="--lookup 10" QEND=2 MAXNEW=128 and
-#      the six benchmarks: issue 12's GPU bar is 2x over graph-captured plain decoding
-#      (1.61x / 1.56x so far at tau 2.57 / 2.69); on the CPU, the 32,768-token export
-#      and a lookup chain beside the tree each raised tau at the reference tree (2.72 ->
-#      2.85 and -> 3.09), and the lookup chain is attached by a recorded step since
-#      d82434d (it launched 165 kernels a cycle before: prompt lookup alone was 0.87x on
-#      the sixth lease's GPU).
+#      is a weaker bet.) Fetch each run and read both here before choosing.
+#   4  (~300 s) wait + pick + fetch + testbed: USE_CAMPAIGN=1 TESTBED_VOCAB=32768 (when the
+#      picked run is not already over 32,768) GUMIHO_VARIANTS="--lookup 10" QEND=2
+#      MAXNEW=128 TESTBED_LIMIT=170 and the six benchmarks: issue 12's GPU bar is 2x over
+#      graph-captured plain decoding (1.61x / 1.56x so far at tau 2.57 / 2.69); on the CPU,
+#      the 32,768-token export and a lookup chain beside the tree each raised tau at the
+#      reference tree (2.72 -> 2.85 and -> 3.09), and the lookup chain is attached by a
+#      recorded step since d82434d (it launched 165 kernels a cycle before: prompt lookup
+#      alone was 0.87x on the sixth lease's GPU).
+#   Not in this budget, for a call that ends early or the lease after: `compile` on a GPU
+#   (inductor's fused kernels in our own graphs, never tried there), CYCLE_METHODS=gumiho
+#   CYCLE_DRAFT_VOCAB=0 CYCLE_TAG=_compile CYCLE_ARGS="--engine compile --widths 1,64"
+#   CYCLE_LIMIT=200 bash scripts/gpu_lease.sh cycle, and SMALL_ENGINES=compile small_cycle.
 # USE_CAMPAIGN=1 runs the testbed with the campaign's drafters instead of the shipped ones.
 #
 # Every phase first takes in whatever pieces were carried (`receive`), so any order works
