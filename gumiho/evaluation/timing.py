@@ -159,7 +159,9 @@ def launch_counts(target: Target, drafter, ids: list[int], engine: str,
     and the same for plain decoding's step: on a GPU the first cost the host, the second
     the device (a small model's recorded step costs about what its kernels number)."""
     outside, inside = launches_per_cycle(target, drafter, ids, engine, max_new_tokens)
-    _, plain_inside = launches_per_cycle(target, PlainDrafter(), ids, engine, max_new_tokens)
+    # eager steps record nothing: plain decoding's count is 0 too, without a counted run
+    plain_inside = launches_per_cycle(target, PlainDrafter(), ids, engine,
+                                      max_new_tokens)[1] if inside else 0.0
     return {"launches_per_cycle": outside, "kernels_in_steps_per_cycle": inside,
             "plain_kernels_in_steps": plain_inside}
 
