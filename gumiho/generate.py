@@ -161,13 +161,13 @@ class SpeculativeGenerator:
 
     def _run(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int,
              pieces: bool) -> Iterator[str]:
-        """`stream`'s loop; without `pieces` it yields nothing and decodes nothing."""
+        """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the
+        engine decodes the whole answer once, into `result.text`)."""
         self.last_result = None
         owner = self._active = object()  # which stream may use the shared caches now
         result = GenerationResult()
         steps = self._steps(prompt, max_new_tokens, temperature, seed, result)
-        tokens: list[int] = []
-        shown = ""
+        text = TextPieces(self.target.decode) if pieces else None
         try:
             while True:
                 if self._active is not owner:
@@ -177,19 +177,54 @@ class SpeculativeGenerator:
                     new = next(steps)
                 except StopIteration:
                     self.last_result = result
+                    if text is not None and (rest := text.finish(result.text)):
+                        yield rest
                     return
-                if not pieces:
-                    continue
-                tokens += new
-                text = self.target.decode(tokens)
-                if text.startswith(shown) and not text.endswith("\ufffd"):  # split UTF-8
-                    yield text[len(shown):]
-                    shown = text
+                if text is not None and (piece := text.push(new)):
+                    yield piece
         except GeneratorExit:  # the caller stopped early: describe what it got
             steps.close()
             if self._active is owner:
                 self.last_result = result
             raise
+
+
+class TextPieces:
+    """The text of a growing list of token ids, a piece at a time, each decode a short window.
+
+    Decoding the whole text after every cycle costs O(n) a cycle, O(n^2) an answer. Decoding
+    only the new tokens is wrong: a tokenizer may drop a leading space, and a character may
+    span two tokens. So each push decodes a window that starts at the tokens before the last
+    piece (the context a tokenizer needs at the boundary) and emits what that window adds
+    beyond them, held back while it ends inside a UTF-8 character (U+FFFD) or the window's
+    text does not extend its context's. `finish` compares with the whole answer's decode
+    and gives what is still owed, so the pieces always join to it when the pieces so far
+    are its start (they are for byte-level BPE and SentencePiece tokenizers: tested).
+    """
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.tokens: list[int] = []
+        self.start = 0  # the window's first token: the last piece's context
+        self.mark = 0  # tokens before this have been shown
+        self.pieces: list[str] = []  # what push gave so far
+
+    def push(self, new: list[int]) -> str:
+        self.tokens += new
+        context = self.decode(self.tokens[self.start : self.mark])
+        window = self.decode(self.tokens[self.start :])
+        if len(window) <= len(context) or not window.startswith(context) or \
+                window.endswith("\ufffd"):
+            return ""  # wait for more tokens
+        self.start, self.mark = self.mark, len(self.tokens)
+        piece = window[len(context) :]
+        self.pieces.append(piece)
+        return piece
+
+    def finish(self, text: str) -> str:
+        """What the whole answer's text holds beyond the pieces given (held-back tokens)."""
+        shown = "".join(self.pieces)
+        return text[len(shown) :] if text.startswith(shown) else ""
 
 
 def check_load_args(target, method, draft, tree_options: dict) -> None:

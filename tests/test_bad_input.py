@@ -389,10 +389,11 @@ def test_breaking_out_of_stream_leaves_the_partial_result(plain_gen):
     assert partial.cycles == partial.new_tokens and partial.wall_s > 0
 
 
-def test_generate_decodes_once_and_stream_every_cycle(plain_gen, monkeypatch):
+def test_generate_decodes_once_and_stream_short_windows(plain_gen, monkeypatch):
     """`generate` decodes the text once, at the end: a decode of the text so far every
-    cycle (what `stream` must do) costs plain decoding, a cycle per token, more than a
-    drafter, and the evaluation times `generate`."""
+    cycle would cost plain decoding, a cycle per token, more than a drafter, and the
+    evaluation times `generate`. `stream` decodes a short window a cycle (the last piece's
+    tokens and the new ones), and its pieces join to the same text."""
     decoded = []
     original = type(plain_gen.target).decode
     monkeypatch.setattr(type(plain_gen.target), "decode",
@@ -401,7 +402,9 @@ def test_generate_decodes_once_and_stream_every_cycle(plain_gen, monkeypatch):
     assert decoded == [result.new_tokens]
     decoded.clear()
     pieces = list(plain_gen.stream("Name three colours.", max_new_tokens=12))
-    assert len(decoded) == plain_gen.last_result.cycles + 1
+    assert len(decoded) == 2 * plain_gen.last_result.cycles + 1
+    assert decoded[-1] == result.new_tokens  # the engine's, once
+    assert max(decoded[:-1]) <= 3 < result.new_tokens  # a cycle per token: short windows
     assert "".join(pieces) == plain_gen.last_result.text == result.text
 
 
