@@ -86,3 +86,20 @@ def test_shape_builds_a_random_llama_of_that_size():
 
 def test_projected_speedup_arithmetic():
     assert timing.projected_speedup(3.0, 0.010, 0.015) == pytest.approx(2.0)
+
+
+def test_tree_building_is_timed_where_a_captured_engine_ignores_the_floors(tiny_target):
+    """Captured steps cannot read path scores on the host, so they draft without
+    --min-confidence / --extend-confidence; the eager stand-in that times the tree's
+    building must drop them too. Eager drafting with floors builds on the host: no step."""
+    from gumiho.config import TreeConfig
+    from gumiho.drafters import load_drafter
+    from gumiho.evaluation.profiling import tree_build_s
+
+    tree = TreeConfig.for_method("gumiho", total_tokens=8, top_k=3, mlp_topk=3, pruning=3,
+                                 depth=4, min_confidence=0.05, extend_confidence=0.2)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    static = load_drafter("gumiho", tiny_target, "random", tree=tree, engine="static")
+    assert static.one_step and tree_build_s(tiny_target, static, ids, "static", repeats=2) > 0
+    eager = load_drafter("gumiho", tiny_target, "random", tree=tree, engine="eager")
+    assert not eager.one_step and tree_build_s(tiny_target, eager, ids, "eager") is None
