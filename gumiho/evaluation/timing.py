@@ -112,10 +112,13 @@ def prompt_ids(target: Target, context: int) -> list[int]:
 
 def cycle_breakdown(target: Target, method: str, draft: str, engine: str, context: int,
                     max_new_tokens: int, draft_vocab: int = 0, kernels: int = 0,
-                    **tree_opts) -> dict:
+                    plain_counts: dict | None = None, **tree_opts) -> dict:
     """Per-cycle phase costs of a profiled generation of `method`, and of plain decoding
     on the same prompt through the same engine; then both again unprofiled (a profiled
-    phase ends in a device sync, which on a GPU empties the queue between phases)."""
+    phase ends in a device sync, which on a GPU empties the queue between phases).
+    plain_counts: plain decoding's kernel count and table, filled by the first method
+    and reused by the rest (they do not depend on the method; its times are retaken
+    beside each method, since the machine's speed drifts)."""
     tree = TreeConfig.for_method(method, **tree_opts)
     drafter = load_drafter(method, target, draft, tree=tree, engine=engine,
                            random_vocab=draft_vocab)
@@ -144,24 +147,33 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
                            "cycle_over_plain_step": wall_cycle / wall_plain},
             "host_syncs_per_cycle": host_syncs_per_cycle(target, drafter, ids, engine,
                                                          max_new_tokens),
-            **launch_counts(target, drafter, ids, engine, max_new_tokens),
+            **launch_counts(target, drafter, ids, engine, max_new_tokens, plain_counts),
             "tree_build_s": tree_build_s(target, drafter, ids, engine),
             "identical_to_plain": fast.token_ids == plain.token_ids,
             **({"kernels": kernel_table(target, drafter, ids, engine, max_new_tokens, kernels),
-                "plain_kernels": kernel_table(target, PlainDrafter(), ids, engine,
-                                              max_new_tokens, kernels)}
+                "plain_kernels": once(plain_counts, "plain_kernels", lambda: kernel_table(
+                    target, PlainDrafter(), ids, engine, max_new_tokens, kernels))}
                if kernels else {})}
 
 
+def once(memo: dict | None, key: str, make):
+    """memo[key], made by `make` the first time (no memo: made every time)."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def launch_counts(target: Target, drafter, ids: list[int], engine: str,
-                  max_new_tokens: int) -> dict:
+                  max_new_tokens: int, plain_counts: dict | None = None) -> dict:
     """Kernels per cycle launched outside recorded steps (by module) and run inside them,
     and the same for plain decoding's step: on a GPU the first cost the host, the second
     the device (a small model's recorded step costs about what its kernels number)."""
     outside, inside = launches_per_cycle(target, drafter, ids, engine, max_new_tokens)
     # eager steps record nothing: plain decoding's count is 0 too, without a counted run
-    plain_inside = launches_per_cycle(target, PlainDrafter(), ids, engine,
-                                      max_new_tokens)[1] if inside else 0.0
+    plain_inside = once(plain_counts, "plain_kernels_in_steps", lambda: launches_per_cycle(
+        target, PlainDrafter(), ids, engine, max_new_tokens)[1]) if inside else 0.0
     return {"launches_per_cycle": outside, "kernels_in_steps_per_cycle": inside,
             "plain_kernels_in_steps": plain_inside}
 
@@ -300,12 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     for width in args.widths:
         report["verify_s"][width] = verify_step_seconds(target, width, args.context,
                                                         args.repeats, engine)
+    plain_counts: dict = {}  # plain decoding's kernel counts: made once, for every method
     for method in methods:
         TreeConfig.for_method(method, **per_method[method]).check_vocab(
             target.lm_head.weight.shape[0])
         cycle = cycle_breakdown(target, method, args.draft, engine, args.context,
                                 args.max_new_tokens, args.draft_vocab, args.kernels,
-                                **per_method[method])
+                                plain_counts, **per_method[method])
         tau = args.tau if args.tau is not None else cycle["tau"]
         wall = cycle["unprofiled"]
         cycle["projected"] = {"tau": tau, "speedup": projected_speedup(
