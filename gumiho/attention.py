@@ -5,7 +5,10 @@ calling torch (a copy of the whole cache per layer per step) unless the mask is 
 every step of ours passes a mask (the tree mask, or the committed prefix of a preallocated
 cache). torch's CPU kernel takes `enable_gqa=True` together with a mask, so on the CPU we
 pass the grouped keys as they are: same values (tests/test_attention.py), no copy. On CUDA
-the fused kernels that take a mask do not take grouped heads, so there we keep the repeat.
+the fused kernels that take a mask do not take grouped heads, so there the query heads that
+share a KV head are folded into its query rows instead (`folded_sdpa`): the keys and
+values stay as the cache holds them (the repeat copied the whole preallocated cache, twice
+per layer per step), the mask's rows are repeated per folded head.
 
 `use_grouped_sdpa(model)` switches a loaded sdpa model to this function by name
 (`SDPA_GQA`); masks are built as for sdpa.
@@ -44,14 +47,34 @@ def grouped_sdpa_forward(module: torch.nn.Module, query: Tensor, key: Tensor, va
     """query (B, heads, Q, D), key/value (B, kv_heads, K, D), attention_mask (B|1, 1, Q, K)
     bool or additive -> (B, Q, heads, D), as transformers' attention functions return."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if (attention_mask is None or groups == 1 or query.device.type != "cpu"
-            or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")):
+    if (attention_mask is None or groups == 1 or dropout
+            or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")
+            or (query.device.type != "cpu" and attention_mask.shape[1] != 1)):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    if query.device.type != "cpu":
+        return folded_sdpa(query, key, value, attention_mask, scaling), None
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-        enable_gqa=True)
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def folded_sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor,
+                scale: float | None) -> Tensor:
+    """Grouped-KV attention under a mask with plain sdpa and no copy of the keys: query
+    (B, heads, Q, D) as (B, kv heads, groups * Q, D), query head j * groups + i's rows the
+    i-th block of KV head j's (transformers' repeat gives head j * groups + i KV head j),
+    mask (B|1, 1, Q, K) repeated to match -> (B, Q, heads, D). Each row is still one
+    query attending over its keys, so the values are the repeated heads' (tested)."""
+    batch, heads, rows, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    folded = query.reshape(batch, kv_heads, groups * rows, dim)
+    mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(
+        mask.shape[0], 1, groups * rows, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask,
+                                                           scale=scale)
+    return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(SDPA_GQA, grouped_sdpa_forward)

@@ -31,6 +31,31 @@ def test_grouped_sdpa_equals_repeated_heads(additive):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch, rows", [(1, 1), (1, 5), (2, 5)])
+@pytest.mark.parametrize("additive", [False, True])
+def test_folded_sdpa_equals_repeated_heads(device, batch, rows, additive):
+    """The CUDA path: each KV head's query heads folded into its query rows (no copy of the
+    keys) gives transformers' repeated heads' values; a decode step (one row) too."""
+    from gumiho.attention import folded_sdpa
+
+    g = torch.Generator().manual_seed(rows)
+    q, k, v = (torch.randn(shape, generator=g).to(device) for shape in
+               ((batch, 6, rows, 16), (batch, 2, 40, 16), (batch, 2, 40, 16)))
+    mask = torch.rand(batch, 1, rows, 40, generator=g) < 0.6
+    mask[..., 0] = True
+    if additive:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    mask = mask.to(device)
+    want, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.25)
+    got = folded_sdpa(q, k, v, mask, 0.25)
+    assert got.shape == want.shape == (batch, rows, 6, 16)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
 def test_grouped_kv_sdpa_targets_switch_and_others_do_not():
     """A grouped-KV sdpa target runs the grouped function; eager targets keep theirs."""
     assert tiny_llama().config._attn_implementation == SDPA_GQA  # 4 heads, 2 KV heads
