@@ -198,8 +198,10 @@ class TextPieces:
     piece (the context a tokenizer needs at the boundary) and emits what that window adds
     beyond them, held back while it ends inside a UTF-8 character (U+FFFD) or the window's
     text does not extend its context's. `finish` compares with the whole answer's decode
-    and gives what is still owed, so the pieces always join to it when the pieces so far
-    are its start (they are for byte-level BPE and SentencePiece tokenizers: tested).
+    and gives what is still owed, so the pieces join to it whenever the pieces so far are
+    its start (tests/test_text_pieces.py: SmolLM2's byte-level BPE over code, emoji, accents
+    and CJK, in random chunks; a tokenizer whose decode changes text across a boundary
+    would hold its pieces back and give them at the end).
     """
 
     def __init__(self, decode):
