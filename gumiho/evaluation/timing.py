@@ -119,6 +119,7 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
     plain_counts: plain decoding's kernel count and table, filled by the first method
     and reused by the rest (they do not depend on the method; its times are retaken
     beside each method, since the machine's speed drifts)."""
+    plain_counts = {} if plain_counts is None else plain_counts
     tree = TreeConfig.for_method(method, **tree_opts)
     drafter = load_drafter(method, target, draft, tree=tree, engine=engine,
                            random_vocab=draft_vocab)
@@ -156,17 +157,15 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
                if kernels else {})}
 
 
-def once(memo: dict | None, key: str, make):
-    """memo[key], made by `make` the first time (no memo: made every time)."""
-    if memo is None:
-        return make()
+def once(memo: dict, key: str, make):
+    """memo[key], made by `make` the first time."""
     if key not in memo:
         memo[key] = make()
     return memo[key]
 
 
 def launch_counts(target: Target, drafter, ids: list[int], engine: str,
-                  max_new_tokens: int, plain_counts: dict | None = None) -> dict:
+                  max_new_tokens: int, plain_counts: dict) -> dict:
     """Kernels per cycle launched outside recorded steps (by module) and run inside them,
     and the same for plain decoding's step: on a GPU the first cost the host, the second
     the device (a small model's recorded step costs about what its kernels number)."""
