@@ -11,11 +11,12 @@ from conftest import DEVICE
 
 @pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])
 def test_shipped_drafters_load_and_decode_like_plain(smollm2, method, capsys):
-    code = demo.main(["--method", method, "--max-new-tokens", "24", "--total-tokens", "16"])
+    code = demo.main(["--method", method, "--max-new-tokens", "24", "--total-tokens", "16",
+                      "--rounds", "2"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "outputs identical" in out and "speedup" in out
-    assert "median of 3 alternated rounds" in out  # timed side by side
+    assert "median of 2 alternated rounds" in out  # timed side by side
     assert "prompt-lookup chain of up to 10" in out  # the demo's default beside the drafter
     # its confidence floor, for the methods that take one, where it applies: the eager
     # engine (captured steps keep one tree shape, so a GPU's default graphs ignore floors)
@@ -37,7 +38,7 @@ def test_demo_runs_the_drafter_alone_with_lookup_0(smollm2, capsys):
 
 def test_demo_floor_can_be_turned_off(smollm2, capsys):
     code = demo.main(["--max-new-tokens", "16", "--total-tokens", "8", "--min-confidence", "0",
-                      "--extend-confidence", "0"])
+                      "--extend-confidence", "0", "--rounds", "1"])
     out = capsys.readouterr().out
     assert code == 0 and "outputs identical" in out and "path probability" not in out
     assert "deeper levels" not in out
@@ -48,7 +49,7 @@ def test_demo_in_bf16_drafts_without_the_float32_floors(capsys):
     GPU's captured steps) the demo leaves them off unless asked. bf16 output may part from
     plain decoding's at a near-tie, which the demo says rather than failing."""
     code = demo.main(["--max-new-tokens", "16", "--total-tokens", "8", "--dtype", "bfloat16",
-                      "--device", str(DEVICE)])
+                      "--device", str(DEVICE), "--rounds", "1"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "speedup" in out and "path probability" not in out and "deeper levels" not in out
@@ -62,11 +63,12 @@ def test_demo_runs_exact_bf16_on_an_amx_cpu(smollm2, capsys, monkeypatch, amx):
     decides) the demo's default is bf16 with the row-invariant attention, and its output is
     still plain decoding's bit for bit; otherwise float32. An explicit --dtype wins."""
     monkeypatch.setattr(demo, "amx_cpu", lambda: amx)
-    code = demo.main(["--max-new-tokens", "8", "--total-tokens", "4"])
+    code = demo.main(["--max-new-tokens", "8", "--total-tokens", "4", "--rounds", "1"])
     out = capsys.readouterr().out
     assert code == 0 and "outputs identical" in out, out
     bf16 = demo.exact_bf16_here(torch.device("cpu"))  # amx as patched, and the probes
     assert ("in bfloat16:" in out) == bf16 and ("in float32:" in out) != bf16
     assert ("row-invariant attention" in out) == bf16
-    assert demo.main(["--max-new-tokens", "4", "--total-tokens", "4", "--dtype", "float32"]) == 0
+    assert demo.main(["--max-new-tokens", "4", "--total-tokens", "4", "--dtype", "float32",
+                      "--rounds", "1"]) == 0
     assert "in float32:" in capsys.readouterr().out
