@@ -49,14 +49,20 @@ def grouped_sdpa_forward(module: torch.nn.Module, query: Tensor, key: Tensor, va
     groups = getattr(module, "num_key_value_groups", 1)
     if (attention_mask is None or groups == 1 or dropout
             or kwargs.get("position_bias") is not None or kwargs.get("output_attentions")
-            or (query.device.type != "cpu" and attention_mask.shape[1] != 1)):
+            or (folds(query) and attention_mask.shape[1] != 1)):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    if query.device.type != "cpu":
+    if folds(query):
         return folded_sdpa(query, key, value, attention_mask, scaling), None
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def folds(query: Tensor) -> bool:
+    """Whether grouped heads go through `folded_sdpa`: wherever torch's masked kernels do
+    not take grouped heads, i.e. off the CPU (a test folds on the CPU too)."""
+    return query.device.type != "cpu"
 
 
 def folded_sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor,

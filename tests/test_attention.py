@@ -138,3 +138,31 @@ def test_a_decode_steps_buffer_runs_on_into_the_cache_or_is_padded():
     in_cache, _ = invariant_sdpa_forward(Module(), q, k, v, mask, scaling=0.25)
     padded, _ = invariant_sdpa_forward(Module(), q, k.clone(), v.clone(), mask, scaling=0.25)
     assert torch.equal(in_cache, padded)
+
+
+@pytest.mark.parametrize("engine", ["eager", "static"])
+def test_a_folding_target_decodes_like_plain(smollm2, reference, monkeypatch, engine):
+    """The folded path (CUDA's) inside whole generations, the CPU made to fold: SmolLM2's
+    plain answer (3 KV heads for 9 query heads) is the unfolded one's, and Gumiho's
+    64-token tree verifies (the target's additive masks, many rows) give it too, eager and
+    through the replay buffers (`static`: nothing read from the host)."""
+    from gumiho import attention
+    from gumiho.drafters import PlainDrafter, load_drafter
+    from gumiho.engine import GenerateConfig, run
+
+    rows = []
+
+    def counted(query, *args):
+        rows.append(query.shape[2])
+        return folded_sdpa(query, *args)
+
+    folded_sdpa = attention.folded_sdpa
+    monkeypatch.setattr(attention, "folds", lambda query: True)
+    monkeypatch.setattr(attention, "folded_sdpa", counted)
+    ids, unfolded = reference
+    config = GenerateConfig(max_new_tokens=len(unfolded.token_ids), engine=engine)
+    plain = run(smollm2, PlainDrafter(), ids, config)
+    assert plain.token_ids == unfolded.token_ids
+    drafter = load_drafter("gumiho", smollm2, "gumiho/assets/smollm2/gumiho")
+    assert run(smollm2, drafter, ids, config).token_ids == plain.token_ids
+    assert 1 in rows and max(rows) >= 64  # decode steps and tree verifies both folded
