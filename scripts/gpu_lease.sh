@@ -68,7 +68,7 @@
 #      drafting, which has never replayed as a real CUDA graph (`static` is the CPU's
 #      stand-in), under graphs and compile; the folded grouped-KV attention (attention.py:
 #      no per-layer copy of the cache's keys on CUDA since 2026-11-27, never run there). The cycle: since d82434d a greedy cycle launches
-#      25 kernels outside recorded steps where it launched 102, so the 8B cycle's 3.4 ms
+#      21 kernels outside recorded steps where it launched 102, so the 8B cycle's 3.4 ms
 #      beside its verify (1.47 plain steps at 32k; bar 1.3, i.e. under 1.7 ms) should
 #      shrink; `--kernels 15` names the kernels that take the device's time, and the line
 #      "tree building, as a step alone" is issue 11's tree figure (bar: with accept, 1 ms).
