@@ -194,11 +194,12 @@ def test_answer_file_resume_drops_half_line(tmp_path):
 def test_small_end_to_end_evaluation(smollm2, tmp_path):
     files = []
     shipped = "gumiho/assets/smollm2/gumiho"
-    for method, extra in (("ar", []),
-                          ("gumiho", ["--draft", "random", "--total-tokens", "16"]),
-                          ("gumiho", ["--draft", shipped, "--total-tokens", "16",
-                                      "--fta", "exact"])):
-        for bench in ("mt_bench", "gsm8k_like"):
+    both = ("mt_bench", "gsm8k_like")
+    for method, extra, benches in (
+            ("ar", [], both),
+            ("gumiho", ["--draft", "random", "--total-tokens", "16"], ("gsm8k_like",)),
+            ("gumiho", ["--draft", shipped, "--total-tokens", "16", "--fta", "exact"], both)):
+        for bench in benches:  # (a random drafter's 49,152-token heads are slow on MT-Bench)
             out = tmp_path / f"{bench}_{method}_{len(files)}.jsonl"
             args = ["--method", method, "--bench", bench, "--question-end", "1",
                     "--max-new-tokens", "12", "--answer-file", str(out), *extra]
@@ -212,7 +213,7 @@ def test_small_end_to_end_evaluation(smollm2, tmp_path):
     assert speed.main(["--answers", *files, "--out", str(tmp_path / "report")]) == 0
     rep = json.loads((tmp_path / "report.json").read_text())["results"]["0.0"]
     assert set(rep) == {"mt_bench", "gsm8k_like", "mean"}
-    assert rep["mt_bench"]["gumiho (random)"]["speedup"] > 0
+    assert rep["gsm8k_like"]["gumiho (random)"]["speedup"] > 0
     assert rep["mt_bench"]["gumiho (fta exact)"]["tau"] >= 1.0  # the trained one
     # MT-Bench: two turns, the second after the model's own first answer
     mt = json.loads((tmp_path / "mt_bench_ar_0.jsonl").read_text())

@@ -65,11 +65,16 @@ def test_other_settings_are_refused(data_dir, tiny_target_dir, capsys):
 def test_cpu_workers_run_on_the_cpu_whatever_the_default_device(tmp_path, tiny_target_dir,
                                                                 monkeypatch):
     """`--workers` hides the GPUs from its workers; a GUMIHO_DEVICE naming an accelerator
-    (as the suite sets on a GPU) must not send them looking for one."""
+    (as the suite sets on a GPU) must not send them looking for one: not a worker process
+    (`--workers 2`, one shard: one process started) nor the one CPU worker that runs in
+    allocation's own process."""
     monkeypatch.setenv("GUMIHO_DEVICE", "cuda")
-    assert allocation.main(["--outdir", str(tmp_path), "--target", tiny_target_dir,
-                            "--end", "2", "--shard-size", "2", "--max-len", "64"]) == 0
-    assert len(load_samples(tmp_path)[1]) > 0
+    for workers in ("2", "1"):
+        out = tmp_path / workers
+        assert allocation.main(["--outdir", str(out), "--target", tiny_target_dir, "--end",
+                                "2", "--shard-size", "2", "--max-len", "64", "--workers",
+                                workers]) == 0
+        assert len(load_samples(out)[1]) > 0
 
 
 def test_missing_shard_is_reported_by_loader(tmp_path):

@@ -240,7 +240,9 @@ def test_ctrl_c_in_allocation_then_resume(tmp_path, tiny_target_dir):
     shards = 150 if choose_device_dtype()[0].type == "cpu" else 3000
     args = ["--outdir", str(out), "--target", tiny_target_dir, "--end", str(shards),
             "--shard-size", "1", "--max-len", "256"]
-    code, err = run_and_interrupt(["gumiho.ge_data.allocation", *args],
+    # interrupted with two worker processes (Ctrl-C reaches them and allocation, which
+    # stops them), resumed by the one CPU worker in allocation's own process
+    code, err = run_and_interrupt(["gumiho.ge_data.allocation", *args, "--workers", "2"],
                                   lambda: shard_path(out, 1).exists())
     lines = [line for line in err.splitlines() if line.startswith(("error", "interrupted"))]
     assert code == 130 and "Traceback" not in err, err

@@ -2,10 +2,10 @@
 
 Splits the conversation range [--start, --end) into fixed-size shards, writes a manifest,
 prints the disk it will need, and runs one worker per GPU group (`--gpus 0,1 2,3`) or
-`--workers K` CPU processes. Rerunning the same command resumes: only missing or
-half-written shards are made again, and a finished shard that does not read back
-(truncated, corrupted) is made again too. Ctrl-C or a kill loses at most the shards being
-made.
+`--workers K` CPU processes (one CPU worker: this process). Rerunning the same command
+resumes: only missing or half-written shards are made again, and a finished shard that
+does not read back (truncated, corrupted) is made again too. Ctrl-C or a kill loses at
+most the shards being made.
 """
 
 from __future__ import annotations
@@ -151,9 +151,16 @@ def remake_damaged(outdir: Path, count: int) -> None:
             path.unlink()
 
 
-def launch(outdir: Path, todo: list[int], slots: list[dict]) -> None:
+def launch(outdir: Path, todo: list[int], slots: list[dict], manifest: dict) -> None:
     """One worker process per slot (env overrides, e.g. CUDA_VISIBLE_DEVICES). A worker
-    reports its error in a file, so the user sees one line for the whole run."""
+    reports its error in a file, so the user sees one line for the whole run. One CPU
+    slot runs in this process: a second interpreter would only add its start (~10 s of
+    imports on 2 cores) and a hop for Ctrl-C and errors."""
+    if todo and len(slots) == 1 and slots[0]["GUMIHO_DEVICE"] == "cpu":
+        from gumiho.ge_data.worker import make_shards  # torch and transformers: load late
+
+        make_shards(outdir, manifest, todo, "cpu")
+        return
     procs = []
     with tempfile.TemporaryDirectory(prefix="gumiho-workers-") as errors:
         try:
@@ -267,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         slots = [{"OMP_NUM_THREADS": threads, "CUDA_VISIBLE_DEVICES": "",
                   "GUMIHO_DEVICE": "cpu"}] * args.workers
     start = time.perf_counter()
-    launch(outdir, todo, slots)
+    launch(outdir, todo, slots, manifest)
     samples = count_samples(outdir, manifest["num_shards"])
     conversations = manifest["end"] - manifest["start"]
     if samples == 0:

@@ -104,17 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     if any(i >= manifest["num_shards"] for i in args.shards):
         raise GumihoError(f"--shards: {outdir} has shards 0..{manifest['num_shards'] - 1}")
     device, _ = choose_device_dtype(None, None)
-    target = load_target(manifest["target"], device=str(device),
-                         dtype=manifest.get("target_dtype"))
+    make_shards(outdir, manifest, args.shards, str(device), args.rank)
+    return 0
+
+
+def make_shards(outdir: Path, manifest: dict, shards: list[int], device: str,
+                rank: int = 0) -> None:
+    """Make the shards of `shards` that are not there yet, each written atomically, with
+    the target on `device` (a worker process's work; allocation's own for one CPU
+    worker)."""
+    target = load_target(manifest["target"], device=device, dtype=manifest.get("target_dtype"))
     conversations = planned_conversations(manifest)
     size = manifest["shard_size"]
-    for index in tqdm(args.shards, desc=f"worker {args.rank}", position=args.rank,
-                      unit="shard"):
+    for index in tqdm(shards, desc=f"worker {rank}", position=rank, unit="shard"):
         if shard_path(outdir, index).exists():
             continue
         chunk = conversations[index * size : (index + 1) * size]
         write_shard(outdir, index, make_samples(target, chunk, manifest))
-    return 0
 
 
 if __name__ == "__main__":
