@@ -122,6 +122,40 @@ class DrafterConfig:
         return cls(**values)
 
 
+PRESETS = ("reference", "demo")
+# `gumiho demo`'s confidence floors, for the methods that take them, in float32. On the
+# 2-core CPU the demo was tuned on, --min-confidence 0.1 took its prompt 0.95x -> 1.01x
+# plain and six benchmarks 1.34x -> 1.36x (README, Methods); not in bf16, where a wider
+# verify costs little on an AMX CPU and the floors cost speed (six benchmarks 1.80x without,
+# 1.67x with). --extend-confidence 0.4: a deeper level costs a drafter step, the first
+# draft only a slightly wider verify.
+DEMO_FLOOR, DEMO_EXTEND, DEMO_LOOKUP = 0.1, 0.4, 10
+
+
+def preset_options(preset: str | None, method: str, float32: bool, options: dict) -> dict:
+    """`options` (TreeConfig fields, None = unset) with a preset's values where unset.
+    "reference" (or None) sets nothing: the method's reference tree, as the papers evaluate
+    it. "demo" is what `gumiho demo` runs, chosen by measurement on 2-core CPUs: the tree
+    sized for this device and drafter (`total_tokens="auto"`), a prompt-lookup chain of 10
+    that a cycle verifies alone when it finds one (`lookup_first`, eager engine), and in
+    float32 the confidence floors above (captured engines ignore them). Only for methods
+    with a drafter."""
+    if preset is not None and preset not in PRESETS:
+        raise GumihoError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)}")
+    spec = method_spec(method)
+    if preset != "demo":
+        return options
+    if not spec.drafter:
+        raise GumihoError(f"--preset demo sizes a drafter's tree: --method {method} has none")
+    fill = {"total_tokens": "auto", "lookup": DEMO_LOOKUP}
+    if "min_confidence" in spec.tree_flags and float32:
+        fill |= {"min_confidence": DEMO_FLOOR, "extend_confidence": DEMO_EXTEND}
+    merged = {**options, **{k: v for k, v in fill.items() if options.get(k) is None}}
+    if merged.get("lookup") and merged.get("lookup_first") is None:
+        merged["lookup_first"] = True
+    return merged
+
+
 def check_tree_options(method: str, options: dict) -> None:
     """Refuse tree flags that `method` does not use (e.g. --fta with eagle2): setting one
     is refused, not silently ignored."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from gumiho.attention import SDPA_INVARIANT, invariant_here
+from gumiho.config import DEMO_EXTEND, DEMO_FLOOR, DEMO_LOOKUP
 from gumiho.drafters import PlainDrafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.errors import (
@@ -29,20 +30,11 @@ from gumiho.errors import (
 from gumiho.generate import SpeculativeGenerator, check_context_room, total_tokens_arg
 from gumiho.graphs import ENGINES
 from gumiho.linear import amx_cpu, rows_independent
-from gumiho.methods import DRAFTER_METHODS, method_spec
+from gumiho.methods import DRAFTER_METHODS
 from gumiho.target import ATTENTION_CHOICES, choose_device_dtype
 
 SHIPPED = Path(__file__).parent / "assets" / "smollm2"
 PROMPT = "Explain in a few sentences why the sky is blue."
-# --min-confidence for the methods that take it, in float32: on the 2-core CPU the demo was
-# tuned on, 0.95x -> 1.01x plain on its prompt, 1.34x -> 1.36x on six benchmarks (README,
-# Methods). Not in bf16, where a wider verify costs little on an AMX CPU and the floors
-# cost speed: six benchmarks 1.80x without, 1.67x with; this prompt 1.37-1.40x, 1.24x.
-FLOOR = 0.1
-# --extend-confidence likewise: a deeper level costs a drafter step, the first draft only a
-# slightly wider verify (README, Methods)
-EXTEND = 0.4
-
 
 def exact_bf16_here(device: torch.device) -> bool:
     """Whether the demo's default on `device` is bfloat16 with the row-invariant attention:
@@ -66,21 +58,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-new-tokens", type=positive_int, default=160)
     p.add_argument("--method", default="gumiho", choices=DRAFTER_METHODS)
-    p.add_argument("--total-tokens", type=total_tokens_arg, default="auto",
+    # unset, these take the `demo` preset's values (config.preset_options), as
+    # `gumiho generate --preset demo` does
+    p.add_argument("--total-tokens", type=total_tokens_arg, default=None,
                    help="verified tokens per cycle, or auto (default): the size that is "
                    "fastest on this device for this drafter, measured once and cached")
-    p.add_argument("--lookup", type=nonnegative_int, default=10,
-                   help="prompt-lookup candidates (default 10: n-gram continuations of "
-                   "the text so far, verified like any node; a cycle that finds one verifies "
+    p.add_argument("--lookup", type=nonnegative_int, default=None,
+                   help=f"prompt-lookup candidates (default {DEMO_LOOKUP}: n-gram "
+                   "continuations of the text so far, verified like any node; a cycle that "
+                   "finds one verifies "
                    "it instead of drafting on the eager engine; 0 = the drafter alone)")
     p.add_argument("--min-confidence", type=probability_arg, default=None,
                    help="gumiho, eagle2: verify only drafts the drafter gives at least this "
                    "path probability; a cycle whose first draft falls short is a plain step "
-                   f"(default {FLOOR} in float32, measured on a 2-core CPU, else 0; 0 = off)")
+                   f"(default {DEMO_FLOOR} in float32, measured on a 2-core CPU, else 0; "
+                   "0 = off)")
     p.add_argument("--extend-confidence", type=probability_arg, default=None,
                    help="gumiho, eagle2: run a deeper drafter level only below a node of at "
-                   f"least this path probability (default {EXTEND} in float32, else 0; 0 = "
-                   "the --min-confidence floor)")
+                   f"least this path probability (default {DEMO_EXTEND} in float32, else "
+                   "0; 0 = the --min-confidence floor)")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="speculative and plain decodes timed alternately this many times "
                    "(default 3); the speedup is the median of their ratios")
@@ -96,23 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prompt.strip():  # before the slow load and tree-size calibration
         raise GumihoError("empty prompt: give some text to answer")
     check_context_room("smollm2", args.max_new_tokens)
-    floor, extend = args.min_confidence, args.extend_confidence
-    device, dtype = choose_device_dtype(args.device, args.dtype)
+    device, _ = choose_device_dtype(args.device, args.dtype)
     if args.dtype is None and args.attention is None and exact_bf16_here(device):
-        args.dtype, args.attention, dtype = "bfloat16", SDPA_INVARIANT, torch.bfloat16
+        args.dtype, args.attention = "bfloat16", SDPA_INVARIANT
         print("(this CPU has AMX: bfloat16 with the row-invariant attention, whose output is "
               "bf16 plain decoding's bit for bit; --dtype float32 for float32)")
-    if "min_confidence" in method_spec(args.method).tree_flags and dtype == torch.float32:
-        floor = FLOOR if floor is None else floor
-        extend = EXTEND if extend is None else extend
     logging.basicConfig(level=logging.WARNING, format="gumiho: %(message)s")
     gen = SpeculativeGenerator.load("smollm2", args.method,
                                     str(shipped_drafter(args.method)), device=args.device,
                                     dtype=args.dtype, attention=args.attention,
-                                    engine=args.engine, total_tokens=args.total_tokens,
-                                    lookup=args.lookup,
-                                    lookup_first=True if args.lookup else None,
-                                    min_confidence=floor, extend_confidence=extend)
+                                    engine=args.engine, preset="demo",
+                                    total_tokens=args.total_tokens, lookup=args.lookup,
+                                    min_confidence=args.min_confidence,
+                                    extend_confidence=args.extend_confidence)
     target, drafter, tree = gen.target, gen.drafter, gen.drafter.tree
     if gen.auto_report:
         best = max(gen.auto_report["shapes"].values(), key=lambda row: row["tokens_per_s"])

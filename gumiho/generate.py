@@ -23,7 +23,7 @@ import torch
 
 from gumiho.budget import choose_tree
 from gumiho.checkpoint import check_drafter_dir
-from gumiho.config import FTA_MODES, TreeConfig, check_tree_options
+from gumiho.config import FTA_MODES, PRESETS, TreeConfig, check_tree_options, preset_options
 from gumiho.drafter_api import Drafter
 from gumiho.drafters import load_drafter
 from gumiho.engine import GenerateConfig, GenerationResult, generate
@@ -39,7 +39,13 @@ from gumiho.errors import (
 )
 from gumiho.graphs import ENGINES, resolve_engine
 from gumiho.methods import METHODS, method_spec
-from gumiho.target import ATTENTION_CHOICES, Target, load_target, resolve_target_path
+from gumiho.target import (
+    ATTENTION_CHOICES,
+    Target,
+    choose_device_dtype,
+    load_target,
+    resolve_target_path,
+)
 
 log = logging.getLogger("gumiho")
 Prompt = str | list[dict] | list[int]
@@ -64,16 +70,22 @@ class SpeculativeGenerator:
              draft: str | None = None,
              device: str | None = None, dtype: str | None = None,
              chat_template: str | None = None, verify_width: int | None = None,
-             engine: str | None = None, attention: str | None = None, **tree_options):
+             engine: str | None = None, attention: str | None = None,
+             preset: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
         fta, lookup, lookup_first, draft_gate, min_confidence, extend_confidence); unset ones
-        take the method's reference defaults. total_tokens="auto" times this device and the
+        take the preset's values, then the method's reference defaults. preset="demo": what
+        `gumiho demo` runs, for speed on this device (`config.preset_options`); None or
+        "reference": the method's reference tree. total_tokens="auto" times this device and the
         drafter and picks the fastest tree shape (budget.py); its report (`auto_report`)
         holds the shape's break-even, a value for draft_gate (gate.py). A loaded Target is
         shared as it is (several generators on one model): device, dtype, chat_template and
         attention then stay unset. attention: the target's attention implementation
         (load_target's `attn_implementation`; "sdpa_invariant" makes bf16 verifies on a CPU
         bit for bit sequential decoding's, attention.py)."""
+        float32 = (target.dtype if isinstance(target, Target)
+                   else choose_device_dtype(device, dtype)[1]) == torch.float32
+        tree_options = preset_options(preset, method, float32, tree_options)
         check_load_args(target, method, draft, tree_options)
         if isinstance(target, Target) and (device, dtype, chat_template, attention) != \
                 (None,) * 4:
@@ -284,6 +296,14 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
                         "(torch.compile); default graphs on a GPU, eager on a CPU")
 
 
+def add_preset_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=PRESETS, default=None,
+                        help="demo: what `gumiho demo` runs, for speed on this device "
+                        "(--total-tokens auto, --lookup 10 --lookup-first, in float32 "
+                        "--min-confidence 0.1 --extend-confidence 0.4; flags given win); "
+                        "default: the method's reference tree")
+
+
 def add_tree_args(parser: argparse.ArgumentParser) -> None:
     """TreeConfig fields as flags; unset ones take the method's reference defaults."""
     group = parser.add_argument_group("draft tree (defaults: the method's reference settings)")
@@ -349,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", default="ar", choices=METHODS)
     parser.add_argument("--draft", default=None,
                         help="drafter checkpoint dir, or 'random' (seeded random weights)")
+    add_preset_arg(parser)
     add_tree_args(parser)
     parser.add_argument("--prompt", required=True, help="one user turn")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
@@ -371,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                                     device=args.device, dtype=args.dtype,
                                     chat_template=args.chat_template,
                                     verify_width=args.verify_width, engine=args.engine,
-                                    attention=args.attention,
+                                    attention=args.attention, preset=args.preset,
                                     **tree_options(args))
     pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed)
     for piece in pieces:

@@ -141,14 +141,16 @@ def test_a_decode_steps_buffer_runs_on_into_the_cache_or_is_padded():
 
 
 @pytest.mark.parametrize("engine", ["eager", "static"])
-def test_a_folding_target_decodes_like_plain(smollm2, reference, monkeypatch, engine):
+def test_a_folding_target_decodes_like_plain(reference, monkeypatch, engine):
     """The folded path (CUDA's) inside whole generations, the CPU made to fold: SmolLM2's
     plain answer (3 KV heads for 9 query heads) is the unfolded one's, and Gumiho's
     64-token tree verifies (the target's additive masks, many rows) give it too, eager and
-    through the replay buffers (`static`: nothing read from the host)."""
+    through the replay buffers (`static`: nothing read from the host). A target of its
+    own: steps recorded while folding must not be replayed by the suite's shared one."""
     from gumiho import attention
     from gumiho.drafters import PlainDrafter, load_drafter
     from gumiho.engine import GenerateConfig, run
+    from gumiho.target import load_target
 
     rows = []
 
@@ -159,6 +161,7 @@ def test_a_folding_target_decodes_like_plain(smollm2, reference, monkeypatch, en
     folded_sdpa = attention.folded_sdpa
     monkeypatch.setattr(attention, "folds", lambda query: True)
     monkeypatch.setattr(attention, "folded_sdpa", counted)
+    smollm2 = load_target("smollm2", device=str(DEVICE))
     ids, unfolded = reference
     config = GenerateConfig(max_new_tokens=len(unfolded.token_ids), engine=engine)
     plain = run(smollm2, PlainDrafter(), ids, config)

@@ -90,6 +90,7 @@ BAD = {
     "generate_huge_max_new_tokens": ("generate", [*HI, "--max-new-tokens", "1000000000000"]),
     "generate_prompt_plus_max_new_tokens_past_context": (
         "generate", [*HI, "--max-new-tokens", "1010"]),
+    "generate_demo_preset_without_a_drafter": ("generate", [*HI, "--preset", "demo"]),
     "generate_whitespace_prompt": ("generate", ["--target", "{tiny}", "--prompt", " \n\t"]),
     "generate_nan_temperature": ("generate", [*HI, "--temperature", "nan"]),
     "generate_negative_temperature": ("generate", [*HI, "--temperature", "-0.5"]),

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gumiho.config import TreeConfig
 from gumiho.drafters import load_drafter
@@ -62,3 +63,46 @@ def test_tree_flags_each_method_reads_are_accepted():
         check_tree_options("ar", {"lookup": 6})
     with pytest.raises(GumihoError, match="does not apply"):
         check_tree_options("medusa", {"top_k": 4})
+
+
+@pytest.mark.host
+def test_the_demo_preset_fills_what_is_unset():
+    """`--preset demo` (what `gumiho demo` runs): an auto-sized tree, a lookup chain of 10
+    tried first, and the confidence floors for the methods that take them, in float32
+    only; a flag given wins, and --lookup 0 leaves no lookup-first behind."""
+    from gumiho.config import preset_options
+    from gumiho.errors import GumihoError
+
+    unset = {"total_tokens": None, "lookup": None, "lookup_first": None,
+             "min_confidence": None, "extend_confidence": None}
+    demo = preset_options("demo", "gumiho", True, unset)
+    assert demo == {"total_tokens": "auto", "lookup": 10, "lookup_first": True,
+                    "min_confidence": 0.1, "extend_confidence": 0.4}
+    assert preset_options("demo", "eagle2", True, unset) == demo
+    for method, float32 in (("gumiho", False), ("medusa", True)):  # no floors
+        assert preset_options("demo", method, float32, unset) == {
+            **unset, "total_tokens": "auto", "lookup": 10, "lookup_first": True}
+    given = {**unset, "total_tokens": 8, "lookup": 0, "min_confidence": 0.0}
+    assert preset_options("demo", "gumiho", True, given) == {
+        **given, "extend_confidence": 0.4}  # lookup_first stays unset: no chain
+    assert preset_options("reference", "gumiho", True, unset) == unset
+    assert preset_options(None, "gumiho", True, unset) == unset
+    with pytest.raises(GumihoError, match="has none"):
+        preset_options("demo", "ar", True, unset)
+    with pytest.raises(GumihoError, match="unknown preset"):
+        preset_options("fast", "gumiho", True, unset)
+
+
+def test_a_generator_loaded_with_the_demo_preset_runs_the_demos_tree(smollm2, reference):
+    """The API's preset builds the demo's drafter (here with a fixed size: `auto` times the
+    machine), and its output is still plain decoding's."""
+    from gumiho import SpeculativeGenerator
+
+    gen = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
+                                    preset="demo", total_tokens=8)
+    tree = gen.drafter.tree
+    assert (tree.total_tokens, tree.lookup, tree.lookup_first) == (8, 10, True)
+    floors = smollm2.dtype == torch.float32
+    assert (tree.min_confidence, tree.extend_confidence) == ((0.1, 0.4) if floors else (0, 0))
+    ids, plain = reference
+    assert gen.generate(ids, len(plain.token_ids)).token_ids == plain.token_ids

@@ -39,6 +39,7 @@ from gumiho.evaluation.answers import (
 from gumiho.evaluation.benchmarks import LABELS, load_questions
 from gumiho.generate import (
     SpeculativeGenerator,
+    add_preset_arg,
     add_target_args,
     add_tree_args,
     check_context_room,
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--warmup", type=nonnegative_int, default=1,
                    help="untimed warm-up generations")
+    add_preset_arg(p)
     add_tree_args(p)
     return p
 
@@ -200,8 +202,8 @@ class Job:
             "device": a.device, "dtype": a.dtype, "chat_template": a.chat_template,
             "attention": a.attention}
         return SpeculativeGenerator.load(a.target if target is None else target, a.method,
-                                         a.draft, engine=a.engine, **where,
-                                         **tree_options(a))
+                                         a.draft, engine=a.engine, preset=a.preset,
+                                         **where, **tree_options(a))
 
     def start(self, gen: SpeculativeGenerator) -> None:
         """Check the full settings against the file, warm up, open the writer."""
