@@ -46,6 +46,7 @@ from gumiho.target import (
     load_target,
     resolve_target_path,
 )
+from gumiho.text_pieces import TextPieces
 
 log = logging.getLogger("gumiho")
 Prompt = str | list[dict] | list[int]
@@ -199,46 +200,6 @@ class SpeculativeGenerator:
             if self._active is owner:
                 self.last_result = result
             raise
-
-
-class TextPieces:
-    """The text of a growing list of token ids, a piece at a time, each decode a short window.
-
-    Decoding the whole text after every cycle costs O(n) a cycle, O(n^2) an answer. Decoding
-    only the new tokens is wrong: a tokenizer may drop a leading space, and a character may
-    span two tokens. So each push decodes a window that starts at the tokens before the last
-    piece (the context a tokenizer needs at the boundary) and emits what that window adds
-    beyond them, held back while it ends inside a UTF-8 character (U+FFFD) or the window's
-    text does not extend its context's. `finish` compares with the whole answer's decode
-    and gives what is still owed, so the pieces join to it whenever the pieces so far are
-    its start (tests/test_text_pieces.py: SmolLM2's byte-level BPE over code, emoji, accents
-    and CJK, in random chunks; a tokenizer whose decode changes text across a boundary
-    would hold its pieces back and give them at the end).
-    """
-
-    def __init__(self, decode):
-        self.decode = decode
-        self.tokens: list[int] = []
-        self.start = 0  # the window's first token: the last piece's context
-        self.mark = 0  # tokens before this have been shown
-        self.pieces: list[str] = []  # what push gave so far
-
-    def push(self, new: list[int]) -> str:
-        self.tokens += new
-        context = self.decode(self.tokens[self.start : self.mark])
-        window = self.decode(self.tokens[self.start :])
-        if len(window) <= len(context) or not window.startswith(context) or \
-                window.endswith("\ufffd"):
-            return ""  # wait for more tokens
-        self.start, self.mark = self.mark, len(self.tokens)
-        piece = window[len(context) :]
-        self.pieces.append(piece)
-        return piece
-
-    def finish(self, text: str) -> str:
-        """What the whole answer's text holds beyond the pieces given (held-back tokens)."""
-        shown = "".join(self.pieces)
-        return text[len(shown) :] if text.startswith(shown) else ""
 
 
 def check_load_args(target, method, draft, tree_options: dict) -> None:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from gumiho.generate import TextPieces
+from gumiho.text_pieces import TextPieces
 
 TEXTS = [
     "Hello, world! Here are three uses:\n1. Hold paper.\n2. Pick a lock.\n3. A hook.",
