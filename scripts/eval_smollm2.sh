@@ -4,7 +4,9 @@
 #   bash scripts/eval_smollm2.sh            # full: 80 questions, 512 new tokens
 #   QUICK=1 bash scripts/eval_smollm2.sh    # minutes on a CPU: 2 questions, 64 tokens, T=0
 # Tree settings: the methods' reference settings unless *_ARGS say otherwise, e.g.
-#   GUMIHO_ARGS="--total-tokens 24" (README's CPU table names the settings it used).
+#   GUMIHO_ARGS="--total-tokens 24" (README's CPU table names the settings it used), or
+#   GUMIHO_ARGS="--preset demo" EAGLE_ARGS="--preset demo" MEDUSA_ARGS="--preset demo"
+#   for what `gumiho demo` runs (an auto-sized tree, lookup first, float32 floors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/eval_common.sh
