@@ -142,9 +142,9 @@ def preset_options(preset: str | None, method: str, float32: bool, options: dict
     with a drafter."""
     if preset is not None and preset not in PRESETS:
         raise GumihoError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)}")
-    spec = method_spec(method)
     if preset != "demo":
         return options
+    spec = method_spec(method)
     if not spec.drafter:
         raise GumihoError(f"--preset demo sizes a drafter's tree: --method {method} has none")
     fill = {"total_tokens": "auto", "lookup": DEMO_LOOKUP}

@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lookup", type=nonnegative_int, default=None,
                    help=f"prompt-lookup candidates (default {DEMO_LOOKUP}: n-gram "
                    "continuations of the text so far, verified like any node; a cycle that "
-                   "finds one verifies "
-                   "it instead of drafting on the eager engine; 0 = the drafter alone)")
+                   "finds one verifies it instead of drafting on the eager engine; 0 = the "
+                   "drafter alone)")
     p.add_argument("--min-confidence", type=probability_arg, default=None,
                    help="gumiho, eagle2: verify only drafts the drafter gives at least this "
                    "path probability; a cycle whose first draft falls short is a plain step "

@@ -84,10 +84,10 @@ class SpeculativeGenerator:
         attention then stay unset. attention: the target's attention implementation
         (load_target's `attn_implementation`; "sdpa_invariant" makes bf16 verifies on a CPU
         bit for bit sequential decoding's, attention.py)."""
+        check_load_args(target, method, draft, tree_options)
         float32 = (target.dtype if isinstance(target, Target)
                    else choose_device_dtype(device, dtype)[1]) == torch.float32
         tree_options = preset_options(preset, method, float32, tree_options)
-        check_load_args(target, method, draft, tree_options)
         if isinstance(target, Target) and (device, dtype, chat_template, attention) != \
                 (None,) * 4:
             raise TypeError("device, dtype, chat_template and attention belong to loading a "
