@@ -151,6 +151,9 @@ def remake_damaged(outdir: Path, count: int) -> None:
             path.unlink()
 
 
+STOP_GRACE_S = 5.0  # how long interrupted workers get to stop on their own signal
+
+
 def launch(outdir: Path, todo: list[int], slots: list[dict], manifest: dict) -> None:
     """One worker process per slot (env overrides, e.g. CUDA_VISIBLE_DEVICES). A worker
     reports its error in a file, so the user sees one line for the whole run. One CPU
@@ -186,9 +189,14 @@ def launch(outdir: Path, todo: list[int], slots: list[dict], manifest: dict) -> 
 
 
 def stop_workers(procs: list[subprocess.Popen]) -> None:
-    """Ctrl-C: the workers got SIGINT too (same process group); make sure they end."""
+    """Ctrl-C: a terminal's reaches the workers too (same process group), so they get a
+    moment to stop on it; any still running then gets it forwarded (allocation alone was
+    interrupted), and each is made to end."""
+    deadline = time.monotonic() + STOP_GRACE_S
     for p in procs:
-        if p.poll() is None:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
             p.send_signal(signal.SIGINT)
     for p in procs:
         try:

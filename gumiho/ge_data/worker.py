@@ -7,6 +7,7 @@ from the manifest, skips finished shards, writes each shard atomically.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -124,4 +125,8 @@ def make_shards(outdir: Path, manifest: dict, shards: list[int], device: str,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Exiting: a second Ctrl-C (allocation forwards one to a worker it still sees running)
+    # must not break into the interpreter's shutdown with a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
