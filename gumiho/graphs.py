@@ -161,10 +161,10 @@ def _leaves(tree, out: list) -> list:
     """The leaves of an operator's arguments or outputs (tuples, lists and dicts of
     tensors and Python values) appended to `out`, in order. torch's pytree gives the same
     for these at several times the cost, which the check paid on every operator."""
-    if type(tree) is tuple or type(tree) is list:
+    if isinstance(tree, tuple | list):  # torch.Size and structseqs too
         for item in tree:
             _leaves(item, out)
-    elif type(tree) is dict:
+    elif isinstance(tree, dict):
         for item in tree.values():
             _leaves(item, out)
     else:
