@@ -23,7 +23,16 @@ import torch
 
 from gumiho.budget import choose_tree
 from gumiho.checkpoint import check_drafter_dir
-from gumiho.config import FTA_MODES, PRESETS, TreeConfig, check_tree_options, preset_options
+from gumiho.config import (
+    DEMO_EXTEND,
+    DEMO_FLOOR,
+    DEMO_LOOKUP,
+    FTA_MODES,
+    PRESETS,
+    TreeConfig,
+    check_tree_options,
+    preset_options,
+)
 from gumiho.drafter_api import Drafter
 from gumiho.drafters import load_drafter
 from gumiho.engine import GenerateConfig, GenerationResult, generate
@@ -260,9 +269,10 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
 def add_preset_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=PRESETS, default=None,
                         help="demo: what `gumiho demo` runs, for speed on this device "
-                        "(--total-tokens auto, --lookup 10 --lookup-first, in float32 "
-                        "--min-confidence 0.1 --extend-confidence 0.4; flags given win); "
-                        "default: the method's reference tree")
+                        f"(--total-tokens auto, --lookup {DEMO_LOOKUP} --lookup-first, in "
+                        f"float32 --min-confidence {DEMO_FLOOR} --extend-confidence "
+                        f"{DEMO_EXTEND}; flags given win); default: the method's reference "
+                        "tree")
 
 
 def add_tree_args(parser: argparse.ArgumentParser) -> None:

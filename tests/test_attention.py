@@ -152,13 +152,12 @@ def test_a_folding_target_decodes_like_plain(reference, monkeypatch, engine):
     from gumiho.engine import GenerateConfig, run
     from gumiho.target import load_target
 
-    rows = []
+    folded_sdpa, rows = attention.folded_sdpa, []
 
     def counted(query, *args):
         rows.append(query.shape[2])
         return folded_sdpa(query, *args)
 
-    folded_sdpa = attention.folded_sdpa
     monkeypatch.setattr(attention, "folds", lambda query: True)
     monkeypatch.setattr(attention, "folded_sdpa", counted)
     smollm2 = load_target("smollm2", device=str(DEVICE))
