@@ -80,7 +80,10 @@ def folded_sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor,
         mask.shape[0], 1, groups * rows, mask.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask,
                                                            scale=scale)
-    return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous()
+    # (B, kv, groups * Q, D) -> (B, Q, kv * groups, D) in one copy at most, whatever the
+    # layout sdpa hands back (CUDA's fused kernels give (B, Q, heads, D) memory)
+    return out.unflatten(2, (groups, rows)).permute(0, 3, 1, 2, 4).reshape(
+        batch, rows, heads, dim).contiguous()
 
 
 AttentionInterface.register(SDPA_GQA, grouped_sdpa_forward)

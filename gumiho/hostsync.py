@@ -37,6 +37,7 @@ _HOST_METHODS = {torch.Tensor.tolist: "tolist()", torch.Tensor.numpy: "numpy()"}
 
 
 _UPLOADING = threading.local()
+_LAUNCH_COUNTERS: list[LaunchCounter] = []  # those entered, for `upload` to count itself
 
 
 def upload(values: np.ndarray, device: torch.device) -> Tensor:
@@ -50,6 +51,8 @@ def upload(values: np.ndarray, device: torch.device) -> Tensor:
         return host.pin_memory().to(device, non_blocking=True)
     finally:
         _UPLOADING.active = False
+        for counter in _LAUNCH_COUNTERS:  # one copy launched, whatever the device
+            counter.count_upload()
 
 
 class _Dispatch(TorchDispatchMode):
@@ -140,7 +143,8 @@ class _Launches(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.owner.active and not func.is_view and func not in _NO_KERNEL:
+        if self.owner.active and not func.is_view and func not in _NO_KERNEL \
+                and not getattr(_UPLOADING, "active", False):  # `upload` counts itself
             if getattr(REPLAYING, "active", False):
                 self.owner.inside += 1
             else:
@@ -161,7 +165,9 @@ class LaunchCounter:
     a captured engine records (`static` replays them in Python) are not counted there but
     in `inside`: one replay launches them all, but each is still a kernel the device runs,
     and a small model's recorded step costs about what its kernels number. Views launch
-    nothing and are not counted."""
+    nothing and are not counted. An `upload` counts one launch on every device (on CUDA its
+    pinning is host work and its copy one asynchronous transfer; on a CPU it runs no
+    operator at all), so a CPU test sees the count a GPU run has."""
 
     def __init__(self, active: bool = True):
         self.by_module: Counter[str] = Counter()
@@ -172,12 +178,18 @@ class LaunchCounter:
     def total(self) -> int:
         return sum(self.by_module.values())
 
+    def count_upload(self) -> None:
+        if self.active and not getattr(REPLAYING, "active", False):
+            self.by_module[_gumiho_module()] += 1
+
     def __enter__(self) -> LaunchCounter:
         self._mode = _Launches(self)
         self._mode.__enter__()
+        _LAUNCH_COUNTERS.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _LAUNCH_COUNTERS.remove(self)
         self._mode.__exit__(*exc)
 
 

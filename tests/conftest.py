@@ -8,6 +8,7 @@ hand-made tensors) stay on the CPU.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +36,15 @@ os.environ.setdefault("GUMIHO_DTYPE", "float32")
 # a prompt whose answer repeats itself: prompt-lookup chains of up to 11 verify rows
 REPEAT_PROMPT = ("Repeat this sentence exactly three times: the quick brown fox jumps over "
                  "the lazy dog near the river bank.")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a `python -m` the test starts: this checkout first on PYTHONPATH,
+    ahead of (not instead of) what was there (the GPU lease puts staged data packages
+    there), plus `extra`."""
+    root = str(Path(__file__).parents[1])
+    path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def rows_through(monkeypatch, module, name: str) -> list[int]:

@@ -41,12 +41,20 @@ def test_grouped_sdpa_equals_repeated_heads(additive):
 
 @pytest.mark.parametrize("batch, rows", [(1, 1), (1, 5), (2, 5)])
 @pytest.mark.parametrize("additive", [False, True])
-def test_folded_sdpa_equals_repeated_heads(batch, rows, additive):
+@pytest.mark.parametrize("rows_major", [False, True])
+def test_folded_sdpa_equals_repeated_heads(batch, rows, additive, rows_major, monkeypatch):
     """The CUDA path: each KV head's query heads folded into its query rows (no copy of the
     keys) gives transformers' repeated heads' values; a decode step (one row) too. On the
-    suite's device (the CPU in CI, `GUMIHO_TEST_DEVICE=cuda` on a GPU)."""
+    suite's device (the CPU in CI, `GUMIHO_TEST_DEVICE=cuda` on a GPU). rows_major: sdpa
+    hands back its (B, heads, Q, D) output laid out as (B, Q, heads, D), as CUDA's fused
+    kernels do (the seventh lease: a `.view` of it failed in every folding target)."""
     from gumiho.attention import folded_sdpa
 
+    if rows_major:
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                            lambda *a, **k: sdpa(*a, **k).transpose(1, 2).contiguous()
+                            .transpose(1, 2))
     q, k, v, mask = (x.to(DEVICE) for x in attention_case(
         batch, rows, rows, float("-inf") if additive else None))
     want, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.25)

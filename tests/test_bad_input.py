@@ -18,6 +18,8 @@ from safetensors.torch import save_file
 
 from gumiho.errors import GumihoError, cli_errors
 
+from conftest import child_env
+
 ANSWER_ARGS = ["--method", "ar", "--bench", "mt_bench", "--question-end", "2",
                "--max-new-tokens", "3", "--warmup", "0"]
 ALLOC_ARGS = ["--end", "4", "--shard-size", "2", "--max-len", "64"]
@@ -459,8 +461,8 @@ def test_train_script_passes_the_trainers_one_line(config, tmp_path):
     import sys
 
     root = Path(__file__).parents[1]
-    env = {**os.environ, "ACCELERATE_CONFIG": config, "PYTHONPATH": str(root),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = child_env(ACCELERATE_CONFIG=config,
+                    PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     proc = subprocess.run(["bash", "scripts/train.sh", "--online", "--output-dir",
                            str(tmp_path / "run"), "--lr", "-1"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -19,7 +19,7 @@ from gumiho.demo import shipped_drafter
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.evaluation.profiling import launches_per_cycle
-from gumiho.hostsync import HostSyncCounter, upload
+from gumiho.hostsync import HostSyncCounter, LaunchCounter, upload
 
 CASES = [("ar", "off"), ("lookup", "off"), ("gumiho", "off"), ("gumiho", "exact"),
          ("gumiho", "official"), ("eagle2", "off"), ("medusa", "off")]
@@ -129,6 +129,18 @@ def test_sync_counter_sees_what_cuda_would_sync_on():
         idx[idx]
         upload(np.arange(4), torch.device("cpu"))  # pinned, non-blocking on a GPU
     assert none.total == 0, none.sites
+
+
+def test_an_upload_counts_one_launch_on_every_device():
+    """On CUDA an upload runs two host operators (is_pinned, _pin_memory) and one transfer;
+    on a CPU none: counted as one launch on both, so a CPU count is a GPU count (the
+    seventh lease's GPU counted two more per upload than the CPU)."""
+    device = torch.zeros(1).device  # the test device (a tensor made here lands there)
+    with LaunchCounter() as launches:
+        values = upload(np.arange(4), device)
+        values + 1
+    assert dict(launches.by_module) == {"?": 2}  # called from outside the library
+    assert torch.equal(values.cpu(), torch.arange(4))
 
 
 @pytest.mark.host

@@ -3,7 +3,6 @@ trains the same drafter as one process at the same global batch (same data order
 and schedule): weights within float tolerance after N steps and the same loss log."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from gumiho.errors import GumihoError
 from gumiho.train.__main__ import check_process_group, configure_deepspeed, main
 from gumiho.train.state import wait_for_everyone
 
+from conftest import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,8 +31,7 @@ def free_port() -> int:
 
 def launch_two(args: list[str]) -> subprocess.CompletedProcess:
     """Two CPU processes in one gloo group (the trainer asks accelerate for cpu=True)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "OMP_NUM_THREADS": "1"}
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m",
@@ -141,8 +141,7 @@ def test_deepspeed_zero2_trains_like_plain_data_parallel(tiny_target_dir, tmp_pa
               "--max-len", "96", "--method", "gumiho", "--max-steps", "3", "--batch-size",
               "2", "--grad-accum", "2", "--warmup-steps", "0", "--log-every", "1"]
     assert main([*common, "--output-dir", str(tmp_path / "plain")]) == 0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = child_env()
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / "deepspeed_zero2.yaml"), "--num_processes", "1",
            "--main_process_port", str(free_port()), "-m", "gumiho.train", *common,

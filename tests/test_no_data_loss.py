@@ -22,7 +22,8 @@ from gumiho.ge_data.shards import load_samples, shard_path
 from gumiho.paths import write_atomically
 from gumiho.target import choose_device_dtype
 
-ROOT = Path(__file__).parents[1]
+from conftest import child_env
+
 QIDS = [q["question_id"] for q in load_questions("gsm8k_like")]
 
 
@@ -193,7 +194,7 @@ def test_allocation_remakes_a_truncated_shard(tmp_path, tiny_target_dir, capsys)
 
 def run_and_interrupt(cmd: list[str], ready, timeout: float = 240) -> tuple[int, str]:
     """Start `python -m ...`, send SIGINT once ready() is true, return (status, stderr)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", *cmd], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             # a shell's background job ignores SIGINT, and children inherit it
