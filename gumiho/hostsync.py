@@ -37,7 +37,7 @@ _HOST_METHODS = {torch.Tensor.tolist: "tolist()", torch.Tensor.numpy: "numpy()"}
 
 
 _UPLOADING = threading.local()
-_LAUNCH_COUNTERS: list[LaunchCounter] = []  # those entered, for `upload` to count itself
+_COUNTING = threading.local()  # .launches: the LaunchCounters entered in this thread
 
 
 def upload(values: np.ndarray, device: torch.device) -> Tensor:
@@ -51,7 +51,7 @@ def upload(values: np.ndarray, device: torch.device) -> Tensor:
         return host.pin_memory().to(device, non_blocking=True)
     finally:
         _UPLOADING.active = False
-        for counter in _LAUNCH_COUNTERS:  # one copy launched, whatever the device
+        for counter in getattr(_COUNTING, "launches", ()):  # one copy, whatever the device
             counter.count_upload()
 
 
@@ -185,11 +185,11 @@ class LaunchCounter:
     def __enter__(self) -> LaunchCounter:
         self._mode = _Launches(self)
         self._mode.__enter__()
-        _LAUNCH_COUNTERS.append(self)
+        _COUNTING.launches = [*getattr(_COUNTING, "launches", ()), self]
         return self
 
     def __exit__(self, *exc) -> None:
-        _LAUNCH_COUNTERS.remove(self)
+        _COUNTING.launches.remove(self)
         self._mode.__exit__(*exc)
 
 

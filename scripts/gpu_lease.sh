@@ -76,10 +76,12 @@
 #   3  .stage/3 (~300 s): the whole suite, SUITE_WORKERS=12 SUITE_LIMIT=280 bash
 #        scripts/gpu_lease.sh suite (issue 11: the whole suite on CUDA; the seventh lease's
 #        first tests all passed or were fixed, so run everything)
-#   4  .stage/4 (~270 s): the six-benchmark testbed with the shipped drafters (the seventh
-#        lease's Gumiho, if shipped) and the lookup chain: TESTBED_LIMIT=240 QEND=2
-#        MAXNEW=128 GUMIHO_VARIANTS="--lookup 10" BENCHES="mt_bench humaneval gsm8k_like
-#        alpaca_like cnndm_like nq_like" bash scripts/gpu_lease.sh testbed (issue 12's GPU
+#   4  .stage/4 (~270 s): the six-benchmark testbed with the shipped drafters (Gumiho: the
+#        seventh lease's, shipped over 8,192 draft tokens, read over the 32,768 it trained
+#        over) and the lookup chain: TESTBED_VOCAB=32768 TESTBED_LIMIT=240 QEND=2 MAXNEW=128
+#        GUMIHO_VARIANTS="--lookup 10" BENCHES="mt_bench humaneval gsm8k_like alpaca_like
+#        cnndm_like nq_like" bash scripts/gpu_lease.sh testbed (the export first tokenizes
+#        the split: 30 s there in the seventh lease's campaign; issue 12's GPU
 #        bar: 2x over graph-captured plain decoding; 1.56x with the 550-step save on three
 #        benchmarks). If time is left: SMALL_ENGINES=graphs SMALL_LIMIT=70 PEERS_LIMIT=0
 #        small_cycle (where SmolLM2's 1.7-plain-step cycle goes).
