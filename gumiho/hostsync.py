@@ -52,7 +52,8 @@ def upload(values: np.ndarray, device: torch.device) -> Tensor:
     finally:
         _UPLOADING.active = False
         for counter in getattr(_COUNTING, "launches", ()):  # one copy, whatever the device
-            counter.count_upload()
+            if counter.active:
+                counter.count()
 
 
 class _Dispatch(TorchDispatchMode):
@@ -145,10 +146,7 @@ class _Launches(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.owner.active and not func.is_view and func not in _NO_KERNEL \
                 and not getattr(_UPLOADING, "active", False):  # `upload` counts itself
-            if getattr(REPLAYING, "active", False):
-                self.owner.inside += 1
-            else:
-                self.owner.by_module[_gumiho_module()] += 1
+            self.owner.count()
         return out
 
 
@@ -178,8 +176,11 @@ class LaunchCounter:
     def total(self) -> int:
         return sum(self.by_module.values())
 
-    def count_upload(self) -> None:
-        if self.active and not getattr(REPLAYING, "active", False):
+    def count(self) -> None:
+        """One kernel: inside the recorded step replaying, else by the module asking."""
+        if getattr(REPLAYING, "active", False):
+            self.inside += 1
+        else:
             self.by_module[_gumiho_module()] += 1
 
     def __enter__(self) -> LaunchCounter:
