@@ -41,6 +41,7 @@ from gumiho.methods import DRAFTER_METHODS, method_spec
 FORMATS = ("gumiho", "released", "vllm-eagle", "sglang-eagle", "vllm-eagle3",
            "sglang-eagle3")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+TRAINING_RECORD = ("training", "trained_steps")  # config.json keys gumiho.train adds
 RELEASED_MLP_BLOCKS = 5  # the released ParallelMLPs: one 2H -> H block, then 5 residual
 EAGLE3_REFUSAL = (
     "{fmt}: our drafters are not EAGLE-3 networks (EAGLE-3's first layer normalises the "
@@ -70,13 +71,32 @@ def export(draft: str | Path, target, out: str | Path, fmt: str = "gumiho",
     out = Path(out)
     if fmt == "gumiho":
         save_drafter(model, out, dtype=dtype)
-        return []
-    if not method_spec(model.config.method).serial:
+        notes = []
+    elif not method_spec(model.config.method).serial:
         raise GumihoError(f"--format {fmt} takes gumiho or eagle2 drafters: Medusa heads have "
                           "no serial part for these loaders")
-    if fmt == "released":
-        return write_released(model, out, dtype)
-    return write_eagle(model, target, out, dtype, engine=fmt.split("-")[0])
+    elif fmt == "released":
+        notes = write_released(model, out, dtype)
+    else:
+        notes = write_eagle(model, target, out, dtype, engine=fmt.split("-")[0])
+    keep_training_record(Path(draft), out)
+    return notes
+
+
+def keep_training_record(draft: Path, out: Path) -> None:
+    """The export's config.json keeps what `draft`'s says of its training (the run's
+    settings and steps, written by gumiho.train), so an exported drafter still tells how
+    it was made; loaders ignore these keys. Its `draft_vocab_size` is the export's own,
+    the record's `draft_vocab` the one it trained over."""
+    try:
+        saved = json.loads((draft / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # an official checkpoint without one: nothing to keep
+    record = {k: saved[k] for k in TRAINING_RECORD if isinstance(saved, dict) and k in saved}
+    if record:
+        config = out / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), **record}, indent=2)
+                          + "\n")
 
 
 def stored_dtype(path: Path) -> torch.dtype:

@@ -263,3 +263,20 @@ def test_export_over_another_draft_vocabulary(tiny_target_dir, tmp_path, capsys,
                  "--target", tiny_target_dir, "--draft-vocab", "20", *counting]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has its own lm_head rows" in err[0]
+
+
+@pytest.mark.parametrize("fmt", ["gumiho", "released", "vllm-eagle"])
+def test_export_keeps_the_training_record(tiny_target, tmp_path, fmt):
+    """An exported drafter still says how it was trained (gumiho.train's `training` and
+    `trained_steps` in config.json), over whatever vocabulary it is exported."""
+    record = {"training": {"method": "gumiho", "lr": 5e-4, "draft_vocab": 0},
+              "trained_steps": 800}
+    model = perturbed_drafter(tiny_target, "gumiho")
+    save_drafter(model, tmp_path / "draft", extra_config=record)
+    export(tmp_path / "draft", tiny_target, tmp_path / "out", fmt)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: config[k] for k in record} == record
+    # an official checkpoint has no record, and its export adds none
+    save_drafter(model, tmp_path / "plain")
+    export(tmp_path / "plain", tiny_target, tmp_path / "out2", fmt)
+    assert "training" not in json.loads((tmp_path / "out2" / "config.json").read_text())

@@ -210,8 +210,10 @@ def add_vocabulary_args(p: argparse.ArgumentParser, what: str) -> None:
 
 def vocabulary_samples(target, args: argparse.Namespace) -> list[dict]:
     """The training samples whose tokens `add_vocabulary_args`' --draft-vocab counts, once
-    the size is known to fit (before minutes of tokenizing)."""
-    check_draft_vocab(target, args.draft_vocab)
+    the size is known to fit (before minutes of tokenizing); none for the whole vocabulary,
+    which needs no counting."""
+    if args.draft_vocab in (0, check_draft_vocab(target, args.draft_vocab)):
+        return []
     return online_samples(target, TrainConfig.conversations, args.num_conversations,
                           args.max_len)
 
