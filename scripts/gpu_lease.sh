@@ -77,8 +77,9 @@
 #   3  .stage/2 (~330 s): receive (SmolLM2's conversion ~30 s, ShareGPT's ~5 s), then the
 #        campaign from the shipped drafter and the whole suite beside it:
 #        CAMPAIGN_METHODS=gumiho INIT=gumiho/assets/smollm2 DRAFT_VOCAB=32768 MAX_LEN=512
-#        BATCH=32 ACCUM=1 LR=3e-4 WARMUP=20 MAX_STEPS=700 EVAL_EVERY=100 SETTLE=5
-#        SUITE_WORKERS=12 SUITE_LIMIT=280 bash scripts/gpu_lease.sh campaign suite progress
+#        BATCH=32 ACCUM=1 LR=3e-4 WARMUP=20 MAX_STEPS=700 EVAL_EVERY=100 SETTLE=90
+#        SUITE_WORKERS=12 SUITE_LIMIT=260 bash scripts/gpu_lease.sh campaign suite progress
+#        (the suite starts once the run trains, SETTLE at most: tokenizing first, alone)
 #        (700 steps: ~280 s beside the suite at ~25k tokens/s, the rest alone at ~59k: the
 #        run should end early in call 4; serial-1 rose 0.602 -> 0.608 over the seventh
 #        lease's last 200 steps. Issue 11: the whole suite on CUDA, never run to its end)
@@ -351,7 +352,17 @@ campaign() {  # the three drafters on the whole training split, in the backgroun
       --precision "${PRECISION:-bf16}" --eval-data "$held" --eval-every "${EVAL_EVERY:-100}" \
       --save-every 50 --log-every 10 $extra >> "$LEASE_ROOT/runs/$run.log" 2>&1 < /dev/null &
   done
-  sleep "${SETTLE:-30}"
+  # Until every run has begun training (tokenizing the split takes its CPUs ~30 s; a suite
+  # started beside that slowed it to minutes on the fifth lease) or SETTLE seconds
+  local end=$((SECONDS + ${SETTLE:-30})) started
+  while ((SECONDS < end)); do
+    started=1
+    for m in "${METHODS[@]}"; do
+      grep -q "train $m" "$LEASE_ROOT/runs/$(run_name "$m").log" 2>/dev/null || started=0
+    done
+    ((started)) && break
+    sleep 2
+  done
   progress
 }
 
