@@ -68,17 +68,21 @@
 # 550) + wait + fetch: 800 steps, held-out serial-1 0.608 (GPU, bf16), 0.609 (CPU, fp32).
 # Since the seventh lease ShareGPT travels xz-compressed beside the model's second part:
 # three pieces, all on the machine after three calls (the first two take seconds).
-# Next lease (what is still open), calls back to back, ~870 s of the 900 with the start
+# Next lease (what is still open), calls back to back, ~820 s of the 900 with the start
 # (~40 s); issue 12's tau 3.0 at the reference tree (2.93) needs more training first, so the
 # campaign starts as soon as everything has arrived and the suite shares the GPU with it
 # (not a timing); the testbed, a timing, waits for the training to end:
 #   1  .stage/1 (receive, ~5 s with the start ~45 s)
 #   2  .stage/3 (receive the drafters, ~5 s)
-#   3  .stage/2 (~330 s): receive (SmolLM2's conversion ~30 s, ShareGPT's ~5 s), then the
-#        campaign from the shipped drafter and the whole suite beside it:
+#   3  .stage/2 (~420 s): receive (SmolLM2's conversion ~30 s, ShareGPT's ~5 s), where a
+#        training step's time goes (alone, ~45 s: at ~59k tokens/s and ~0.9 GFLOP a token
+#        by count the campaign ran ~55 TFLOPS, a small share of the H100's ~990 in bf16;
+#        more tokens a lease is more tau), then the campaign from the
+#        shipped drafter and the whole suite beside it:
 #        CAMPAIGN_METHODS=gumiho INIT=gumiho/assets/smollm2 DRAFT_VOCAB=32768 MAX_LEN=512
 #        BATCH=32 ACCUM=1 LR=3e-4 WARMUP=20 MAX_STEPS=700 EVAL_EVERY=100 SETTLE=90
-#        SUITE_WORKERS=12 SUITE_LIMIT=260 bash scripts/gpu_lease.sh campaign suite progress
+#        SUITE_WORKERS=12 SUITE_LIMIT=260 TPROF_LIMIT=60 bash scripts/gpu_lease.sh
+#        train_profile campaign suite progress
 #        (the suite starts once the run trains, SETTLE at most: tokenizing first, alone)
 #        (700 steps: ~280 s beside the suite at ~25k tokens/s, the rest alone at ~59k: the
 #        run should end early in call 4; serial-1 rose 0.602 -> 0.608 over the seventh
@@ -366,6 +370,16 @@ campaign() {  # the three drafters on the whole training split, in the backgroun
   progress
 }
 
+train_profile() {  # where a training step's time goes here (scripts/profile_train_step.py):
+  # the trainer's phases synchronised, then its kernels; alone on the GPU, before a campaign
+  need SmolLM2; need ShareGPT; need drafters
+  timeout "${TPROF_LIMIT:-120}" python3 scripts/profile_train_step.py --device "$DEVICE" \
+    --batch-size "${BATCH:-32}" --max-len "${MAX_LEN:-512}" \
+    --draft-vocab "${DRAFT_VOCAB:-32768}" --init gumiho/assets/smollm2/gumiho \
+    --json "$RESULTS/train_step.json" ${TPROF_ARGS:-} | tee "$RESULTS/train_step.txt" \
+    || echo "(train_profile cut at ${TPROF_LIMIT:-120} s or failed)"
+}
+
 probe() {  # seconds per optimizer step of each method here (fresh weights, 512 conversations)
   need SmolLM2; need ShareGPT
   local m
@@ -456,7 +470,7 @@ unpack() {  # here: the fetched drafters into runs/gpu_campaign/
   ls -R runs/gpu_campaign
 }
 
-[[ $# -gt 0 ]] || die "give phases: pack | cycle small_cycle suite testbed equality probe heldout campaign wait pick fetch | unpack DIR"
+[[ $# -gt 0 ]] || die "give phases: pack | cycle small_cycle suite testbed equality probe train_profile heldout campaign wait pick fetch | unpack DIR"
 case $1 in
   pack) pack; exit ;;
   unpack) unpack "${2:-}"; exit ;;
@@ -465,7 +479,7 @@ receive
 failed=0
 for phase in "$@"; do  # a failing phase does not stop the ones after it (device time is dear)
   case $phase in
-    cycle|small_cycle|suite|testbed|equality|heldout|campaign|probe|fetch|progress|pick) ($phase) || { failed=1
+    cycle|small_cycle|suite|testbed|equality|heldout|campaign|probe|train_profile|fetch|progress|pick) ($phase) || { failed=1
       echo "error: phase $phase failed; going on" >&2; } ;;
     wait) wait_runs ;;
     receive) ;;

@@ -657,3 +657,31 @@ def test_tokenizing_online_samples_shows_progress(smollm2, capsys):
     err = capsys.readouterr().err
     assert "tokenize" in err and "2/2" in err
     assert [s["input_ids"].tolist() for s in shown] == [s["input_ids"].tolist() for s in quiet]
+
+
+@pytest.mark.slow
+def test_profile_train_step_times_the_trainers_phases(tmp_path):
+    """scripts/profile_train_step.py runs the trainer's own step (its wrappers reach
+    batch_loss's target features, noise, drafter forward and losses) and reports each
+    phase, the step and its kernels (operators on a CPU)."""
+    import subprocess
+    import sys
+
+    from conftest import child_env
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "step.json"
+    proc = subprocess.run([sys.executable, "scripts/profile_train_step.py", "--device", "cpu",
+                           "--batch-size", "1", "--max-len", "64", "--conversations", "8",
+                           "--warmup", "1", "--steps", "1", "--draft-vocab", "2048",
+                           "--top", "5", "--json", str(out)],
+                          cwd=root, env=child_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["phases_s"]) >= {"target features", "input noise", "drafter forward",
+                                       "losses", "backward", "clip + optimizer"}
+    assert all(v > 0 for k, v in report["phases_s"].items() if k != "batch to device")
+    assert report["tokens_per_step"] > 0 and report["step_s"] > 0
+    assert len(report["kernels"]["top"]) == 5 and report["kernels"]["busy_s"] > 0
+    assert "tokens/s" in proc.stdout and "by phase" in proc.stdout

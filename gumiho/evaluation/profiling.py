@@ -82,11 +82,8 @@ def tree_build_s(target: Target, drafter, ids: list[int], engine: str, repeats: 
 
 def kernel_table(target: Target, drafter, ids: list[int], engine: str, max_new_tokens: int,
                  top: int) -> dict:
-    """Where a cycle's device time goes, from torch.profiler over the cycles past the first:
-    the `top` kernels (on a CPU: operators, by self time) by time per cycle, with calls per
-    cycle, and the device's busy time per cycle (the union of the kernels' intervals on a
-    GPU, where a cycle busy for less than its wall time waits on the host)."""
-    from torch.autograd import DeviceType
+    """Where a cycle's device time goes: `kernel_summary` per cycle, from torch.profiler
+    over the cycles past the first."""
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = target.device.type == "cuda"
@@ -108,9 +105,22 @@ def kernel_table(target: Target, drafter, ids: list[int], engine: str, max_new_t
         if counted:
             prof.stop()
     cycles = max(len(counted) - 1, 1)
-    what = "device kernels" if on_gpu else "torch operators' self time"
     if not counted:
-        return {"cycles": 0, "busy_s": 0.0, "what": what, "top": []}
+        return {"cycles": 0, "busy_s": 0.0, "what": kernel_kind(on_gpu), "top": []}
+    return {"cycles": cycles, **kernel_summary(prof, on_gpu, cycles, top)}
+
+
+def kernel_kind(on_gpu: bool) -> str:
+    return "device kernels" if on_gpu else "torch operators' self time"
+
+
+def kernel_summary(prof, on_gpu: bool, units: int, top: int) -> dict:
+    """A finished torch.profiler's `top` kernels (on a CPU: operators, by self time) by
+    time per unit (a cycle, a training step), with calls per unit, and the device's busy
+    time per unit (the union of the kernels' intervals on a GPU, where a unit busy for
+    less than its wall time waits on the host)."""
+    from torch.autograd import DeviceType
+
     events = prof.events()
     if on_gpu:
         kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
@@ -131,6 +141,6 @@ def kernel_table(target: Target, drafter, ids: list[int], engine: str, max_new_t
     else:  # the host's operators: their self times do not overlap
         busy = sum(end - start for _, start, end in kernels)
     ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
-    return {"cycles": cycles, "busy_s": busy * 1e-6 / cycles, "what": what,
-            "top": [{"name": name, "calls": n / cycles, "s": t / cycles}
+    return {"busy_s": busy * 1e-6 / units, "what": kernel_kind(on_gpu),
+            "top": [{"name": name, "calls": n / units, "s": t / units}
                     for name, (n, t) in ranked]}

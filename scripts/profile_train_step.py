@@ -1,0 +1,176 @@
+"""Where a training step's time goes, on any device: the trainer's own step (`gumiho.train
+--online`: the target's features, the input noise, the drafter's forward, its losses, the
+backward, clipping and the optimizer) on real ShareGPT samples, timed by phase with a
+device synchronisation around each, then profiled for the kernels (CUDA) or operators
+(CPU) that take most of a step's time and the device's busy share of it.
+
+    python scripts/profile_train_step.py --device cuda --batch-size 32 --max-len 512 \\
+        --draft-vocab 32768 --init gumiho/assets/smollm2/gumiho --json runs/train_step.json
+
+An H100 trained the Gumiho drafter at ~59k tokens/s (batch 32 x 512, bf16, 32k draft
+vocabulary). Counted, a token costs ~0.9 GFLOP (the target's forward ~0.2, the drafter's
+layers and heads forward and backward ~0.15, the seven vocabulary projections of the
+losses forward and backward ~0.5), so that is ~55 TFLOPS, a small share of the ~990 of
+the H100's bf16 peak: the step's time goes somewhere else too. The phase table says
+where; a step whose device is busy for much less than its wall time waits on the host
+(e.g. the input noise, drawn on the CPU so that runs repeat across devices). The
+synchronisations make the phase sum slower than the unsynchronised step, timed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+
+import gumiho.train.__main__ as trainer
+from gumiho.config import TrainConfig
+from gumiho.evaluation.profiling import kernel_summary
+from gumiho.modeling import DraftHead
+from gumiho.profiling import PhaseTimer, synchronize
+from gumiho.target import choose_device_dtype, load_target
+from gumiho.train.dataset import collate, epoch_batches, online_samples
+from gumiho.train.loss import LossWeights
+
+
+def timed_calls(timer: PhaseTimer, phase: str, fn):
+    """fn, each call timed as `phase`."""
+    def call(*args, **kwargs):
+        with timer(phase):
+            return fn(*args, **kwargs)
+    return call
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default=None, help="default: a GPU if there is one")
+    p.add_argument("--method", default="gumiho")
+    p.add_argument("--init", default=None, help="a drafter to start from (else fresh weights)")
+    p.add_argument("--draft-vocab", type=int, default=32768)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--conversations", type=int, default=512,
+                   help="training conversations to draw the batches from")
+    p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
+                   help="the trainer's --precision (default: bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--epoch", type=int, default=2, help="the epoch the losses see "
+                   "(Gumiho's MLP heads take their ploss from --mlp-ploss-after-epochs)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=20, help="kernels (operators) listed")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args()
+
+    device = torch.device(args.device) if args.device else choose_device_dtype()[0]
+    mixed = args.precision or ("fp32" if device.type == "cpu" else "bf16")  # as the trainer
+    config = TrainConfig(method=args.method, online=True, num_conversations=args.conversations,
+                         max_len=args.max_len, batch_size=args.batch_size, grad_accum=1,
+                         draft_vocab=args.draft_vocab, init_from=args.init, precision=mixed,
+                         mlp_ploss_after_epochs=0)
+    torch.manual_seed(config.seed)
+    target = load_target(config.target, device=str(device),
+                         dtype="bfloat16" if mixed == "bf16" else "float32")
+    samples = online_samples(target, config.conversations, config.num_conversations,
+                             config.max_len, progress=True)
+    model = trainer.new_model(target, config, samples).to(device)
+    head = DraftHead.for_model(target, model)
+    params = [q for q in model.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95))
+    lengths = [s["input_ids"].shape[0] for s in samples]
+    batches = epoch_batches(lengths, config.batch_size, config.seed, 0)
+    need = args.warmup + 3 * args.steps
+    if len(batches) < need:
+        sys.exit(f"error: {len(batches)} batches of {config.batch_size}; the run needs {need}: "
+                 "give more --conversations")
+    weights = LossWeights(p=config.ploss_weight, mlp_p=config.mlp_ploss_weight,
+                          mlp_p_from_epoch=config.mlp_ploss_after_epochs)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if mixed == "bf16"
+                else nullcontext())  # accelerate's bf16 mixed precision
+    timer = PhaseTimer(device, enabled=False)
+
+    def step(index: int) -> int:
+        batch = collate([samples[i] for i in batches[index]])
+        with timer("batch to device"):
+            batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast:
+            loss, _ = trainer.batch_loss(model, target, head, batch, config.method, args.epoch,
+                                         config.noise, log_acc=False,
+                                         p_fraction=config.ploss_fraction, seed=index,
+                                         weights=weights)
+        with timer("backward"):
+            loss.backward()
+        with timer("clip + optimizer"):
+            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad()
+        return int(batch["valid"].sum())
+
+    # the batch_loss phases, timed where the trainer calls them (only while timing)
+    target.features = timed_calls(timer, "target features", target.features)
+    trainer.add_noise = timed_calls(timer, "input noise", trainer.add_noise)
+    model.forward = timed_calls(timer, "drafter forward", model.forward)
+    trainer.serial_loss = timed_calls(timer, "losses", trainer.serial_loss)
+    trainer.medusa_loss = timed_calls(timer, "losses", trainer.medusa_loss)
+
+    for i in range(args.warmup):
+        step(i)
+    first = args.warmup
+    # 1. whole steps, unsynchronised inside: the figure a run sees
+    synchronize(device)
+    tokens, walls = 0, []
+    for i in range(first, first + args.steps):
+        start = time.perf_counter()
+        tokens += step(i)
+        synchronize(device)
+        walls.append(time.perf_counter() - start)
+    step_s = statistics.median(walls)
+    # 2. the same number of steps with each phase synchronised and timed
+    timer.enabled = True
+    for i in range(first + args.steps, first + 2 * args.steps):
+        step(i)
+    timer.enabled = False
+    phases = {k: v / args.steps for k, v in timer.totals.items()}
+    # 3. profiled steps
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        for i in range(first + 2 * args.steps, first + 3 * args.steps):
+            step(i)
+        synchronize(device)
+    kernels = kernel_summary(prof, on_gpu, args.steps, args.top)
+
+    name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
+    per_step = tokens / args.steps
+    print(f"{config.method} training step on {name} ({mixed}), batch {config.batch_size} x "
+          f"<= {config.max_len} tokens ({per_step:.0f} real tokens a step), draft vocabulary "
+          f"{config.draft_vocab or 'whole'}")
+    print(f"  step (median of {args.steps})            {step_s * 1e3:9.1f} ms = "
+          f"{per_step / step_s:,.0f} tokens/s")
+    print("  by phase, synchronised around each (ms a step):")
+    for phase, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
+        print(f"    {phase:<28} {seconds * 1e3:9.1f}")
+    print(f"    {'(sum)':<28} {sum(phases.values()) * 1e3:9.1f}")
+    print(f"  busy ({kernels['what']}) {kernels['busy_s'] * 1e3:.1f} ms a step; the most:")
+    for row in kernels["top"]:
+        print(f"    {row['s'] * 1e3:8.2f} ms {row['calls']:7.1f} calls  {row['name'][:90]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "device": name, "precision": mixed, "method": config.method,
+            "batch_size": config.batch_size, "max_len": config.max_len,
+            "draft_vocab": config.draft_vocab, "init": args.init,
+            "tokens_per_step": per_step, "step_s": step_s, "tokens_per_s": per_step / step_s,
+            "phases_s": phases, "kernels": kernels}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
