@@ -80,12 +80,13 @@
 #        more tokens a lease is more tau), then the campaign from the
 #        shipped drafter and the whole suite beside it:
 #        CAMPAIGN_METHODS=gumiho INIT=gumiho/assets/smollm2 DRAFT_VOCAB=32768 MAX_LEN=512
-#        BATCH=32 ACCUM=1 LR=3e-4 WARMUP=20 MAX_STEPS=700 EVAL_EVERY=100 SETTLE=90
+#        BATCH=32 ACCUM=1 LR=3e-4 WARMUP=20 MAX_STEPS=600 EVAL_EVERY=100 SETTLE=90
 #        SUITE_WORKERS=12 SUITE_LIMIT=260 TPROF_LIMIT=60 bash scripts/gpu_lease.sh
 #        train_profile campaign suite progress
 #        (the suite starts once the run trains, SETTLE at most: tokenizing first, alone)
-#        (700 steps: ~280 s beside the suite at ~25k tokens/s, the rest alone at ~59k: the
-#        run should end early in call 4; serial-1 rose 0.602 -> 0.608 over the seventh
+#        (600 steps: ~390 in the suite's ~260 s beside it at ~25k tokens/s (15-30k on the
+#        third lease), the rest alone at ~59k: the run should end early in call 4, whose
+#        fetch would cut it mid-schedule; serial-1 rose 0.602 -> 0.608 over the seventh
 #        lease's last 200 steps. Issue 11: the whole suite on CUDA, never run to its end)
 #   4  (~330 s) WAIT_LIMIT=120 bash scripts/gpu_lease.sh wait fetch; USE_CAMPAIGN=1
 #        TESTBED_LIMIT=200 QEND=2 MAXNEW=128 GUMIHO_VARIANTS="--lookup 10"
