@@ -275,6 +275,8 @@ class TrainConfig:
     warmup_steps: int = 200
     grad_clip: float = 0.5
     noise: float = 0.2  # uniform feature noise scale
+    # where the noise is drawn: "cpu", "device", or None: by the device (train.noise_device)
+    noise_on: str | None = None
     ploss_fraction: float = 1.0  # positions whose ploss is scored (1.0 = the reference)
     draft_vocab: int = 0  # reduced draft vocabulary size (0 = the target's whole vocabulary)
     # Gumiho's MLP heads train on vloss alone for this many epochs, then ploss joins
@@ -317,5 +319,7 @@ class TrainConfig:
                               "at least 0")
         if self.precision not in (None, "bf16", "fp32"):
             raise GumihoError(f"--precision {self.precision}: use bf16 or fp32")
+        if self.noise_on not in (None, "cpu", "device"):
+            raise GumihoError(f"--noise-on {self.noise_on}: use cpu or device")
         if bool(self.data) == self.online:
             raise GumihoError("give either --data DIR [DIR ...] or --online")

@@ -77,7 +77,8 @@
 #   3  .stage/2 (~420 s): receive (SmolLM2's conversion ~30 s, ShareGPT's ~5 s), where a
 #        training step's time goes (alone, ~45 s: at ~59k tokens/s and ~0.9 GFLOP a token
 #        by count the campaign ran ~55 TFLOPS, a small share of the H100's ~990 in bf16;
-#        more tokens a lease is more tau), then the campaign from the
+#        more tokens a lease is more tau; it also times steps with the noise drawn on the
+#        CPU, the trainer's way before --noise-on, now device by default), then the campaign from the
 #        shipped drafter and the whole suite beside it:
 #        CAMPAIGN_METHODS=gumiho INIT=gumiho/assets/smollm2 DRAFT_VOCAB=32768 MAX_LEN=512
 #        BATCH=32 ACCUM=1 LR=3e-4 WARMUP=20 MAX_STEPS=600 EVAL_EVERY=100 SETTLE=90

@@ -61,6 +61,9 @@ def main() -> None:
                    help="training conversations to draw the batches from")
     p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
                    help="the trainer's --precision (default: bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--noise-on", default=None, choices=("cpu", "device"),
+                   help="the trainer's --noise-on (default: device on a GPU, cpu on a CPU); "
+                   "on a GPU the other place's whole steps are timed too")
     p.add_argument("--epoch", type=int, default=2, help="the epoch the losses see "
                    "(Gumiho's MLP heads take their ploss from --mlp-ploss-after-epochs)")
     p.add_argument("--warmup", type=int, default=2)
@@ -74,7 +77,7 @@ def main() -> None:
     config = TrainConfig(method=args.method, online=True, num_conversations=args.conversations,
                          max_len=args.max_len, batch_size=args.batch_size, grad_accum=1,
                          draft_vocab=args.draft_vocab, init_from=args.init, precision=mixed,
-                         mlp_ploss_after_epochs=0)
+                         mlp_ploss_after_epochs=0, noise_on=args.noise_on)
     torch.manual_seed(config.seed)
     target = load_target(config.target, device=str(device),
                          dtype="bfloat16" if mixed == "bf16" else "float32")
@@ -86,7 +89,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95))
     lengths = [s["input_ids"].shape[0] for s in samples]
     batches = epoch_batches(lengths, config.batch_size, config.seed, 0)
-    need = args.warmup + 3 * args.steps
+    need = args.warmup + 4 * args.steps
     if len(batches) < need:
         sys.exit(f"error: {len(batches)} batches of {config.batch_size}; the run needs {need}: "
                  "give more --conversations")
@@ -96,7 +99,9 @@ def main() -> None:
                 else nullcontext())  # accelerate's bf16 mixed precision
     timer = PhaseTimer(device, enabled=False)
 
-    def step(index: int) -> int:
+    noise_on = trainer.noise_device(config, device)
+
+    def step(index: int, noise_on: str = noise_on) -> int:
         batch = collate([samples[i] for i in batches[index]])
         with timer("batch to device"):
             batch = {k: v.to(device) for k, v in batch.items()}
@@ -104,7 +109,7 @@ def main() -> None:
             loss, _ = trainer.batch_loss(model, target, head, batch, config.method, args.epoch,
                                          config.noise, log_acc=False,
                                          p_fraction=config.ploss_fraction, seed=index,
-                                         weights=weights)
+                                         weights=weights, noise_on=noise_on)
         with timer("backward"):
             loss.backward()
         with timer("clip + optimizer"):
@@ -123,15 +128,20 @@ def main() -> None:
     for i in range(args.warmup):
         step(i)
     first = args.warmup
-    # 1. whole steps, unsynchronised inside: the figure a run sees
-    synchronize(device)
-    tokens, walls = 0, []
-    for i in range(first, first + args.steps):
-        start = time.perf_counter()
-        tokens += step(i)
+    def whole_steps(indices: range, noise_on: str) -> tuple[float, int]:
+        """Median seconds of whole steps, unsynchronised inside (the figure a run sees),
+        and their real tokens."""
         synchronize(device)
-        walls.append(time.perf_counter() - start)
-    step_s = statistics.median(walls)
+        tokens, walls = 0, []
+        for i in indices:
+            start = time.perf_counter()
+            tokens += step(i, noise_on)
+            synchronize(device)
+            walls.append(time.perf_counter() - start)
+        return statistics.median(walls), tokens
+
+    # 1. whole steps
+    step_s, tokens = whole_steps(range(first, first + args.steps), noise_on)
     # 2. the same number of steps with each phase synchronised and timed
     timer.enabled = True
     for i in range(first + args.steps, first + 2 * args.steps):
@@ -148,14 +158,21 @@ def main() -> None:
             step(i)
         synchronize(device)
     kernels = kernel_summary(prof, on_gpu, args.steps, args.top)
+    # 4. on a GPU, the same whole steps with the noise drawn at the other place
+    other = {"cpu": "device", "device": "cpu"}[noise_on]
+    other_s, other_tokens = (whole_steps(range(first + 3 * args.steps, first + 4 * args.steps),
+                                         other) if on_gpu else (None, 0))
 
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     per_step = tokens / args.steps
     print(f"{config.method} training step on {name} ({mixed}), batch {config.batch_size} x "
           f"<= {config.max_len} tokens ({per_step:.0f} real tokens a step), draft vocabulary "
           f"{config.draft_vocab or 'whole'}")
-    print(f"  step (median of {args.steps})            {step_s * 1e3:9.1f} ms = "
+    print(f"  step (median of {args.steps}), noise on {noise_on:<6}  {step_s * 1e3:9.1f} ms = "
           f"{per_step / step_s:,.0f} tokens/s")
+    if other_s is not None:
+        print(f"  step (median of {args.steps}), noise on {other:<6}  {other_s * 1e3:9.1f} ms = "
+              f"{other_tokens / args.steps / other_s:,.0f} tokens/s (other batches)")
     print("  by phase, synchronised around each (ms a step):")
     for phase, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
         print(f"    {phase:<28} {seconds * 1e3:9.1f}")
@@ -168,7 +185,11 @@ def main() -> None:
             "device": name, "precision": mixed, "method": config.method,
             "batch_size": config.batch_size, "max_len": config.max_len,
             "draft_vocab": config.draft_vocab, "init": args.init,
-            "tokens_per_step": per_step, "step_s": step_s, "tokens_per_s": per_step / step_s,
+            "noise_on": noise_on, "tokens_per_step": per_step, "step_s": step_s,
+            "tokens_per_s": per_step / step_s,
+            "other_noise": None if other_s is None else {
+                "noise_on": other, "step_s": other_s,
+                "tokens_per_s": other_tokens / args.steps / other_s},
             "phases_s": phases, "kernels": kernels}, indent=1) + "\n")
 
 

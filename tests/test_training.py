@@ -659,6 +659,51 @@ def test_tokenizing_online_samples_shows_progress(smollm2, capsys):
     assert [s["input_ids"].tolist() for s in shown] == [s["input_ids"].tolist() for s in quiet]
 
 
+def test_input_noise_is_drawn_where_its_generator_lives(tiny, tiny_data_dir):
+    """--noise-on device: the noise comes from a generator on the drafter's device (no
+    host draw, no copy), the same for the same seed; on a CPU that is the host's own draw,
+    so a CPU run reads the same noise either way. The loss then differs from the CPU
+    draw's only by the noise (on a GPU the two streams differ)."""
+    from gumiho.train.dataset import add_noise
+
+    features = torch.zeros(2, 5, 8, device=DEVICE)
+    valid = torch.ones(2, 5, dtype=torch.bool, device=DEVICE)
+    on_device = [add_noise(features, valid, 0.2,
+                           torch.Generator(device=DEVICE).manual_seed(7)) for _ in range(2)]
+    assert on_device[0].device.type == DEVICE.type and torch.equal(*on_device)
+    assert on_device[0].abs().max() <= 0.1 * 512 / 5 and on_device[0].std() > 0
+    on_host = add_noise(features, valid, 0.2, torch.Generator().manual_seed(7))
+    assert torch.equal(on_host, on_device[0]) == (DEVICE.type == "cpu")
+    # through batch_loss: a training step with each setting runs, same seed same loss
+    _, samples = load_samples(tiny_data_dir)
+    batch = collate(samples[:2])
+    model = new_model(tiny, TrainConfig(method="gumiho", online=True), seed=0)
+    head = DraftHead.for_model(tiny, model)
+    losses = {where: [float(batch_loss(model, tiny, head, batch, "gumiho", 3, 0.2, seed=5,
+                                       noise_on=where)[0]) for _ in range(2)]
+              for where in ("cpu", "device")}
+    assert losses["cpu"][0] == losses["cpu"][1] and losses["device"][0] == losses["device"][1]
+
+
+@pytest.mark.parametrize(("asked", "device", "drawn"),
+                         [(None, "cpu", "cpu"), (None, "cuda", "device"),
+                          ("cpu", "cuda", "cpu"), ("device", "cpu", "device")])
+def test_noise_is_drawn_on_the_gpu_by_default(asked, device, drawn):
+    config = TrainConfig(method="gumiho", online=True, noise_on=asked)
+    assert trainer.noise_device(config, torch.device(device)) == drawn
+
+
+def test_a_bad_noise_place_is_one_line(tiny_target_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:  # argparse's choices
+        main(["--target", tiny_target_dir, "--online", "--output-dir", str(tmp_path / "r"),
+              "--noise-on", "gpu", "--dry-run"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--noise-on" in err[0] and "gpu" in err[0]
+    with pytest.raises(GumihoError, match="--noise-on tpu: use cpu or device"):
+        TrainConfig(method="gumiho", online=True, noise_on="tpu")
+
+
 @pytest.mark.slow
 def test_profile_train_step_times_the_trainers_phases(tmp_path):
     """scripts/profile_train_step.py runs the trainer's own step (its wrappers reach

@@ -78,6 +78,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=200)
     p.add_argument("--grad-clip", type=float, default=0.5)
     p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise scale")
+    p.add_argument("--noise-on", default=None, choices=("cpu", "device"),
+                   help="where the noise is drawn: cpu (the same noise on every device) or "
+                   "device (no host work a step); default: device on a GPU, cpu on a CPU")
     p.add_argument("--ploss-fraction", type=float, default=1.0,
                    help="score ploss (Medusa: its cross-entropy) on this random fraction "
                    "of positions (1.0 = the reference; lower it to fit a CPU budget)")
@@ -228,10 +231,12 @@ def trainable(model):
 
 def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: int,
                noise: float, log_acc: bool = True, p_fraction: float = 1.0, seed: int = 0,
-               weights: LossWeights = REFERENCE_WEIGHTS):
+               weights: LossWeights = REFERENCE_WEIGHTS, noise_on: str = "cpu"):
     """Forward one batch; returns (loss, logs). `seed` fixes this batch's noise and ploss
     sample, so a resumed (or differently parallelised) run repeats the same computation.
-    A batch from `collate` (host tensors) moves to the drafter's device here."""
+    A batch from `collate` (host tensors) moves to the drafter's device here. noise_on:
+    "cpu" draws the input noise on the host (the same on every device), "device" on the
+    drafter's device from its own generator of the same seed (`noise_device`)."""
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -243,7 +248,12 @@ def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: 
     if not method_spec(method).serial:  # Medusa heads read the clean target features
         return medusa_loss(model(features), batch["input_ids"], batch["loss_mask"], model,
                            head, p_fraction, generator)
-    noised = add_noise(features, valid, noise, generator) if model.training else features
+    if model.training:
+        draw = generator if noise_on == "cpu" else \
+            torch.Generator(device=device).manual_seed(seed)
+        noised = add_noise(features, valid, noise, draw)
+    else:
+        noised = features
     outputs = model(batch["input_ids"], noised, valid)
     return serial_loss(outputs, features, batch["loss_mask"], head, epoch,
                        lm_head=target.lm_head if log_acc else None, weights=weights,
@@ -304,6 +314,14 @@ def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
     parent = next(p for p in [out, *out.parents] if p.exists())
     if not os.access(parent, os.W_OK):
         raise GumihoError(f"--output-dir {out}: {parent} is not writable")
+
+
+def noise_device(config: TrainConfig, device: torch.device) -> str:
+    """Where the input noise is drawn: `--noise-on`, by default the training device's own
+    generator on a GPU (the host's draw and copy held each step up) and the CPU's on a
+    CPU (where the two are the same draw). Runs saved before the flag drew on the CPU; on
+    a CPU they resume unchanged."""
+    return config.noise_on or ("cpu" if device.type == "cpu" else "device")
 
 
 def precision(config: TrainConfig) -> tuple[str, str]:
@@ -530,7 +548,8 @@ def step_micro_batch(accelerator, model, target, head, optimizer, params, batch,
                                 seed=hash((config.seed, state.epoch, index)) % 2**62,
                                 weights=LossWeights(
                                     p=config.ploss_weight, mlp_p=config.mlp_ploss_weight,
-                                    mlp_p_from_epoch=config.mlp_ploss_after_epochs))
+                                    mlp_p_from_epoch=config.mlp_ploss_after_epochs),
+                                noise_on=noise_device(config, accelerator.device))
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             accelerator.clip_grad_norm_(params, config.grad_clip)
