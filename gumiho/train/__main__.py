@@ -318,9 +318,9 @@ def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
 
 def noise_device(config: TrainConfig, device: torch.device) -> str:
     """Where the input noise is drawn: `--noise-on`, by default the training device's own
-    generator on a GPU (the host's draw and copy held each step up) and the CPU's on a
-    CPU (where the two are the same draw). Runs saved before the flag drew on the CPU; on
-    a CPU they resume unchanged."""
+    generator on a GPU (the host's draw and copy are host work each step, which the GPU
+    waits for once its queued work is done) and the CPU's on a CPU (where the two are the
+    same draw). Runs saved before the flag drew on the CPU; on a CPU they resume unchanged."""
     return config.noise_on or ("cpu" if device.type == "cpu" else "device")
 
 
