@@ -60,8 +60,8 @@
 # testbed) and unpack takes them all.
 # The seventh lease (H100, 826 s, docs/results/gpu_h100_seventh): .stage/3 with `cycle` (the
 # suite phase refused: SmolLM2 had not arrived, a mistake of the plan), .stage/1, .stage/2
-# (refused at first: with ShareGPT it and the checkout passed 64 MiB; ShareGPT is .stage/4
-# since), .stage/4 with campaign (Gumiho over 32,768 from the shipped drafter, BATCH=32
+# (refused at first: with ShareGPT gzipped it and the checkout passed 64 MiB; ShareGPT was
+# moved to a .stage/4 by hand), .stage/4 with campaign (Gumiho over 32,768 from the shipped drafter, BATCH=32
 # ACCUM=1 MAX_STEPS=800 LR=5e-4 WARMUP=20) + the first tests (27 failed on one bug, fixed
 # between calls), then wait 140 + pick + fetch + a 3-benchmark testbed + the first tests
 # again (36 passed, 3 failed, fixed since), then the campaign again (it resumed from step
