@@ -57,8 +57,9 @@ def main() -> None:
     p.add_argument("--draft-vocab", type=int, default=32768)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--conversations", type=int, default=512,
-                   help="training conversations to draw the batches from")
+    p.add_argument("--conversations", type=int, default=1024,
+                   help="training conversations to draw the batches from (at least "
+                   "--batch-size x (--warmup + 4 x --steps))")
     p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
                    help="the trainer's --precision (default: bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--noise-on", default=None, choices=("cpu", "device"),
