@@ -57,7 +57,7 @@ def main() -> None:
     p.add_argument("--draft-vocab", type=int, default=32768)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--conversations", type=int, default=1024,
+    p.add_argument("--conversations", type=int, default=2048,
                    help="training conversations to draw the batches from (at least "
                    "--batch-size x (--warmup + 4 x --steps))")
     p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
