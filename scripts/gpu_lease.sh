@@ -94,6 +94,11 @@
 #        BENCHES="mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like"
 #        bash scripts/gpu_lease.sh testbed (issue 12's GPU bar, 2x over graph-captured
 #        plain decoding; 1.56x with the seventh lease's 550-step save on three benchmarks).
+#        Or, for a larger step than continuing: the MLP heads are where tau is lost (2026-11-28,
+#        8 questions a benchmark: unconditional acceptance 0.86 / 0.60 / 0.38 / 0.09 at
+#        positions 1-4, mean tau 2.89), so the same call with RUN_SUFFIX=_mlpw
+#        TRAIN_ARGS="--mlp-ploss-weight 0.1" (9x the reference weight of the heads' ploss;
+#        held-out serial-1 then no longer ranks runs: judge by the reference tree's tau here).
 #   here: unpack, then the reference tree's tau on this CPU (`python -m gumiho.export
 #   --draft-vocab 8192` for the shipped asset if it is better; README "shipped drafters").
 #   A lease after: the compile engine at the 8B shape (never finished on a GPU; issue 11's
