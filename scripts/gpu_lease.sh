@@ -98,7 +98,8 @@
 #        8 questions a benchmark: unconditional acceptance 0.86 / 0.60 / 0.38 / 0.09 at
 #        positions 1-4, mean tau 2.89), so the same call with RUN_SUFFIX=_mlpw
 #        TRAIN_ARGS="--mlp-ploss-weight 0.1" (9x the reference weight of the heads' ploss;
-#        held-out serial-1 then no longer ranks runs: judge by the reference tree's tau here).
+#        held-out serial-1 then no longer ranks runs: judge by the reference tree's tau here;
+#        RUN_SUFFIX=_mlpw on call 4's wait, fetch and testbed too).
 #   here: unpack, then the reference tree's tau on this CPU (`python -m gumiho.export
 #   --draft-vocab 8192` for the shipped asset if it is better; README "shipped drafters").
 #   A lease after: the compile engine at the 8B shape (never finished on a GPU; issue 11's
