@@ -82,7 +82,7 @@
 #        shipped drafter and the whole suite beside it:
 #        CAMPAIGN_METHODS=gumiho INIT=gumiho/assets/smollm2 DRAFT_VOCAB=32768 MAX_LEN=512
 #        BATCH=32 ACCUM=1 LR=3e-4 WARMUP=20 MAX_STEPS=600 EVAL_EVERY=100 SETTLE=90
-#        SUITE_WORKERS=12 SUITE_LIMIT=260 TPROF_LIMIT=60 bash scripts/gpu_lease.sh
+#        SUITE_WORKERS=12 SUITE_LIMIT=260 TPROF_LIMIT=75 bash scripts/gpu_lease.sh
 #        train_profile campaign suite progress
 #        (the suite starts once the run trains, SETTLE at most: tokenizing first, alone)
 #        (600 steps: ~390 in the suite's ~260 s beside it at ~25k tokens/s (15-30k on the
