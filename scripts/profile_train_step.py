@@ -129,6 +129,7 @@ def main() -> None:
     for i in range(args.warmup):
         step(i)
     first = args.warmup
+
     def whole_steps(indices: range, noise_on: str) -> tuple[float, int]:
         """Median seconds of whole steps, unsynchronised inside (the figure a run sees),
         and their real tokens."""
@@ -141,58 +142,60 @@ def main() -> None:
             walls.append(time.perf_counter() - start)
         return statistics.median(walls), tokens
 
+    on_gpu = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
+    report = {"device": name, "precision": mixed, "method": config.method,
+              "batch_size": config.batch_size, "max_len": config.max_len,
+              "draft_vocab": config.draft_vocab, "init": args.init, "noise_on": noise_on}
+
+    def show(*lines: str, **fields) -> None:
+        """Print as each part ends and keep the JSON current: a run cut by a time limit
+        still reports what it measured."""
+        print(*lines, sep="\n", flush=True)
+        report.update(fields)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
     # 1. whole steps
     step_s, tokens = whole_steps(range(first, first + args.steps), noise_on)
-    # 2. the same number of steps with each phase synchronised and timed
+    per_step = tokens / args.steps
+    show(f"{config.method} training step on {name} ({mixed}), batch {config.batch_size} x "
+         f"<= {config.max_len} tokens ({per_step:.0f} real tokens a step), draft vocabulary "
+         f"{config.draft_vocab or 'whole'}",
+         f"  step (median of {args.steps}), noise on {noise_on:<6}  {step_s * 1e3:9.1f} ms = "
+         f"{per_step / step_s:,.0f} tokens/s",
+         tokens_per_step=per_step, step_s=step_s, tokens_per_s=per_step / step_s)
+    # 2. on a GPU, the same whole steps with the noise drawn at the other place
+    if on_gpu:
+        other = {"cpu": "device", "device": "cpu"}[noise_on]
+        other_s, other_tokens = whole_steps(range(first + args.steps, first + 2 * args.steps),
+                                            other)
+        rate = other_tokens / args.steps / other_s
+        show(f"  step (median of {args.steps}), noise on {other:<6}  {other_s * 1e3:9.1f} ms = "
+             f"{rate:,.0f} tokens/s (other batches)",
+             other_noise={"noise_on": other, "step_s": other_s, "tokens_per_s": rate})
+    # 3. as many steps with each phase synchronised and timed
     timer.enabled = True
-    for i in range(first + args.steps, first + 2 * args.steps):
+    for i in range(first + 2 * args.steps, first + 3 * args.steps):
         step(i)
     timer.enabled = False
     phases = {k: v / args.steps for k, v in timer.totals.items()}
-    # 3. profiled steps
+    show("  by phase, synchronised around each (ms a step):",
+         *(f"    {phase:<28} {seconds * 1e3:9.1f}"
+           for phase, seconds in sorted(phases.items(), key=lambda kv: -kv[1])),
+         f"    {'(sum)':<28} {sum(phases.values()) * 1e3:9.1f}", phases_s=phases)
+    # 4. profiled steps
     from torch.profiler import ProfilerActivity, profile
 
-    on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
-        for i in range(first + 2 * args.steps, first + 3 * args.steps):
+        for i in range(first + 3 * args.steps, first + 4 * args.steps):
             step(i)
         synchronize(device)
     kernels = kernel_summary(prof, on_gpu, args.steps, args.top)
-    # 4. on a GPU, the same whole steps with the noise drawn at the other place
-    other = {"cpu": "device", "device": "cpu"}[noise_on]
-    other_s, other_tokens = (whole_steps(range(first + 3 * args.steps, first + 4 * args.steps),
-                                         other) if on_gpu else (None, 0))
-
-    name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
-    per_step = tokens / args.steps
-    print(f"{config.method} training step on {name} ({mixed}), batch {config.batch_size} x "
-          f"<= {config.max_len} tokens ({per_step:.0f} real tokens a step), draft vocabulary "
-          f"{config.draft_vocab or 'whole'}")
-    print(f"  step (median of {args.steps}), noise on {noise_on:<6}  {step_s * 1e3:9.1f} ms = "
-          f"{per_step / step_s:,.0f} tokens/s")
-    if other_s is not None:
-        print(f"  step (median of {args.steps}), noise on {other:<6}  {other_s * 1e3:9.1f} ms = "
-              f"{other_tokens / args.steps / other_s:,.0f} tokens/s (other batches)")
-    print("  by phase, synchronised around each (ms a step):")
-    for phase, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
-        print(f"    {phase:<28} {seconds * 1e3:9.1f}")
-    print(f"    {'(sum)':<28} {sum(phases.values()) * 1e3:9.1f}")
-    print(f"  busy ({kernels['what']}) {kernels['busy_s'] * 1e3:.1f} ms a step; the most:")
-    for row in kernels["top"]:
-        print(f"    {row['s'] * 1e3:8.2f} ms {row['calls']:7.1f} calls  {row['name'][:90]}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "device": name, "precision": mixed, "method": config.method,
-            "batch_size": config.batch_size, "max_len": config.max_len,
-            "draft_vocab": config.draft_vocab, "init": args.init,
-            "noise_on": noise_on, "tokens_per_step": per_step, "step_s": step_s,
-            "tokens_per_s": per_step / step_s,
-            "other_noise": None if other_s is None else {
-                "noise_on": other, "step_s": other_s,
-                "tokens_per_s": other_tokens / args.steps / other_s},
-            "phases_s": phases, "kernels": kernels}, indent=1) + "\n")
-
+    show(f"  busy ({kernels['what']}) {kernels['busy_s'] * 1e3:.1f} ms a step; the most:",
+         *(f"    {row['s'] * 1e3:8.2f} ms {row['calls']:7.1f} calls  {row['name'][:90]}"
+           for row in kernels["top"]), kernels=kernels)
 
 if __name__ == "__main__":
     main()
