@@ -662,8 +662,8 @@ def test_tokenizing_online_samples_shows_progress(smollm2, capsys):
 def test_input_noise_is_drawn_where_its_generator_lives(tiny, tiny_data_dir):
     """--noise-on device: the noise comes from a generator on the drafter's device (no
     host draw, no copy), the same for the same seed; on a CPU that is the host's own draw,
-    so a CPU run reads the same noise either way. The loss then differs from the CPU
-    draw's only by the noise (on a GPU the two streams differ)."""
+    so a CPU run reads the same noise either way (on a GPU the two streams differ).
+    Through batch_loss, each setting repeats its loss for the same seed."""
     from gumiho.train.dataset import add_noise
 
     features = torch.zeros(2, 5, 8, device=DEVICE)
