@@ -335,7 +335,8 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     chosen = Shape(best["total_tokens"], best["depth"], best["chain"]).tree(tree)
     gate = break_even(target, drafter.model, method, without_wrappers(chosen), engine)
     report = {"tree": {k: getattr(chosen, k) for k in
-                       ("total_tokens", "depth", "top_k", "mlp_topk", "pruning", "fta")},
+                       ("total_tokens", "depth", "top_k", "mlp_topk", "pruning", "serial_levels",
+                        "fta")},
               "method": method, "draft": str(draft), "device": str(target.device),
               "engine": engine, "plain_step_s": verify[1], "break_even": gate,
               "cycles": len(trees),

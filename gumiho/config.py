@@ -182,6 +182,10 @@ class TreeConfig:
     pruning: int = 35  # nodes kept per MLP level
     depth: int = 6  # draft depth: gumiho 2 serial + MLP levels (7), eagle2 serial levels,
     # medusa static tree depth
+    # Gumiho: levels the serial head drafts before the MLP heads take over (0 = the paper's
+    # 2). With S > 2 the serial head drafts levels 3..S too and MLP head j still draws
+    # level j + 2 (heads 1..S-2 unused): a drafter step a level for better candidates there.
+    serial_levels: int = 0
     # Full Tree Attention: off | official | exact. Default off: with the shipped drafter
     # exact measured no better (tau 1.63 vs 1.64, 5 held-out prompts; README).
     fta: str = "off"
@@ -219,6 +223,13 @@ class TreeConfig:
             if value > MAX_TREE_SETTING:
                 raise GumihoError(f"{flag} {value} is too large (at most {MAX_TREE_SETTING}: "
                                   "the reference trees verify 60-64 tokens)")
+        if isinstance(self.serial_levels, bool) or not isinstance(self.serial_levels, int) \
+                or not (self.serial_levels == 0 or 2 <= self.serial_levels <= MAX_TREE_SETTING):
+            raise GumihoError(f"--serial-levels must be 0 (the method's own) or an integer "
+                              f"from 2 to {MAX_TREE_SETTING}, got {self.serial_levels!r}")
+        if self.serial_levels > 2 and self.fta == "exact":
+            raise GumihoError("--fta exact completes paths from MLP level 3: it takes the "
+                              "paper's 2 serial levels (leave --serial-levels out)")
         if isinstance(self.lookup, bool) or not isinstance(self.lookup, int) or not (
                 0 <= self.lookup <= MAX_TREE_SETTING):
             raise GumihoError(f"--lookup must be an integer from 0 to {MAX_TREE_SETTING}, "

@@ -92,19 +92,25 @@ class SerialDrafter:
         self.method = self.name = spec.name
         self.max_nodes = tree.total_tokens
         levels = spec.serial_levels  # then the MLP heads (Gumiho); None: serial throughout
+        if levels is not None and tree.serial_levels:  # `--serial-levels S`
+            levels = tree.serial_levels
         # A Gumiho tree shallower than its serial levels (`--depth 1`) drafts level 1 alone:
         # one drafter call a cycle, no serial step, no heads.
         self.serial_depth = tree.depth if levels is None else min(levels, tree.depth)
-        self.heads = 0 if levels is None else min(model.config.num_mlp_heads,
-                                                  max(0, tree.depth - levels))
+        # MLP head j (1-based) draws level j + 2 whatever drafted the levels above it, so
+        # after S serial levels heads S-1.. follow (0-based `first_head`), as far as the depth
+        self.first_head = max(0, self.serial_depth - 2)
+        self.heads = 0 if levels is None else max(0, min(
+            model.config.num_mlp_heads - self.first_head, tree.depth - self.serial_depth))
         self.draft_depth = self.serial_depth + self.heads  # deepest node a tree can have
         # A node ranked W - 1 or lower within its level is outranked by W - 1 nodes, so it
         # can never be among the W - 1 the tree keeps: no level needs more candidates, and
         # the MLP heads need only the W - 2 best level-2 nodes (each is outranked at least
         # by its own parent). These caps change nothing in the tree, only its cost.
+        # Serial levels past the second descend from any level-2 node: all of them get heads.
         budget = tree.total_tokens - 1
         self.beam = min(tree.top_k, budget)
-        self.mlp_rows = min(self.beam, budget - 1)
+        self.mlp_rows = min(self.beam, budget - 1) if self.serial_depth <= 2 else self.beam
         self.mlp_topk, self.pruning = min(tree.mlp_topk, budget), min(tree.pruning, budget)
         # --min-confidence as a log-prob floor on path scores; eager steps only (it reads
         # scores on the host and changes the tree's size, which captured steps cannot)
@@ -226,11 +232,13 @@ class SerialDrafter:
             return out, *self._top(out, self.beam)
 
     def _levels(self, out1: Tensor, values: Tensor, indices: Tensor, start: Tensor
-                ) -> tuple[Pool, tuple[Tensor, Tensor]] | None:
+                ) -> tuple[Pool, tuple[Tensor, Tensor, Tensor]] | None:
         """Serial levels as a beam of k = `beam` nodes, then (Gumiho) the MLP levels'
-        candidates: the serial pool (levels 1..serial_depth, k nodes each) and the heads'
-        top mlp_topk (log-probs, tokens) (R, heads, m) (empty without heads). None when no
-        first draft reaches --min-confidence (eager steps only, as are all host reads here).
+        candidates: the serial pool (levels 1..serial_depth, k nodes each), the heads' top
+        mlp_topk (log-probs, tokens) (R, heads, m) on the first R level-2 nodes, and each
+        node of the last serial level's row among those R (the MLP levels below it come
+        from that row's heads); all three empty without heads. None when no first draft
+        reaches --min-confidence (eager steps only, as are all host reads here).
 
         The candidate pool is built level by level; within a level, node j of the level
         is pool node `first + j`. Per serial level the tensors line up by beam row:
@@ -248,6 +256,7 @@ class SerialDrafter:
         levels, outs = [level], out1.expand(k, -1)  # level 1 was drawn from out1
         seen = torch.zeros(k, 0, dtype=torch.bool, device=out1.device)  # (k, 0): none yet
         first = 0  # pool index of the current level's node 0
+        inputs = branch = None  # the MLP heads' inputs (level 2's), each node's row in them
         for depth in range(2, self.serial_depth + 1):
             if not self._reaches_floor(level, self.extend_floor):
                 break  # a child scores at most its parent: none would be verified
@@ -259,21 +268,27 @@ class SerialDrafter:
             first += levels[-1].tokens.shape[0]
             levels.append(level)
             outs = new_outs[row]  # children are drawn from their parent's output
+            if self.heads and depth == 2:
+                # MLP inputs per level-2 node: its own level-1 parent's token and output
+                # (d1, out1, by `row`; the released code paired rows with the wrong parent),
+                # its token and its own serial output (d2, out2). In score order.
+                inputs = (parent_tokens[row], parent_outs[row], level.tokens, outs)
+            elif self.heads:  # a deeper serial level: each node's level-2 ancestor's row
+                branch = row if branch is None else branch[row]
             if depth < self.serial_depth:  # the next level's view: the parent's + the parent
                 eye = torch.eye(seen.shape[0], dtype=torch.bool, device=seen.device)
                 seen = torch.cat([seen, eye], 1)[row]  # (k, R + k)
-        heads = (torch.zeros(0, device=out1.device),) * 2
+        heads = (torch.zeros(0, device=out1.device),) * 2 + (
+            torch.zeros(0, dtype=torch.long, device=out1.device),)
         if self.heads and self._reaches_floor(level, self.extend_floor):  # (nor a cut level)
             # Gumiho: the deeper levels from the MLP heads at once
-            # MLP inputs per level-2 node: its own level-1 parent's token and output (d1,
-            # out1, by `row`; the released code paired rows with the wrong parent), its token
-            # and its own serial output (d2, out2). Level-2 nodes are in score order.
             rows = self.mlp_rows
             with self._phase("draft_heads"):  # (R, heads, m)
-                hidden = self.model.parallel_heads(
-                    parent_tokens[row][:rows], parent_outs[row][:rows], level.tokens[:rows],
-                    outs[:rows], self.heads)  # (R, N, H)
-                heads = self._top(hidden, self.mlp_topk)  # (R, N, m) each
+                hidden = self.model.parallel_heads(*(x[:rows] for x in inputs), self.heads,
+                                                   self.first_head)  # (R, heads, H)
+                if branch is None:  # level 2 is the last serial level: its first R nodes
+                    branch = torch.arange(rows, device=out1.device)
+                heads = (*self._top(hidden, self.mlp_topk), branch)  # (R, heads, m) each
         return Pool.concat(levels), heads
 
     def _levels_fn(self, out1, values, indices, start):
@@ -339,37 +354,41 @@ class SerialDrafter:
         return floor is None or float(level.scores[0]) >= floor
 
     def _mlp_pool(self, serial: Pool, top_values: Tensor, top_indices: Tensor,
-                  with_branches: bool = True) -> tuple[Pool, Tensor | None]:
+                  branch: Tensor, with_branches: bool = True) -> tuple[Pool, Tensor | None]:
         """The serial pool extended by one pruned level per MLP head, and each pool node's
-        branch: the level-2 row (0..R-1) whose heads drew it (-1 above the MLP levels and
-        for level-2 nodes without heads); head h's candidates for a node come from its
-        branch's row. top_values, top_indices (R, heads, m) from the heads. Without
-        `with_branches` (only `--fta exact` reads them) the branches are None: 7 kernels
-        fewer in the recorded drafting step."""
+        branch: the level-2 row (0..R-1) whose heads drew it or, on the last serial level,
+        draw its children (-1 above, and for nodes without heads); head h's candidates for
+        a node come from its branch's row. top_values, top_indices (R, heads, m) from the
+        heads; branch (P,) the rows of the first P nodes of the last serial level
+        (`_levels`). Without
+        `with_branches` (only `--fta exact` reads them, with 2 serial levels) the branches
+        are None: 7 kernels fewer in the recorded drafting step."""
         if top_values.numel() == 0:
             return serial, torch.full_like(serial.tokens, -1) if with_branches else None
-        k, rows = self.beam, self.mlp_rows
-        first = serial.tokens.shape[0] - k  # pool index of level 2's node 0
-        branch = torch.arange(rows, device=serial.tokens.device)
+        k = self.beam
+        first = serial.tokens.shape[0] - k  # pool index of the last serial level's node 0
         levels, branches = [serial], []
-        if with_branches:
+        if with_branches:  # the last serial level's nodes: their own heads' rows
             row_of = torch.arange(serial.tokens.shape[0], device=branch.device) - first
-            branches.append(torch.where((row_of >= 0) & (row_of < rows), row_of, -1))
-        scores = serial.scores[first : first + rows]
+            inside = (row_of >= 0) & (row_of < branch.shape[0])
+            branches.append(torch.where(inside, branch[row_of.clamp(0, branch.shape[0] - 1)],
+                                        -1))
+        scores = serial.scores[first : first + branch.shape[0]]
         for head in range(self.heads):
             level, row = expand_level(scores, top_indices[branch, head],
-                                      top_values[branch, head], self.pruning, first, head + 3)
+                                      top_values[branch, head], self.pruning, first,
+                                      self.serial_depth + 1 + head)
             first += levels[-1].tokens.shape[0] if head else k
             branch, scores = branch[row], level.scores
             levels.append(level)
             branches.append(branch)
         return Pool.concat(levels), torch.cat(branches) if with_branches else None
 
-    def _tree_fn(self, root, tokens, parents, scores, depths, top_values, top_indices):
+    def _tree_fn(self, root, tokens, parents, scores, depths, top_values, top_indices, branch):
         """The tree from the serial pool and the heads' candidates: the MLP levels, then the
         best W - 1 nodes. Tensors only: DraftTree fields and priority."""
         pool, _ = self._mlp_pool(Pool(tokens, parents, scores, depths), top_values,
-                                 top_indices, with_branches=False)
+                                 top_indices, branch, with_branches=False)
         tree, _ = select_tree(root[0], pool, self.tree.total_tokens - 1, self.draft_depth)
         return tree.tokens, tree.parents, tree.depths, tree.mask, tree.priority
 

@@ -83,7 +83,8 @@ class SpeculativeGenerator:
              engine: str | None = None, attention: str | None = None,
              preset: str | None = None, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
-        fta, lookup, lookup_first, draft_gate, min_confidence, extend_confidence); unset ones
+        serial_levels, fta, lookup, lookup_first, draft_gate, min_confidence,
+        extend_confidence); unset ones
         take the preset's values, then the method's reference defaults. preset="demo": what
         `gumiho demo` runs, for speed on this device (`config.preset_options`); None or
         "reference": the method's reference tree. total_tokens="auto" times this device and the
@@ -290,6 +291,10 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--depth", type=positive_int, help="draft depth: gumiho 2 serial levels + "
                        "MLP levels (7; 1: serial level 1 alone), eagle2 serial levels (6), "
                        "medusa tree depth (4)")
+    group.add_argument("--serial-levels", type=positive_int,
+                       help="gumiho: levels the serial head drafts before the MLP heads (2, "
+                       "the paper's; S > 2: levels 3..S from serial steps too, MLP head j still "
+                       "drawing level j + 2)")
     group.add_argument("--lookup", type=nonnegative_int, help="add a prompt-lookup chain of this "
                        "many n-gram continuation tokens under the root (method lookup: 10)")
     group.add_argument("--lookup-first", action="store_const", const=True, default=None,
@@ -329,8 +334,8 @@ def total_tokens_arg(value: str) -> int | str:
 
 def tree_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("total_tokens", "top_k", "mlp_topk", "pruning",
-                                          "depth", "fta", "lookup", "lookup_first",
-                                          "draft_gate", "min_confidence",
+                                          "depth", "serial_levels", "fta", "lookup",
+                                          "lookup_first", "draft_gate", "min_confidence",
                                           "extend_confidence")}
 
 

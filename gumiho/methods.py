@@ -62,7 +62,7 @@ SPECS = (
     MethodSpec("gumiho", serial_levels=2, tree={"depth": 7},
                tree_flags=("total_tokens", "top_k", "mlp_topk", "pruning", "depth", "fta",
                            "lookup", "lookup_first", "draft_gate", "min_confidence",
-                           "extend_confidence"),
+                           "extend_confidence", "serial_levels"),
                model_type="gumiho", architecture="GumihoLlamaForCausalLM", head_keys="mlp",
                auto_min_depth=2),
     MethodSpec("eagle2", shape={"num_hidden_layers": 1, "num_mlp_heads": 0},

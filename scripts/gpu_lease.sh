@@ -90,10 +90,13 @@
 #        fetch would cut it mid-schedule; serial-1 rose 0.602 -> 0.608 over the seventh
 #        lease's last 200 steps. Issue 11: the whole suite on CUDA, never run to its end)
 #   4  (~330 s) WAIT_LIMIT=120 bash scripts/gpu_lease.sh wait fetch; USE_CAMPAIGN=1
-#        TESTBED_LIMIT=200 QEND=2 MAXNEW=128 GUMIHO_VARIANTS="--lookup 10"
+#        TESTBED_LIMIT=200 QEND=2 MAXNEW=128
+#        GUMIHO_VARIANTS="--lookup 10|--serial-levels 4 --lookup 10"
 #        BENCHES="mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like"
 #        bash scripts/gpu_lease.sh testbed (issue 12's GPU bar, 2x over graph-captured
-#        plain decoding; 1.56x with the seventh lease's 550-step save on three benchmarks).
+#        plain decoding; 1.56x with the seventh lease's 550-step save on three benchmarks;
+#        the second variant: two more serial levels for tau (2.93 -> 3.06 at the reference
+#        tree on this CPU, 2026-11-28), never timed on a GPU, where each costs a drafter step).
 #        Or, for a larger step than continuing: the MLP heads are where tau is lost (2026-11-28,
 #        8 questions a benchmark: unconditional acceptance 0.86 / 0.60 / 0.38 / 0.09 at
 #        positions 1-4, mean tau 2.89), so the same call with RUN_SUFFIX=_mlpw

@@ -98,11 +98,11 @@ class OracleModel(torch.nn.Module):
         index, on = features[..., 0].long(), features[..., 1] > 0.5  # from the parent's out
         return self._hidden(index + 1, on & self._on(tokens, index))
 
-    def parallel_heads(self, d1, out1, d2, out2, heads=None):
+    def parallel_heads(self, d1, out1, d2, out2, heads=None, first=0):
         index, on = out2[..., 0].long(), out2[..., 1] > 0.5  # d2 sits at `index`
         on = on & self._on(d2, index)
-        n = heads or self.config.num_mlp_heads
-        steps = torch.arange(1, n + 1, device=index.device)
+        n = heads or self.config.num_mlp_heads - first
+        steps = torch.arange(first + 1, first + n + 1, device=index.device)
         return self._hidden(index[:, None] + steps, on[:, None].expand(-1, n))
 
 

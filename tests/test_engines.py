@@ -36,6 +36,25 @@ def test_static_buffers_give_eager_tokens_with_long_accepts(smollm2, reference, 
     assert max(runs["static"][0].accept_lengths) >= 7  # padded catch-ups of every length
 
 
+@pytest.mark.parametrize("levels", [3, 4])
+def test_deeper_serial_levels_keep_plain_tokens_and_full_depth_accepts(smollm2, reference,
+                                                                       levels):
+    """`--serial-levels S` with a drafter that knows the answer: every level, serial or
+    MLP, is drafted from the right parent (a misaligned head or branch would stop the
+    accepts at level S + 1), recorded as eagerly, and the output is plain decoding's."""
+    ids, plain = reference
+    full = ids + plain.token_ids
+    tree = TreeConfig.for_method("gumiho", serial_levels=levels)
+    runs = {}
+    for engine in ("eager", "static"):
+        drafter = oracle_drafter("gumiho", smollm2, full, tree, engine=engine)
+        runs[engine] = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=N,
+                                                                 engine=engine))
+        assert runs[engine].token_ids == plain.token_ids
+    assert runs["static"].accept_lengths == runs["eager"].accept_lengths
+    assert max(runs["eager"].accept_lengths) == 8  # 7 levels and the bonus token
+
+
 @pytest.mark.parametrize("fta", ["official", "exact"])
 def test_static_buffers_with_fta_finish_the_tree_on_the_host(smollm2, reference, fta):
     """The FTA modes draft through the recorded catch-up and levels steps (not the one

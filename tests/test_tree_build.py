@@ -146,9 +146,9 @@ def test_each_mlp_row_pairs_a_level2_node_with_its_own_parent(gumiho_random):
     seen = {}
     original = drafter.model.parallel_heads
 
-    def record(d1, out1, d2, out2, heads=None):
+    def record(d1, out1, d2, out2, heads=None, first=0):
         seen.update(d1=d1, out1=out1, d2=d2, out2=out2)
-        return original(d1, out1, d2, out2, heads)
+        return original(d1, out1, d2, out2, heads, first)
 
     drafter.model.parallel_heads = record
     drafter.propose()
@@ -273,3 +273,77 @@ def test_gumiho_depth_uses_fewer_heads(smollm2):
         tree = propose_after_prompt(smollm2, drafter, ids)
         assert drafter.heads == depth - 2 and drafter.draft_depth == depth
         assert int(tree.depths.max()) <= depth
+
+
+@pytest.mark.parametrize("levels, serial_depth, first_head, heads", [
+    (2, 2, 0, 5), (3, 3, 1, 4), (4, 4, 2, 3), (7, 7, 5, 0), (9, 7, 5, 0)])
+def test_serial_levels_take_the_levels_of_the_first_heads(tiny_target, levels, serial_depth,
+                                                          first_head, heads):
+    """`--serial-levels S`: the serial head drafts levels 1..S, and MLP head j still draws
+    level j + 2, so the heads from S - 1 on follow, within the tree's depth of 7."""
+    drafter = load_drafter("gumiho", tiny_target, "random",
+                           tree=TreeConfig.for_method("gumiho", serial_levels=levels))
+    assert (drafter.serial_depth, drafter.first_head, drafter.heads) == \
+        (serial_depth, first_head, heads)
+    assert drafter.draft_depth == 7
+
+
+@pytest.mark.parametrize("levels", [3, 4])
+def test_mlp_levels_under_deeper_serial_levels_come_from_their_level2_ancestor(
+        tiny_target, levels):
+    """With S serial levels, a node at MLP level d (> S) is one of the top candidates of
+    head d - 3 (0-based) run on its own level-2 ancestor; the tree is the pool's best nodes,
+    ancestor-closed, with its serial levels from the serial steps."""
+    tree = TreeConfig(top_k=5, mlp_topk=4, pruning=6, total_tokens=40, depth=7, fta="off",
+                      serial_levels=levels)
+    drafter = random_gumiho_after_prompt(tiny_target, tree)
+    seen = {}
+    original = drafter.model.parallel_heads
+
+    def record(d1, out1, d2, out2, heads=None, first=0):
+        seen.update(inputs=(d1, out1, d2, out2), heads=heads, first=first)
+        return original(d1, out1, d2, out2, heads, first)
+
+    drafter.model.parallel_heads = record
+    calls, build = [], drafter._levels
+    drafter._levels = lambda *a: calls.append(build(*a)) or calls[-1]
+    tree_out = drafter.propose()
+    assert seen["first"] == levels - 2 and seen["heads"] == 7 - levels
+    serial, (values, indices, branch) = calls[-1]
+    pool, branches = drafter._mlp_pool(serial, values, indices, branch)
+    assert serial.tokens.shape[0] == levels * drafter.beam  # a beam a serial level
+    assert seen["inputs"][2].shape[0] == drafter.beam  # every level-2 node gets heads
+    level2 = list(range(drafter.beam, 2 * drafter.beam))  # pool indices, in row order
+    for node in range(pool.tokens.shape[0]):
+        depth, ancestor = int(pool.depths[node]), node
+        if depth < levels:  # above the last serial level: no heads' row
+            assert int(branches[node]) == -1
+            continue
+        while int(pool.depths[ancestor]) > 2:
+            ancestor = int(pool.parents[ancestor])
+        row = level2.index(ancestor)
+        assert int(branches[node]) == row
+        if depth > levels:  # an MLP level: drawn by head depth - 3 of its ancestor's row
+            assert int(pool.tokens[node]) in indices[row, depth - levels - 1].tolist()
+    assert int(tree_out.depths.max()) <= 7
+    for i in range(1, tree_out.size):  # topological and ancestor-closed
+        assert 0 <= int(tree_out.parents[i]) < i
+        assert tree_out.mask[i, tree_out.parents[i]]
+
+
+@pytest.mark.host
+def test_serial_levels_are_refused_where_they_mean_nothing_and_named_in_reports():
+    from gumiho.config import check_tree_options
+    from gumiho.errors import GumihoError
+    from gumiho.evaluation.speed import method_label
+
+    for bad in (1, -1, True, 2.5):
+        with pytest.raises(GumihoError, match="--serial-levels"):
+            TreeConfig(serial_levels=bad)
+    with pytest.raises(GumihoError, match="--fta exact"):
+        TreeConfig(serial_levels=3, fta="exact")
+    with pytest.raises(GumihoError, match="--serial-levels does not apply to --method eagle2"):
+        check_tree_options("eagle2", {"serial_levels": 3})
+    settings = {"method": "gumiho", "draft": "d", "tree": {"serial_levels": 4}}
+    assert method_label(settings) == "gumiho (serial levels 4)"
+    assert method_label({**settings, "tree": {"serial_levels": 2}}) == "gumiho"

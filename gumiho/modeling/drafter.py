@@ -45,16 +45,18 @@ class ParallelHeads(nn.Module):
         self.b_res = nn.Parameter(torch.zeros(num_heads, num_layers, hidden))
         _linear_init(self.w_in.data, self.b_in.data, 2 * hidden)
 
-    def forward(self, x: Tensor, heads: int | None = None) -> Tensor:
-        """x (..., 2H) -> (..., N, H): every head's output for every input row (the first
-        `heads` heads only, if given: a shallower draft tree needs no more)."""
-        n = heads or self.w_in.shape[0]
-        hidden = self.w_in.shape[1]
-        # all heads' first layers as one product (the weight's leading heads are a view)
-        h = F.silu(F.linear(x, self.w_in[:n].reshape(n * hidden, -1)).unflatten(-1, (n, hidden))
-                   + self.b_in[:n])
+    def forward(self, x: Tensor, heads: int | None = None, first: int = 0) -> Tensor:
+        """x (..., 2H) -> (..., n, H): each head's output for every input row, heads
+        `first` .. `first + heads - 1` (default: all; a tree that drafts some levels
+        otherwise needs fewer)."""
+        stop = first + heads if heads else self.w_in.shape[0]
+        n, hidden = stop - first, self.w_in.shape[1]
+        # all heads' first layers as one product (the weight's heads are a contiguous view)
+        h = F.silu(F.linear(x, self.w_in[first:stop].reshape(n * hidden, -1))
+                   .unflatten(-1, (n, hidden)) + self.b_in[first:stop])
         for r in range(self.w_res.shape[1]):
-            h = h + F.silu(self._per_head(h, self.w_res[:n, r]) + self.b_res[:n, r])
+            h = h + F.silu(self._per_head(h, self.w_res[first:stop, r])
+                           + self.b_res[first:stop, r])
         return h
 
     @staticmethod
@@ -188,11 +190,13 @@ class DraftModel(nn.Module):
         return result
 
     def parallel_heads(self, d1: Tensor, out1: Tensor, d2: Tensor, out2: Tensor,
-                       heads: int | None = None) -> Tensor:
-        """All MLP heads at once (or the first `heads`). d1, d2 (...,) the serial levels'
-        tokens; out1, out2 (..., H) the serial outputs they were drawn from. Returns
-        (..., N, H): head i approximates f_{t+3+i} (its logits give x_{t+4+i})."""
-        return self.mlp(torch.cat([self.fuse(d1, out1), self.fuse(d2, out2)], -1), heads)
+                       heads: int | None = None, first: int = 0) -> Tensor:
+        """All MLP heads at once (or `heads` of them from head `first`, 0-based). d1, d2
+        (...,) the serial levels' tokens; out1, out2 (..., H) the serial outputs they were
+        drawn from. Returns (..., n, H): head i approximates f_{t+3+i} (its logits give
+        x_{t+4+i})."""
+        return self.mlp(torch.cat([self.fuse(d1, out1), self.fuse(d2, out2)], -1), heads,
+                        first)
 
 
 class FusedSerial:
