@@ -42,32 +42,29 @@ def test_deeper_serial_levels_keep_plain_tokens_and_full_depth_accepts(smollm2, 
     """`--serial-levels S` with a drafter that knows the answer: every level, serial or
     MLP, is drafted from the right parent (a misaligned head or branch would stop the
     accepts at level S + 1), recorded as eagerly, and the output is plain decoding's."""
-    ids, plain = reference
-    full = ids + plain.token_ids
-    tree = TreeConfig.for_method("gumiho", serial_levels=levels)
-    runs = {}
-    for engine in ("eager", "static"):
-        drafter = oracle_drafter("gumiho", smollm2, full, tree, engine=engine)
-        runs[engine] = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=N,
-                                                                 engine=engine))
-        assert runs[engine].token_ids == plain.token_ids
+    runs = oracle_runs(smollm2, reference, TreeConfig.for_method("gumiho",
+                                                                 serial_levels=levels))
+    assert runs["static"].token_ids == runs["eager"].token_ids == reference[1].token_ids
     assert runs["static"].accept_lengths == runs["eager"].accept_lengths
     assert max(runs["eager"].accept_lengths) == 8  # 7 levels and the bonus token
+
+
+def oracle_runs(target, reference, tree: TreeConfig) -> dict:
+    """The reference prompt answered by an oracle Gumiho drafter on `tree`, by engine
+    (eager, static)."""
+    ids, plain = reference
+    full = ids + plain.token_ids
+    return {engine: run(target, oracle_drafter("gumiho", target, full, tree, engine=engine),
+                        ids, GenerateConfig(max_new_tokens=N, engine=engine))
+            for engine in ("eager", "static")}
 
 
 @pytest.mark.parametrize("fta", ["official", "exact"])
 def test_static_buffers_with_fta_finish_the_tree_on_the_host(smollm2, reference, fta):
     """The FTA modes draft through the recorded catch-up and levels steps (not the one
     drafting step) and finish the tree eagerly: the same tokens as eager, and as plain."""
-    ids, plain = reference
-    full = ids + plain.token_ids
-    tree = TreeConfig.for_method("gumiho", fta=fta)
-    outs = {}
-    for engine in ("eager", "static"):
-        drafter = oracle_drafter("gumiho", smollm2, full, tree, engine=engine)
-        outs[engine] = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=N,
-                                                                 engine=engine))
-    assert outs["static"].token_ids == outs["eager"].token_ids == plain.token_ids
+    outs = oracle_runs(smollm2, reference, TreeConfig.for_method("gumiho", fta=fta))
+    assert outs["static"].token_ids == outs["eager"].token_ids == reference[1].token_ids
     assert outs["static"].accept_lengths == outs["eager"].accept_lengths
     assert max(outs["static"].accept_lengths) > 2
 
