@@ -360,9 +360,8 @@ class SerialDrafter:
         draw its children (-1 above, and for nodes without heads); head h's candidates for
         a node come from its branch's row. top_values, top_indices (R, heads, m) from the
         heads; branch (P,) the rows of the first P nodes of the last serial level
-        (`_levels`). Without
-        `with_branches` (only `--fta exact` reads them, with 2 serial levels) the branches
-        are None: 7 kernels fewer in the recorded drafting step."""
+        (`_levels`). Without `with_branches` (only `--fta exact` reads them, with 2 serial
+        levels) the branches are None: 7 kernels fewer in the recorded drafting step."""
         if top_values.numel() == 0:
             return serial, torch.full_like(serial.tokens, -1) if with_branches else None
         k = self.beam
