@@ -61,8 +61,8 @@
 # The seventh lease (H100, 826 s, docs/results/gpu_h100_seventh): .stage/3 with `cycle` (the
 # suite phase refused: SmolLM2 had not arrived, a mistake of the plan), .stage/1, .stage/2
 # (refused at first: with ShareGPT gzipped it and the checkout passed 64 MiB; ShareGPT was
-# moved to a .stage/4 by hand), .stage/4 with campaign (Gumiho over 32,768 from the shipped drafter, BATCH=32
-# ACCUM=1 MAX_STEPS=800 LR=5e-4 WARMUP=20) + the first tests (27 failed on one bug, fixed
+# moved to a .stage/4 by hand), .stage/4 with campaign (Gumiho over 32,768 from the shipped
+# drafter, BATCH=32 ACCUM=1 MAX_STEPS=800 LR=5e-4 WARMUP=20) + the first tests (27 failed on one bug, fixed
 # between calls), then wait 140 + pick + fetch + a 3-benchmark testbed + the first tests
 # again (36 passed, 3 failed, fixed since), then the campaign again (it resumed from step
 # 550) + wait + fetch: 800 steps, held-out serial-1 0.608 (GPU, bf16), 0.609 (CPU, fp32).
@@ -99,7 +99,9 @@
 #        tree on this CPU, 2026-11-28), never timed on a GPU, where each costs a drafter step).
 #        Or, for a larger step than continuing: the MLP heads are where tau is lost (2026-11-28,
 #        8 questions a benchmark: unconditional acceptance 0.86 / 0.60 / 0.38 / 0.09 at
-#        positions 1-4, mean tau 2.89), so the same call with RUN_SUFFIX=_mlpw
+#        positions 1-4, mean tau 2.89; the same network's serial layers run a third time
+#        draft position 3 with held-out top-1 0.50 where MLP head 1 reaches 0.40, README
+#        "Deeper serial levels"), so the same call with RUN_SUFFIX=_mlpw
 #        TRAIN_ARGS="--mlp-ploss-weight 0.1" (9x the reference weight of the heads' ploss;
 #        held-out serial-1 then no longer ranks runs: judge by the reference tree's tau here;
 #        RUN_SUFFIX=_mlpw on call 4's wait, fetch and testbed too).

@@ -141,16 +141,22 @@ def test_serial_level_siblings_do_not_see_each_other(gumiho_random):
         torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=0)
 
 
-def test_each_mlp_row_pairs_a_level2_node_with_its_own_parent(gumiho_random):
-    drafter = gumiho_random
-    seen = {}
-    original = drafter.model.parallel_heads
+def record_heads(drafter) -> dict:
+    """What the drafter's MLP heads are called with from now on (the last call): d1, out1,
+    d2, out2, heads, first."""
+    seen, original = {}, drafter.model.parallel_heads
 
     def record(d1, out1, d2, out2, heads=None, first=0):
-        seen.update(d1=d1, out1=out1, d2=d2, out2=out2)
+        seen.update(d1=d1, out1=out1, d2=d2, out2=out2, heads=heads, first=first)
         return original(d1, out1, d2, out2, heads, first)
 
     drafter.model.parallel_heads = record
+    return seen
+
+
+def test_each_mlp_row_pairs_a_level2_node_with_its_own_parent(gumiho_random):
+    drafter = gumiho_random
+    seen = record_heads(drafter)
     drafter.propose()
     out1 = seen["out1"][0]
     for j in range(seen["d1"].shape[0]):
@@ -297,14 +303,7 @@ def test_mlp_levels_under_deeper_serial_levels_come_from_their_level2_ancestor(
     tree = TreeConfig(top_k=5, mlp_topk=4, pruning=6, total_tokens=40, depth=7, fta="off",
                       serial_levels=levels)
     drafter = random_gumiho_after_prompt(tiny_target, tree)
-    seen = {}
-    original = drafter.model.parallel_heads
-
-    def record(d1, out1, d2, out2, heads=None, first=0):
-        seen.update(inputs=(d1, out1, d2, out2), heads=heads, first=first)
-        return original(d1, out1, d2, out2, heads, first)
-
-    drafter.model.parallel_heads = record
+    seen = record_heads(drafter)
     calls, build = [], drafter._levels
     drafter._levels = lambda *a: calls.append(build(*a)) or calls[-1]
     tree_out = drafter.propose()
@@ -312,7 +311,7 @@ def test_mlp_levels_under_deeper_serial_levels_come_from_their_level2_ancestor(
     serial, (values, indices, branch) = calls[-1]
     pool, branches = drafter._mlp_pool(serial, values, indices, branch)
     assert serial.tokens.shape[0] == levels * drafter.beam  # a beam a serial level
-    assert seen["inputs"][2].shape[0] == drafter.beam  # every level-2 node gets heads
+    assert seen["d2"].shape[0] == drafter.beam  # every level-2 node gets heads
     level2 = list(range(drafter.beam, 2 * drafter.beam))  # pool indices, in row order
     for node in range(pool.tokens.shape[0]):
         depth, ancestor = int(pool.depths[node]), node

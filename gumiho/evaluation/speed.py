@@ -48,8 +48,8 @@ def method_label(settings: dict) -> str:
     spec = BY_NAME.get(settings["method"])
     if fta != "off" and spec is not None and "fta" in spec.tree_flags:
         notes.append(f"fta {fta}")
-    if tree.get("serial_levels", 0) not in (0, 2) and spec is not None and \
-            "serial_levels" in spec.tree_flags:
+    if spec is not None and "serial_levels" in spec.tree_flags and \
+            tree.get("serial_levels", 0) not in (0, spec.serial_levels):  # not its own
         notes.append(f"serial levels {tree['serial_levels']}")
     if settings.get("auto_tree"):  # budget.choose_tree's report: the tree it chose
         notes.append(f"auto tree {settings['auto_tree']['tree']['total_tokens']}")
