@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gumiho.errors import GumihoError
-from gumiho.hostsync import REPLAYING
+from gumiho.hostsync import REPLAYING, HostSyncCounter
 
 ENGINES = ("eager", "graphs", "compile", "static")
 
@@ -100,12 +100,21 @@ class _Replay:
     def __call__(self) -> tuple[Tensor, ...]:
         if not self.check:
             return self.fn(*self.inputs)
-        with HostStateCheck(sites=self.recorded is None) as stream:
+        step = getattr(self.fn, "__qualname__", repr(self.fn))
+        if self.recorded is not None:
+            with HostStateCheck() as stream:
+                outputs = self.fn(*self.inputs)
+            self.recorded.compare(stream, step)
+            return outputs
+        # Recording: a CUDA capture refuses any wait for the device (and a copy from
+        # pageable memory) inside the step; so does `static`, so a CPU run finds them too.
+        with HostStateCheck(sites=True) as stream, HostSyncCounter() as syncs:
             outputs = self.fn(*self.inputs)
-        if self.recorded is None:
-            self.recorded = stream
-        else:
-            self.recorded.compare(stream, getattr(self.fn, "__qualname__", repr(self.fn)))
+        if syncs.total:
+            raise GumihoError(f"internal: the recorded step {step} makes the host wait on the "
+                              f"device, which a CUDA graph cannot record: "
+                              f"{', '.join(sorted(syncs.sites))}")
+        self.recorded = stream
         return outputs
 
 

@@ -3,8 +3,8 @@
 The suite runs on the CPU (CI) unless GUMIHO_TEST_DEVICE names another device, e.g.
 `GUMIHO_TEST_DEVICE=cuda python -m pytest`: then every target loads there in float32 (also
 in the subprocesses the CLI tests start, through GUMIHO_DEVICE and GUMIHO_DTYPE) and tensors
-a test makes without a device land there too; tests marked `host` (pure arithmetic on
-hand-made tensors) stay on the CPU.
+a test makes without a device land there too; tests marked `host` (arithmetic on hand-made
+tensors, or a machine without a GPU simulated) stay on the CPU.
 """
 
 import os

@@ -80,8 +80,9 @@ class OracleModel(torch.nn.Module):
         self.config, self.full = config, torch.tensor(full)
 
     def _on(self, tokens, index):
-        inside = index < self.full.shape[0]
-        return inside & (self.full[index.clamp(max=self.full.shape[0] - 1)] == tokens)
+        n = self.full.shape[0]  # (index is any integer when read from target features)
+        inside = (index >= 0) & (index < n)
+        return inside & (self.full[index.clamp(0, n - 1)] == tokens)
 
     MARK = 12345.0  # channel 2 of the oracle's own hidden states (never a target feature)
 
@@ -92,11 +93,13 @@ class OracleModel(torch.nn.Module):
         return h
 
     def serial_step(self, tokens, features, position_ids, attention_mask, cache=None):
-        if not bool((features[..., 2] == self.MARK).all()):
-            # committed pairs (f_t, x_{t+1}) at positions t (target features): predict t + 2
-            return self._hidden(position_ids + 2, torch.ones_like(tokens, dtype=torch.bool))
+        # Both readings, chosen on the device: a recorded step cannot ask the host which
+        # (a `bool()` here broke CUDA graph capture on the eighth lease).
+        # Committed pairs (f_t, x_{t+1}) at positions t (target features): predict t + 2.
+        committed = self._hidden(position_ids + 2, torch.ones_like(tokens, dtype=torch.bool))
         index, on = features[..., 0].long(), features[..., 1] > 0.5  # from the parent's out
-        return self._hidden(index + 1, on & self._on(tokens, index))
+        drafted = self._hidden(index + 1, on & self._on(tokens, index))
+        return torch.where((features[..., 2] == self.MARK).all(), drafted, committed)
 
     def parallel_heads(self, d1, out1, d2, out2, heads=None, first=0):
         index, on = out2[..., 0].long(), out2[..., 1] > 0.5  # d2 sits at `index`

@@ -140,7 +140,7 @@ def test_an_upload_counts_one_launch_on_every_device():
         values = upload(np.arange(4), device)
         values + 1
     assert dict(launches.by_module) == {"?": 2}  # called from outside the library
-    assert torch.equal(values.cpu(), torch.arange(4))
+    assert values.tolist() == [0, 1, 2, 3]  # (a bare arange would land on the test device)
 
 
 @pytest.mark.host

@@ -174,6 +174,27 @@ def test_static_engine_refuses_what_a_capture_would_freeze():
 
 
 @pytest.mark.host
+def test_static_engine_refuses_a_step_that_waits_on_the_device():
+    """A CUDA capture fails on any read of a device value inside the step (the eighth
+    lease's oracle drafter asked `bool()` there); `static` refuses the same on a CPU,
+    naming the line, and takes the device-side choice that replaces it."""
+
+    def asks(x):
+        return (x * 2 if bool((x > 0).all()) else x.clone(),)
+
+    with pytest.raises(GumihoError, match=r"makes the host wait.*item\(\)/int\(\)/bool\(\) "
+                                          r"at tests/test_engines.py:\d+"):
+        StaticStep(asks, "static")(torch.ones(1))
+
+    def chooses(x):
+        return (torch.where((x > 0).all(), x * 2, x),)
+
+    step = StaticStep(chooses, "static")
+    assert step(torch.ones(1))[0].tolist() == [2.0]
+    assert step(-torch.ones(1))[0].tolist() == [-1.0]
+
+
+@pytest.mark.host
 @pytest.mark.parametrize("seed", range(4))
 def test_sync_free_tree_and_accept_match_the_checked_path(seed):
     """from_parents with a depth bound (no host syncs) builds the same tree, and the

@@ -191,6 +191,7 @@ def test_bf16_precision_trains_resumes_exactly_and_decodes_like_plain(
     assert run(tiny, drafter, prompt, config).token_ids == plain.token_ids
 
 
+@pytest.mark.host  # a machine without a GPU, simulated
 def test_bf16_on_a_cpu_with_slow_bf16_products_is_refused(tiny_target_dir, tiny_data_dir,
                                                            tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(trainer, "bf16_slowdown", lambda: 12.0)
