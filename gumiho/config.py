@@ -297,6 +297,9 @@ class TrainConfig:
     mlp_ploss_weight: float = 0.1 / 9
     # the serial step's ploss weight against its vloss's 1.0; reference 0.1
     ploss_weight: float = 0.1
+    # Gumiho: the MLP heads' losses train the heads alone (not the serial layers and fusion
+    # layer whose outputs they read); the reference trains all of it on every loss
+    mlp_detach: bool = False
     # a drafter checkpoint dir to start from (its weights and draft vocabulary) instead of
     # fresh weights; the optimizer and schedule start fresh
     init_from: str | None = None

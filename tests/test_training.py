@@ -107,6 +107,38 @@ def test_mlp_ploss_weight_reaches_the_loss(tiny_target_dir, tiny_data_dir, tmp_p
     assert any(not torch.equal(reference[k], never[k]) for k in never if k.startswith("mlp"))
 
 
+def test_mlp_detach_keeps_the_heads_losses_off_the_serial_layers(tiny, tiny_data_dir):
+    """--mlp-detach: the same loss; the MLP heads get the gradient they get without it, and
+    every other weight the gradient of the serial step's losses alone. Without it the
+    heads' losses reach the serial layers and the fusion layer (the reference)."""
+    _, samples = load_samples(tiny_data_dir)
+    batch = collate(samples[:4])
+    model = new_model(tiny, TrainConfig(method="gumiho", online=True), seed=0)
+    head = DraftHead.for_model(tiny, model)
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+
+    def grads(weights: LossWeights, detach: bool):
+        loss, _ = batch_loss(model, tiny, head, batch, "gumiho", epoch=3, noise=0.2, seed=5,
+                             weights=weights, mlp_detach=detach)
+        model.zero_grad()
+        loss.backward()
+        return float(loss.detach()), {k: p.grad.clone() for k, p in params.items()}
+
+    loss, joint = grads(LossWeights(mlp_p=0.1), detach=False)
+    detached_loss, detached = grads(LossWeights(mlp_p=0.1), detach=True)
+    _, serial_only = grads(LossWeights(mlp_v=0.0, mlp_p=0.0), detach=False)
+    assert detached_loss == pytest.approx(loss, rel=1e-6)
+    heads = [k for k in params if k.startswith("mlp.")]
+    others = [k for k in params if not k.startswith("mlp.")]
+    assert heads and {"fc.weight"} <= set(others)
+    for k in heads:
+        torch.testing.assert_close(detached[k], joint[k])
+    for k in others:
+        torch.testing.assert_close(detached[k], serial_only[k])
+    moved = [k for k in others if not torch.allclose(joint[k], serial_only[k], rtol=1e-3)]
+    assert "fc.weight" in moved and any(k.startswith("layers.") for k in moved)
+
+
 def test_ploss_weight_reaches_the_loss(tiny_target_dir, tiny_data_dir, tmp_path):
     """--ploss-weight 0 leaves the serial step's ploss out of the gradient: which positions
     its ploss would score (--ploss-fraction) no longer matters; at the reference weight it
@@ -361,7 +393,8 @@ def test_periodic_saves_resume_mid_epoch_exactly(tiny_target_dir, tiny_data_dir,
                                            (["--batch-size", "1"], "batch_size"),
                                            (["--precision", "bf16"], "precision"),
                                            (["--mlp-ploss-after-epochs", "0"],
-                                            "mlp_ploss_after_epochs")])
+                                            "mlp_ploss_after_epochs"),
+                                           (["--mlp-detach"], "mlp_detach")])
 def test_resume_with_other_settings_is_refused(tiny_target_dir, tiny_data_dir, tmp_path,
                                                capsys, change, named):
     data = (tiny_target_dir, tiny_data_dir)

@@ -137,10 +137,15 @@ class DraftModel(nn.Module):
             if method_spec(config.method).parallel_heads and config.num_mlp_heads else None
         add_vocab_buffers(self, config.vocab_size, config.draft_vocab_size)
 
-    def fuse(self, tokens: Tensor, features: Tensor) -> Tensor:
-        """fc(cat(embed(tokens), features)): tokens (...,), features (..., H) -> (..., H)."""
+    def fuse(self, tokens: Tensor, features: Tensor, detached: bool = False) -> Tensor:
+        """fc(cat(embed(tokens), features)): tokens (...,), features (..., H) -> (..., H).
+        detached (training): the same values, sending no gradient into fc or features."""
         embedded = self.embed_tokens(tokens)  # its dtype is fc's (fc may be packed)
-        return self.fc(torch.cat([embedded, features.to(embedded.dtype)], -1))
+        x = torch.cat([embedded, features.to(embedded.dtype)], -1)
+        if not detached:
+            return self.fc(x)
+        bias = None if self.fc.bias is None else self.fc.bias.detach()
+        return F.linear(x.detach(), self.fc.weight.detach(), bias)
 
     def serial_step(self, tokens: Tensor, features: Tensor, position_ids: Tensor,
                     attention_mask: Tensor, cache=None) -> Tensor:
@@ -155,7 +160,8 @@ class DraftModel(nn.Module):
                       position_embeddings=rope)
         return h
 
-    def forward(self, input_ids: Tensor, features: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    def forward(self, input_ids: Tensor, features: Tensor, valid: Tensor,
+                detach_heads: bool = False) -> dict[str, Tensor]:
         """Teacher-forced training pass. input_ids (B, L), features (B, L, H) (noised by the
         caller), valid (B, L) bool (False on padding).
 
@@ -163,7 +169,8 @@ class DraftModel(nn.Module):
         approximating f_{t+1}; and, for Gumiho, out2 (B, L-2, H): serial step 2 on
         (out1_t, x_{t+2}) at position t+1, seeing the true pairs 0..t and itself as at
         inference; mlp (B, L-3, N, H): the heads on (x_{t+2}, out1_t, x_{t+3}, out2_t),
-        head i approximating f_{t+3+i}.
+        head i approximating f_{t+3+i}. detach_heads (`--mlp-detach`): the heads' losses
+        reach the heads alone, not the serial layers and fc that make their inputs.
         """
         from transformers import DynamicCache
 
@@ -186,17 +193,19 @@ class DraftModel(nn.Module):
         out2 = self.serial_step(input_ids[:, 2:], out1[:, :-1], positions[:, 1:] , mask2, cache)
         result["out2"] = out2
         result["mlp"] = self.parallel_heads(input_ids[:, 2:-1], out1[:, :-2],
-                                            input_ids[:, 3:], out2[:, :-1])
+                                            input_ids[:, 3:], out2[:, :-1],
+                                            detached=detach_heads)
         return result
 
     def parallel_heads(self, d1: Tensor, out1: Tensor, d2: Tensor, out2: Tensor,
-                       heads: int | None = None, first: int = 0) -> Tensor:
+                       heads: int | None = None, first: int = 0,
+                       detached: bool = False) -> Tensor:
         """All MLP heads at once (or `heads` of them from head `first`, 0-based). d1, d2
         (...,) the serial levels' tokens; out1, out2 (..., H) the serial outputs they were
         drawn from. Returns (..., n, H): head i approximates f_{t+3+i} (its logits give
-        x_{t+4+i})."""
-        return self.mlp(torch.cat([self.fuse(d1, out1), self.fuse(d2, out2)], -1), heads,
-                        first)
+        x_{t+4+i}). detached (training, `--mlp-detach`): their losses reach the heads only."""
+        return self.mlp(torch.cat([self.fuse(d1, out1, detached), self.fuse(d2, out2, detached)],
+                                  -1), heads, first)
 
 
 class FusedSerial:

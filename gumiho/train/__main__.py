@@ -97,6 +97,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--mlp-ploss-weight", type=float, default=TrainConfig.mlp_ploss_weight,
                    help="Gumiho: the MLP heads' ploss weight, head i's times 0.8^(i+1) "
                    "(reference: 0.1/9, against the serial step's 0.1)")
+    p.add_argument("--mlp-detach", action="store_true",
+                   help="Gumiho: the MLP heads' losses train the heads alone, not the serial "
+                   "layers and fusion layer they read (so a heavier --mlp-ploss-weight "
+                   "cannot pull those; the reference trains them on every loss)")
     p.add_argument("--init-from", default=None, metavar="DRAFT_DIR",
                    help="start from this drafter checkpoint (its weights and draft "
                    "vocabulary; the same --method) instead of fresh weights; the optimizer "
@@ -231,9 +235,11 @@ def trainable(model):
 
 def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: int,
                noise: float, log_acc: bool = True, p_fraction: float = 1.0, seed: int = 0,
-               weights: LossWeights = REFERENCE_WEIGHTS, noise_on: str = "cpu"):
+               weights: LossWeights = REFERENCE_WEIGHTS, noise_on: str = "cpu",
+               mlp_detach: bool = False):
     """Forward one batch; returns (loss, logs). `seed` fixes this batch's noise and ploss
     sample, so a resumed (or differently parallelised) run repeats the same computation.
+    mlp_detach: Gumiho's MLP heads read the serial outputs without sending them gradient.
     A batch from `collate` (host tensors) moves to the drafter's device here. noise_on:
     "cpu" draws the input noise on the host (the same on every device), "device" on the
     drafter's device from its own generator of the same seed (`noise_device`)."""
@@ -254,7 +260,7 @@ def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: 
         noised = add_noise(features, valid, noise, draw)
     else:
         noised = features
-    outputs = model(batch["input_ids"], noised, valid)
+    outputs = model(batch["input_ids"], noised, valid, detach_heads=mlp_detach)
     return serial_loss(outputs, features, batch["loss_mask"], head, epoch,
                        lm_head=target.lm_head if log_acc else None, weights=weights,
                        p_fraction=p_fraction, generator=generator)
@@ -549,7 +555,8 @@ def step_micro_batch(accelerator, model, target, head, optimizer, params, batch,
                                 weights=LossWeights(
                                     p=config.ploss_weight, mlp_p=config.mlp_ploss_weight,
                                     mlp_p_from_epoch=config.mlp_ploss_after_epochs),
-                                noise_on=noise_device(config, accelerator.device))
+                                noise_on=noise_device(config, accelerator.device),
+                                mlp_detach=config.mlp_detach)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             accelerator.clip_grad_norm_(params, config.grad_clip)
