@@ -87,11 +87,16 @@
 # CUDA again (clean expected since e9613a4: issue 11's "the whole suite runs on a GPU").
 #   1  .stage/1 (receive, ~45 s with the start)
 #   2  .stage/3 (receive the drafters, ~5 s)
-#   3  .stage/2 (~360 s): CAMPAIGN_METHODS=gumiho INIT=gumiho/assets/smollm2
+#   3  .stage/2 (~360 s): both runs evaluated on the target's own held-out answers (on
+#        which the shipped network's serial steps score 0.765 / 0.669 and MLP head 1 0.394,
+#        docs/results/campaign/self_text_top1.md): REGEN_SPLITS=held_out bash
+#        scripts/gpu_lease.sh selfdistill; EVAL_DATA=/root/lease/data/self_heldout512
+#        CAMPAIGN_METHODS=gumiho INIT=gumiho/assets/smollm2
 #        DRAFT_VOCAB=32768 MAX_LEN=512 BATCH=32 ACCUM=1 LR=3e-4 WARMUP=20 MAX_STEPS=900
 #        EVAL_EVERY=100 SETTLE=60 RUN_SUFFIX=_mlpd TRAIN_ARGS="--mlp-ploss-weight 0.1
-#        --mlp-detach" bash scripts/gpu_lease.sh campaign; REGEN_END=8192 REGEN_LIMIT=200
-#        bash scripts/gpu_lease.sh selfdistill; SELF=1 CAMPAIGN_METHODS=gumiho
+#        --mlp-detach" bash scripts/gpu_lease.sh campaign; REGEN_SPLITS=train
+#        REGEN_END=8192 REGEN_LIMIT=200 bash scripts/gpu_lease.sh selfdistill; SELF=1
+#        CAMPAIGN_METHODS=gumiho
 #        INIT=gumiho/assets/smollm2 DRAFT_VOCAB=32768 MAX_LEN=512 BATCH=32 ACCUM=1 LR=3e-4
 #        WARMUP=20 MAX_STEPS=600 EVAL_EVERY=100 SETTLE=30 RUN_SUFFIX=_self bash
 #        scripts/gpu_lease.sh campaign progress
@@ -337,15 +342,16 @@ run_name() {  # a method's campaign run: RUN_SUFFIX names a variant beside the p
 
 campaign() {  # the three drafters on the whole training split, in the background
   # (SELF=1: on the target's own answers that `selfdistill` made, evaluated on its own
-  # held-out answers)
+  # held-out answers; EVAL_DATA=DIR: evaluated on DIR, e.g. $LEASE_ROOT/data/self_heldout512)
   need SmolLM2; need ShareGPT
   local held=$LEASE_ROOT/data/heldout512 m data="--online --num-conversations ${CONVERSATIONS:-17671}"
   if [[ ${SELF:-0} == 1 ]]; then
     [[ -f $LEASE_ROOT/data/self512/manifest.json ]] || die "SELF=1: run selfdistill first"
     held=$LEASE_ROOT/data/self_heldout512 data="--data $LEASE_ROOT/data/self512"
-  else
+  elif [[ -z ${EVAL_DATA:-} ]]; then
     heldout
   fi
+  held=${EVAL_DATA:-$held}
   mkdir -p "$LEASE_ROOT/runs"
   for m in "${METHODS[@]}"; do
     local run
@@ -389,9 +395,10 @@ selfdistill() {  # the target's own greedy answers to the training split's first
   # prompts (and to REGEN_HELD=64 held-out ones), as feature shards for `SELF=1 campaign`: a drafter
   # is scored on the target's text, and ShareGPT's answers are another model's. A rerun
   # keeps finished shards; REGEN_LIMIT cuts it (the campaign then refuses the half-made dir).
+  # REGEN_SPLITS=held_out makes only the held-out answers (to evaluate another run on).
   need SmolLM2; need ShareGPT
   local split end dir
-  for split in held_out train; do
+  for split in ${REGEN_SPLITS:-held_out train}; do
     if [[ $split == train ]]; then end=${REGEN_END:-8192} dir=self512; else
       end=${REGEN_HELD:-64} dir=self_heldout512; fi
     timeout "${REGEN_LIMIT:-300}" python3 -m gumiho.ge_data.allocation \
