@@ -83,7 +83,7 @@
 # the target's own answers as data (`_self`: the benchmarks score the target's text, the
 # campaign has trained on ShareGPT's, another model's; `selfdistill` regenerates the first
 # REGEN_END training prompts' answers with batched greedy generation, speed on a GPU not yet
-# measured: REGEN_LIMIT bounds it, and a cut one is rerun to finish). Then the suite on
+# measured: REGEN_LIMIT bounds it, in whole chunks of REGEN_CHUNK). Then the suite on
 # CUDA again (clean expected since e9613a4: issue 11's "the whole suite runs on a GPU").
 #   1  .stage/1 (receive, ~45 s with the start)
 #   2  .stage/3 (receive the drafters, ~5 s)
@@ -100,7 +100,8 @@
 #        INIT=gumiho/assets/smollm2 DRAFT_VOCAB=32768 MAX_LEN=512 BATCH=32 ACCUM=1 LR=3e-4
 #        WARMUP=20 MAX_STEPS=600 EVAL_EVERY=100 SETTLE=30 RUN_SUFFIX=_self bash
 #        scripts/gpu_lease.sh campaign progress
-#        (if selfdistill is cut, give its REGEN_END again in call 4 before SELF=1 campaign)
+#        (selfdistill makes chunks of 2,048 prompts; one cut by REGEN_LIMIT is left out of
+#        the SELF=1 run, which trains on the finished ones)
 #   4  (~330 s) SUITE_WORKERS=12 SUITE_LIMIT=220 bash scripts/gpu_lease.sh suite;
 #        CAMPAIGN_METHODS=gumiho WAIT_LIMIT=60 bash scripts/gpu_lease.sh wait;
 #        for s in _mlpd _self; do RUN_SUFFIX=$s CAMPAIGN_METHODS=gumiho bash
@@ -346,8 +347,11 @@ campaign() {  # the three drafters on the whole training split, in the backgroun
   need SmolLM2; need ShareGPT
   local held=$LEASE_ROOT/data/heldout512 m data="--online --num-conversations ${CONVERSATIONS:-17671}"
   if [[ ${SELF:-0} == 1 ]]; then
-    [[ -f $LEASE_ROOT/data/self512/manifest.json ]] || die "SELF=1: run selfdistill first"
-    held=$LEASE_ROOT/data/self_heldout512 data="--data $LEASE_ROOT/data/self512"
+    local dirs
+    dirs=$(self_dirs | tr '\n' ' ')
+    [[ -n $dirs ]] || die "SELF=1: no finished selfdistill chunk: run selfdistill first"
+    echo "SELF=1: training on $dirs"
+    held=$LEASE_ROOT/data/self_heldout512 data="--data $dirs"
   elif [[ -z ${EVAL_DATA:-} ]]; then
     heldout
   fi
@@ -392,23 +396,45 @@ campaign() {  # the three drafters on the whole training split, in the backgroun
 }
 
 selfdistill() {  # the target's own greedy answers to the training split's first REGEN_END
-  # prompts (and to REGEN_HELD=64 held-out ones), as feature shards for `SELF=1 campaign`: a drafter
-  # is scored on the target's text, and ShareGPT's answers are another model's. A rerun
-  # keeps finished shards; REGEN_LIMIT cuts it (the campaign then refuses the half-made dir).
+  # prompts (and to REGEN_HELD=64 held-out ones), as feature shards for `SELF=1 campaign`:
+  # a drafter is scored on the target's text, and ShareGPT's answers are another model's.
+  # The training prompts go in chunks of REGEN_CHUNK (data/self512_<start>), so a run cut
+  # by REGEN_LIMIT still leaves whole chunks to train on; a rerun finishes a cut chunk.
   # REGEN_SPLITS=held_out makes only the held-out answers (to evaluate another run on).
   need SmolLM2; need ShareGPT
-  local split end dir
+  local split first end size dir stop=$((SECONDS + ${REGEN_LIMIT:-300}))
   for split in ${REGEN_SPLITS:-held_out train}; do
-    if [[ $split == train ]]; then end=${REGEN_END:-8192} dir=self512; else
-      end=${REGEN_HELD:-64} dir=self_heldout512; fi
-    timeout "${REGEN_LIMIT:-300}" python3 -m gumiho.ge_data.allocation \
-      --outdir "$LEASE_ROOT/data/$dir" --split $split --end "$end" \
-      --shard-size "${REGEN_SHARD:-1024}" --max-len 512 --regenerate \
-      --regen-max-tokens "${REGEN_TOKENS:-384}" --regen-batch-size "${REGEN_BATCH:-256}" \
-      --dtype bfloat16 ${HELD_ARGS:---gpus 0} > "$LEASE_ROOT/selfdistill_$split.log" 2>&1 \
-      || { tail -5 "$LEASE_ROOT/selfdistill_$split.log"; return 1; }
-    tr '\r' '\n' < "$LEASE_ROOT/selfdistill_$split.log" | grep -v '^$' | tail -2
+    if [[ $split == train ]]; then end=${REGEN_END:-8192} size=${REGEN_CHUNK:-2048}; else
+      end=${REGEN_HELD:-64} size=$end; fi
+    for ((first = 0; first < end; first += size)); do
+      dir=self512_$first
+      [[ $split == held_out ]] && dir=self_heldout512
+      ((SECONDS < stop)) || { echo "selfdistill: REGEN_LIMIT reached before $dir"; return 0; }
+      timeout $((stop - SECONDS)) python3 -m gumiho.ge_data.allocation \
+        --outdir "$LEASE_ROOT/data/$dir" --split $split --start $first \
+        --end $((first + size < end ? first + size : end)) \
+        --shard-size "${REGEN_SHARD:-512}" --max-len 512 --regenerate \
+        --regen-max-tokens "${REGEN_TOKENS:-384}" --regen-batch-size "${REGEN_BATCH:-256}" \
+        --dtype bfloat16 ${HELD_ARGS:---gpus 0} > "$LEASE_ROOT/selfdistill_$dir.log" 2>&1 \
+        || { tail -2 "$LEASE_ROOT/selfdistill_$dir.log"
+             echo "selfdistill: $dir cut or failed (a rerun finishes it)"; return 0; }
+      tr '\r' '\n' < "$LEASE_ROOT/selfdistill_$dir.log" | grep -v '^$' | tail -1
+    done
   done
+}
+
+self_dirs() {  # the finished chunks of `selfdistill`'s training answers
+  python3 - "$LEASE_ROOT/data" <<'EOF'
+import sys
+from pathlib import Path
+
+from gumiho.ge_data.shards import missing_shards, read_manifest
+
+for d in sorted(Path(sys.argv[1]).glob("self512_*")):
+    manifest = read_manifest(d)
+    if manifest and not missing_shards(d, manifest["num_shards"]):
+        print(d)
+EOF
 }
 
 train_profile() {  # where a training step's time goes here (scripts/profile_train_step.py):
