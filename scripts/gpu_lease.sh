@@ -399,7 +399,8 @@ selfdistill() {  # the target's own greedy answers to the training split's first
   # prompts (and to REGEN_HELD=64 held-out ones), as feature shards for `SELF=1 campaign`:
   # a drafter is scored on the target's text, and ShareGPT's answers are another model's.
   # The training prompts go in chunks of REGEN_CHUNK (data/self512_<start>), so a run cut
-  # by REGEN_LIMIT still leaves whole chunks to train on; a rerun finishes a cut chunk.
+  # by REGEN_LIMIT still leaves whole chunks to train on (and is no failure); a rerun
+  # finishes a cut chunk.
   # REGEN_SPLITS=held_out makes only the held-out answers (to evaluate another run on).
   need SmolLM2; need ShareGPT
   local split first end size dir stop=$((SECONDS + ${REGEN_LIMIT:-300}))
@@ -416,8 +417,9 @@ selfdistill() {  # the target's own greedy answers to the training split's first
         --shard-size "${REGEN_SHARD:-512}" --max-len 512 --regenerate \
         --regen-max-tokens "${REGEN_TOKENS:-384}" --regen-batch-size "${REGEN_BATCH:-256}" \
         --dtype bfloat16 ${HELD_ARGS:---gpus 0} > "$LEASE_ROOT/selfdistill_$dir.log" 2>&1 \
-        || { tail -2 "$LEASE_ROOT/selfdistill_$dir.log"
-             echo "selfdistill: $dir cut or failed (a rerun finishes it)"; return 0; }
+        || { local status=$?; tail -2 "$LEASE_ROOT/selfdistill_$dir.log"
+             ((status == 124)) || return 1  # failed: the phase fails
+             echo "selfdistill: REGEN_LIMIT cut $dir (a rerun finishes it)"; return 0; }
       tr '\r' '\n' < "$LEASE_ROOT/selfdistill_$dir.log" | grep -v '^$' | tail -1
     done
   done
