@@ -57,7 +57,8 @@ def main() -> None:
             for name, estimates, shift in positions(outputs):
                 keep = scored[:, shift : shift + estimates.shape[1]]
                 rows = estimates[:, : keep.shape[1]][keep]
-                truth = target.lm_head(features[:, shift : shift + keep.shape[1]][keep])
+                later = features[:, shift : shift + keep.shape[1]][keep]
+                truth = target.lm_head(later.to(target.lm_head.weight))  # a bf16 target
                 drafted, inside = head.to_draft(truth.argmax(-1))
                 logits = head(rows).float()
                 confidence, argmax = torch.softmax(logits, -1).max(-1)
