@@ -102,7 +102,8 @@
 #   4  (~240 s) CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_mlpd WAIT_LIMIT=200 bash
 #        scripts/gpu_lease.sh wait; RUN_SUFFIX=_mlpd CAMPAIGN_METHODS=gumiho bash
 #        scripts/gpu_lease.sh fetch (a run still going is stopped at its last save, every
-#        50 steps)
+#        50 steps; its train_log.jsonl's grad_norm says whether the clip at 0.5 acted on
+#        the heavier heads' loss, which scales the serial layers' gradients too)
 #   here: unpack, then the reference tree's tau on this CPU over 8 questions a benchmark
 #   (2.89 / 2.90 / 2.89 for the seventh, eighth and CPU self-text drafters; the bar is 3.0), and
 #   `python -m gumiho.export --draft-vocab 8192` for the shipped asset if one is better.

@@ -322,6 +322,8 @@ def test_reduced_vocabulary_training_decodes_like_plain(tiny, tiny_target_dir, t
     assert state["d2t"].shape == (300,) and int(state["t2d"].sum()) == 300
     logged = [json.loads(line) for line in (tmp_path / "train_log.jsonl").open()]
     assert all(0 <= row["acc_serial1"] <= 1 for row in logged)
+    # the gradient's norm before clipping, on every logged step
+    assert all(0 < row["grad_norm"] < float("inf") for row in logged)
     prompt = tiny.chat_ids("Tell me about the sea.")
     config = GenerateConfig(max_new_tokens=24)
     drafter = load_drafter("gumiho", tiny, str(tmp_path), tree=TreeConfig(total_tokens=32))

@@ -447,8 +447,8 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
             # host tensors: batch_loss moves them to the drafter (so counting tokens
             # below reads no device)
             batch = collate([samples[i] for i in batches[index]])
-            logs = step_micro_batch(accelerator, model, target, head, optimizer, params,
-                                    batch, config, state, index, log_every)
+            logs, grad_norm = step_micro_batch(accelerator, model, target, head, optimizer,
+                                               params, batch, config, state, index, log_every)
             tokens += int(batch["valid"].sum())
             state.batches_done = index + procs - accelerator.process_index
             step_logs.append(logs)
@@ -460,6 +460,8 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
             bar.update(1)
             if accelerator.is_main_process and state.step % log_every == 0:
                 logs["tokens_per_s"] = tokens * procs / (time.perf_counter() - start)
+                if grad_norm is not None:  # before clipping (DeepSpeed's engine may report none)
+                    logs["grad_norm"] = float(grad_norm)
                 bar.set_postfix({k: f"{v:.3f}" for k, v in logs.items() if k != "lr"})
                 with (out / LOG).open("a") as f:
                     f.write(json.dumps({"step": state.step, "epoch": state.epoch,
@@ -541,9 +543,11 @@ def log_evaluation(accelerator, model, target, head, samples, config: TrainConfi
 
 def step_micro_batch(accelerator, model, target, head, optimizer, params, batch,
                      config: TrainConfig, state: RunState, index: int, log_every: int
-                     ) -> dict[str, float]:
+                     ) -> tuple[dict[str, float], Tensor | None]:
     """Forward and backward one micro-batch (global index `index` in the epoch); the
-    optimizer steps when accelerate's accumulation says the global batch is complete."""
+    optimizer steps when accelerate's accumulation says the global batch is complete.
+    Returns the micro-batch's logs and, on the step's last micro-batch, the gradient's
+    global norm before clipping (a device tensor, read only when logged; else None)."""
     with accelerator.accumulate(model), accelerator.autocast():
         # autocast covers the losses' vocabulary projections too (most of the cost); the
         # losses take their softmax in fp32
@@ -558,11 +562,12 @@ def step_micro_batch(accelerator, model, target, head, optimizer, params, batch,
                                 noise_on=noise_device(config, accelerator.device),
                                 mlp_detach=config.mlp_detach)
         accelerator.backward(loss)
+        grad_norm = None
         if accelerator.sync_gradients:
-            accelerator.clip_grad_norm_(params, config.grad_clip)
+            grad_norm = accelerator.clip_grad_norm_(params, config.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
-    return logs
+    return logs, grad_norm
 
 
 def save(accelerator, model, scheduler, state: RunState, out: Path, settings: dict,
