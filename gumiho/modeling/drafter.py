@@ -9,6 +9,7 @@ forcing. Logits always come from the target's frozen lm_head, passed in by the c
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -137,15 +138,10 @@ class DraftModel(nn.Module):
             if method_spec(config.method).parallel_heads and config.num_mlp_heads else None
         add_vocab_buffers(self, config.vocab_size, config.draft_vocab_size)
 
-    def fuse(self, tokens: Tensor, features: Tensor, detached: bool = False) -> Tensor:
-        """fc(cat(embed(tokens), features)): tokens (...,), features (..., H) -> (..., H).
-        detached (training): the same values, sending no gradient into fc or features."""
+    def fuse(self, tokens: Tensor, features: Tensor) -> Tensor:
+        """fc(cat(embed(tokens), features)): tokens (...,), features (..., H) -> (..., H)."""
         embedded = self.embed_tokens(tokens)  # its dtype is fc's (fc may be packed)
-        x = torch.cat([embedded, features.to(embedded.dtype)], -1)
-        if not detached:
-            return self.fc(x)
-        bias = None if self.fc.bias is None else self.fc.bias.detach()
-        return F.linear(x.detach(), self.fc.weight.detach(), bias)
+        return self.fc(torch.cat([embedded, features.to(embedded.dtype)], -1))
 
     def serial_step(self, tokens: Tensor, features: Tensor, position_ids: Tensor,
                     attention_mask: Tensor, cache=None) -> Tensor:
@@ -203,9 +199,11 @@ class DraftModel(nn.Module):
         """All MLP heads at once (or `heads` of them from head `first`, 0-based). d1, d2
         (...,) the serial levels' tokens; out1, out2 (..., H) the serial outputs they were
         drawn from. Returns (..., n, H): head i approximates f_{t+3+i} (its logits give
-        x_{t+4+i}). detached (training, `--mlp-detach`): their losses reach the heads only."""
-        return self.mlp(torch.cat([self.fuse(d1, out1, detached), self.fuse(d2, out2, detached)],
-                                  -1), heads, first)
+        x_{t+4+i}). detached (training, `--mlp-detach`): their inputs are computed without
+        autograd, so their losses reach the heads only."""
+        with torch.no_grad() if detached else nullcontext():
+            fused = torch.cat([self.fuse(d1, out1), self.fuse(d2, out2)], -1)
+        return self.mlp(fused, heads, first)
 
 
 class FusedSerial:
