@@ -40,7 +40,7 @@ def anchors(path: Path) -> set[str]:
 def test_anchors_follow_githubs_rule():
     page = ROOT / "README.md"
     assert "draft-vocabulary---draft-vocab-n" in anchors(page)  # (`--draft-vocab N`)
-    assert "gpu-results-one-h100-2026-11-27-the-fifth-lease" in anchors(page)
+    assert "gpu-results-one-h200-2026-11-28-the-eighth-lease" in anchors(page)
 
 
 def broken_links(page: Path) -> list[str]:
