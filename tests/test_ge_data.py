@@ -82,3 +82,32 @@ def test_missing_shard_is_reported_by_loader(tmp_path):
     with pytest.raises(GumihoError, match="2 shards missing"):
         load_samples(tmp_path)
     assert read_manifest(tmp_path)["num_shards"] == 2
+
+
+@pytest.mark.host
+def test_a_conversation_file_is_parsed_once_per_version(tmp_path, monkeypatch):
+    """Allocation reads its --data twice in one process (the plan, then its CPU worker):
+    the second read reuses the first's parse, notes included; a rewritten file is read
+    again."""
+    import json
+
+    from gumiho.ge_data import conversations
+
+    path = tmp_path / "c.json"
+    chat = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    path.write_text(json.dumps([{"id": "a", "conversations": chat}, {"id": "b"}]))
+    parses = []
+    monkeypatch.setattr(conversations, "parse_conversations",
+                        lambda p, parse=conversations.parse_conversations:
+                        parses.append(p) or parse(p))
+    first, second = [], []
+    got = conversations.load_conversations(str(path), first)
+    again = conversations.load_conversations(str(path), second)
+    assert got == again and [c["id"] for c in got] == ["a"] and len(parses) == 1
+    assert first == second and "1 of 2 records are not usable" in first[0]
+    again.clear()  # a caller's list is its own
+    assert len(conversations.load_conversations(str(path))) == 1 and len(parses) == 1
+    path.write_text(json.dumps([{"id": "a", "conversations": chat},
+                                {"id": "c", "conversations": chat}]))  # another size
+    assert [c["id"] for c in conversations.load_conversations(str(path))] == ["a", "c"]
+    assert len(parses) == 2

@@ -122,6 +122,26 @@ def load_conversations(source: str = "sharegpt", notes: list[str] | None = None
     if not path.is_file():
         raise GumihoError(f"conversation file {path} not found (--data takes 'sharegpt' or a "
                           "JSON/JSONL file)")
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _PARSED:
+        _PARSED.clear()  # the newest file only: ShareGPT's parse holds ~150 MB
+        _PARSED[key] = parse_conversations(path)
+    out, found = _PARSED[key]
+    if notes is not None:
+        notes += [f"{source}: {note}" for note in found]
+    return list(out)
+
+
+# A process reads the same file more than once (allocation plans from it, then its own CPU
+# worker makes shards from it; the test suite's workers many times): ShareGPT's salvage and
+# normalisation take ~2 s a read on the 2-core dev machine. Keyed by path, size and mtime,
+# so a changed file is read again. The conversations are shared: callers must not mutate them.
+_PARSED: dict[tuple[str, int, int], tuple[tuple[dict, ...], tuple[str, ...]]] = {}
+
+
+def parse_conversations(path: Path) -> tuple[tuple[dict, ...], tuple[str, ...]]:
+    """The usable conversations of the file and notes on what was skipped."""
     found: list[str] = []
     out, records = [], read_records(path, found)
     for n, record in enumerate(records):
@@ -135,9 +155,7 @@ def load_conversations(source: str = "sharegpt", notes: list[str] | None = None
     if not out:
         raise GumihoError(f"{path}: no usable ShareGPT-format conversations"
                           + (f" ({'; '.join(found)})" if found else ""))
-    if notes is not None:
-        notes += [f"{source}: {note}" for note in found]
-    return out
+    return tuple(out), tuple(found)
 
 
 def is_held_out(conversation_id: str) -> bool:
