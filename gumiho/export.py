@@ -57,7 +57,7 @@ def export(draft: str | Path, target, out: str | Path, fmt: str = "gumiho",
     what the consumer will do differently from gumiho (empty when nothing). `draft_vocab`
     (0: the whole vocabulary) re-chooses the draft vocabulary from `samples`' assistant
     tokens, keeping the network: its logits are rows of the target's lm_head."""
-    from gumiho.train.__main__ import over_vocabulary
+    from gumiho.train.start import over_vocabulary
 
     if fmt not in FORMATS:
         raise GumihoError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
@@ -248,7 +248,7 @@ def write_eagle(model: nn.Module, target, out: Path, dtype: torch.dtype, engine:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gumiho.train.__main__ import add_vocabulary_args
+    from gumiho.train.start import add_vocabulary_args
 
     p = ArgumentParser(prog="python -m gumiho.export",
                                 description=__doc__.split("\n")[0])
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     check_writable_dir(out, "--out")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise GumihoError(f"--out {out} is not empty: give a new directory (or --overwrite)")
-    from gumiho.train.__main__ import vocabulary_samples
+    from gumiho.train.start import vocabulary_samples
 
     target = load_target(args.target, device="cpu", dtype="float32")
     samples = None if args.draft_vocab is None else vocabulary_samples(target, args)

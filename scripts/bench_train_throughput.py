@@ -25,8 +25,9 @@ from gumiho.config import TrainConfig
 from gumiho.ge_data.shards import load_samples
 from gumiho.modeling import DraftHead
 from gumiho.target import load_target
-from gumiho.train.__main__ import batch_loss, new_model
 from gumiho.train.dataset import collate, epoch_batches
+from gumiho.train.start import new_model
+from gumiho.train.step import batch_loss
 
 
 def main() -> None:

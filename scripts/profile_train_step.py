@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
-import gumiho.train.__main__ as trainer
+import gumiho.train.step as trainer
 from gumiho.config import TrainConfig
 from gumiho.evaluation.profiling import kernel_summary
 from gumiho.modeling import DraftHead
@@ -39,6 +39,7 @@ from gumiho.profiling import PhaseTimer, synchronize
 from gumiho.target import choose_device_dtype, load_target
 from gumiho.train.dataset import collate, epoch_batches, online_samples
 from gumiho.train.loss import LossWeights
+from gumiho.train.start import new_model
 
 
 def timed_calls(timer: PhaseTimer, phase: str, fn):
@@ -84,7 +85,7 @@ def main() -> None:
                          dtype="bfloat16" if mixed == "bf16" else "float32")
     samples = online_samples(target, config.conversations, config.num_conversations,
                              config.max_len, progress=True)
-    model = trainer.new_model(target, config, samples).to(device)
+    model = new_model(target, config, samples).to(device)
     head = DraftHead.for_model(target, model)
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95))

@@ -165,8 +165,9 @@ def test_a_training_step_makes_no_tensor_off_the_drafters_device(tiny_target, me
     changes them. Under `meta` as the default, a tensor made without a device fails."""
     from gumiho.config import TrainConfig
     from gumiho.modeling import DraftHead
-    from gumiho.train.__main__ import batch_loss, new_model
     from gumiho.train.dataset import collate, epoch_batches
+    from gumiho.train.start import new_model
+    from gumiho.train.step import batch_loss
 
     g = torch.Generator().manual_seed(0)
     samples = [{"input_ids": torch.randint(97, (n,), generator=g, device="cpu"),

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from gumiho.config import TrainConfig
 from gumiho.errors import GumihoError
-from gumiho.train.__main__ import check_process_group, configure_deepspeed, main
+from gumiho.train.__main__ import main
+from gumiho.train.accel import check_process_group, configure_deepspeed
 from gumiho.train.state import wait_for_everyone
 
 from conftest import child_env

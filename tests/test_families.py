@@ -18,8 +18,9 @@ from gumiho.ge_data.worker import make_samples
 from gumiho.kv_cache import KVCache
 from gumiho.modeling import DraftHead
 from gumiho.target import default_attention, load_target, wrap_target
-from gumiho.train.__main__ import batch_loss, new_model
 from gumiho.train.dataset import collate
+from gumiho.train.start import new_model
+from gumiho.train.step import batch_loss
 
 from conftest import DEVICE
 from drafters_for_tests import RandomDrafter, oracle_drafter, random_tree

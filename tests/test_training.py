@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import gumiho.train.__main__ as trainer
+import gumiho.train.accel as accel
 from gumiho.checkpoint import to_official
 from gumiho.config import TrainConfig, TreeConfig
 from gumiho.drafters import PlainDrafter, SerialDrafter, load_drafter
@@ -18,9 +19,12 @@ from gumiho.ge_data.shards import load_samples
 from gumiho.kv_cache import KVCache
 from gumiho.modeling import DraftHead
 from gumiho.target import load_target
-from gumiho.train.__main__ import batch_loss, bf16_slowdown, main, new_model
+from gumiho.train.__main__ import main
+from gumiho.train.accel import bf16_slowdown
 from gumiho.train.dataset import collate
 from gumiho.train.loss import LossWeights
+from gumiho.train.start import new_model
+from gumiho.train.step import batch_loss, noise_device
 
 from conftest import DEVICE
 
@@ -29,7 +33,7 @@ from conftest import DEVICE
 def bf16_is_fast(monkeypatch):
     """These tests are about what bf16 training computes, not whether this CPU does it
     quickly: the refusal on a slow CPU has its own test."""
-    monkeypatch.setattr(trainer, "bf16_slowdown", lambda: 1.0)
+    monkeypatch.setattr(accel, "bf16_slowdown", lambda: 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +230,7 @@ def test_bf16_precision_trains_resumes_exactly_and_decodes_like_plain(
 @pytest.mark.host  # a machine without a GPU, simulated
 def test_bf16_on_a_cpu_with_slow_bf16_products_is_refused(tiny_target_dir, tiny_data_dir,
                                                            tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(trainer, "bf16_slowdown", lambda: 12.0)
+    monkeypatch.setattr(accel, "bf16_slowdown", lambda: 12.0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = train_args((tiny_target_dir, tiny_data_dir), tmp_path / "run", "--precision", "bf16")
     assert main(args) == 2
@@ -243,13 +247,13 @@ def test_precision_follows_the_device_training_runs_on(monkeypatch, asked):
     GPU existed, which the fifth lease's suite caught)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("GUMIHO_DEVICE", "cpu")
-    monkeypatch.setattr(trainer, "bf16_slowdown", lambda: 12.0)
+    monkeypatch.setattr(accel, "bf16_slowdown", lambda: 12.0)
     config = TrainConfig(method="gumiho", online=True, precision=asked)
     if asked is None:
-        assert trainer.precision(config) == ("no", "float32")
+        assert accel.precision(config) == ("no", "float32")
     else:
         with pytest.raises(GumihoError, match="12x slower"):
-            trainer.precision(config)
+            accel.precision(config)
 
 
 @pytest.mark.host
@@ -265,11 +269,11 @@ def test_training_on_the_cpu_after_a_gpu_state_in_the_same_process():
         PartialState._shared_state["device"] = torch.device("cuda")
         with pytest.raises(ValueError, match="cpu=True"):  # what accelerate alone does
             Accelerator(cpu=True)
-        trainer.fresh_accelerator_state("no", on_cpu=True)
+        accel.fresh_accelerator_state("no", on_cpu=True)
         assert Accelerator(cpu=True).device.type == "cpu"
         with pytest.raises(ValueError, match="mixed_precision"):
             Accelerator(cpu=True, mixed_precision="bf16")
-        trainer.fresh_accelerator_state("bf16", on_cpu=True)
+        accel.fresh_accelerator_state("bf16", on_cpu=True)
         assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
     finally:  # the next test starts from no state at all
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -727,7 +731,7 @@ def test_input_noise_is_drawn_where_its_generator_lives(tiny, tiny_data_dir):
                           ("cpu", "cuda", "cpu"), ("device", "cpu", "device")])
 def test_noise_is_drawn_on_the_gpu_by_default(asked, device, drawn):
     config = TrainConfig(method="gumiho", online=True, noise_on=asked)
-    assert trainer.noise_device(config, torch.device(device)) == drawn
+    assert noise_device(config, torch.device(device)) == drawn
 
 
 def test_a_bad_noise_place_is_one_line(tiny_target_dir, tmp_path, capsys):

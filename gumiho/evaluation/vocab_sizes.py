@@ -31,8 +31,8 @@ from gumiho.ge_data.conversations import load_conversations, split
 from gumiho.modeling import draft_vocabulary
 from gumiho.target import load_target
 from gumiho.templates import tokenize_conversation
-from gumiho.train.__main__ import new_model
 from gumiho.train.dataset import token_counts
+from gumiho.train.start import new_model
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 

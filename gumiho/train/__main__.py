@@ -16,36 +16,33 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from gumiho.checkpoint import check_drafter_dir, drafter_network, load_drafter_model, save_drafter
+from gumiho.checkpoint import check_drafter_dir, save_drafter
 from gumiho.config import TrainConfig
-from gumiho.drafters import random_drafter_model
-from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int, positive_int
-from gumiho.methods import DRAFTER_METHODS, method_spec
-from gumiho.modeling import DraftHead, draft_vocabulary
-from gumiho.modeling.vocab import vocab_buffers
-from gumiho.profiling import fastest_interleaved
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int
+from gumiho.methods import DRAFTER_METHODS
+from gumiho.modeling import DraftHead
 from gumiho.target import choose_device_dtype, load_target
-from gumiho.train.dataset import (
-    add_noise,
-    collate,
-    epoch_batches,
-    online_samples,
-    stored_samples,
-    token_counts,
+from gumiho.train.accel import (
+    check_process_group,
+    configure_deepspeed,
+    fresh_accelerator_state,
+    global_mean,
+    precision,
 )
-from gumiho.train.loss import REFERENCE_WEIGHTS, LossWeights, medusa_loss, serial_loss
+from gumiho.train.dataset import collate, epoch_batches, online_samples, stored_samples
+from gumiho.train.loss import LossWeights
+from gumiho.train.start import new_model
 from gumiho.train.state import LOG, RunState, load_run_state, save_run_state, wait_for_everyone
+from gumiho.train.step import batch_loss, evaluate, noise_device
 
 EXPORT_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-# --precision bf16 on a CPU is refused where bf16 products are this many times slower.
-SLOW_BF16 = 2.0
 
 
 def build_parser() -> ArgumentParser:
@@ -140,149 +137,6 @@ def schedule(step: int, warmup: int, total: int) -> float:
     return max(0.0, (total - step) / max(1, total - warmup))
 
 
-def new_model(target, config: TrainConfig, samples: list[dict] | None = None,
-              seed: int | None = None):
-    """A fresh trainable drafter (fp32 master weights); a reduced draft vocabulary is
-    chosen from the samples' assistant-token counts (stop tokens always included)."""
-    if config.init_from:
-        return start_from(target, config, samples)
-    return trainable(random_drafter_model(config.method, target,
-                                          config.seed if seed is None else seed,
-                                          chosen_vocabulary(target, config.draft_vocab, samples)))
-
-
-def check_draft_vocab(target, size: int) -> int:
-    """The target's vocabulary size, once `size` is known to fit in it."""
-    vocab = target.lm_head.weight.shape[0]
-    if size > vocab:
-        raise GumihoError(f"--draft-vocab {size} is larger than the target's "
-                          f"vocabulary ({vocab} tokens): give at most {vocab} (or 0 for all)")
-    return vocab
-
-
-def chosen_vocabulary(target, size: int, samples: list[dict] | None) -> Tensor | None:
-    """The target ids (size,) of a draft vocabulary of `size` tokens, the samples' most
-    frequent assistant tokens (stop tokens always included); None for the whole vocabulary
-    (0, or the target's size)."""
-    vocab = check_draft_vocab(target, size)
-    if not size or size == vocab:
-        return None
-    if not samples:
-        raise GumihoError("--draft-vocab needs training samples to count tokens in")
-    return draft_vocabulary(token_counts(samples, vocab), size,
-                            sorted(t for t in target.stop_token_ids if t < vocab))
-
-
-def start_from(target, config: TrainConfig, samples: list[dict] | None = None):
-    """The trainable drafter of checkpoint `config.init_from` (a warm start): its weights,
-    and its draft vocabulary unless --draft-vocab names another size (`over_vocabulary`)."""
-    model = load_drafter_model(config.init_from, target, config.method)
-    return trainable(over_vocabulary(model, target, config.draft_vocab, samples,
-                                     config.init_from))
-
-
-def over_vocabulary(model, target, size: int, samples: list[dict] | None, source: str):
-    """Drafter network `model` (loaded from `source`) over a draft vocabulary of `size`
-    tokens (0 or its own size: `model` itself). The serial layers and MLP heads do not
-    depend on the vocabulary (their logits are rows of the target's frozen lm_head), so
-    another size is chosen from the samples like a fresh drafter's; over the same data a
-    larger vocabulary holds every token of the smaller one. Medusa heads with their own
-    lm_head rows keep their size."""
-    vocab = target.lm_head.weight.shape[0]
-    have = model.config.draft_vocab_size or vocab
-    if not size or size == have:
-        return model
-    if model.config.medusa_own_lm_head:
-        raise GumihoError(f"--draft-vocab {size}: the drafter {source} has its own lm_head "
-                          f"rows for {have} tokens; give --draft-vocab {have} or leave it out")
-    draft_ids = chosen_vocabulary(target, size, samples)
-    new = replace(model.config, draft_vocab_size=0 if draft_ids is None else draft_ids.shape[0])
-    state = {k: v for k, v in model.state_dict().items() if k not in ("d2t", "t2d")}
-    if draft_ids is not None:
-        state["d2t"], state["t2d"] = vocab_buffers(draft_ids, vocab)
-    return drafter_network(new, target, state, draft_ids)
-
-
-def add_vocabulary_args(p: argparse.ArgumentParser, what: str) -> None:
-    """--draft-vocab N and the training conversations its tokens are counted in, for the
-    tools that put a trained drafter over another vocabulary (`over_vocabulary`)."""
-    p.add_argument("--draft-vocab", type=nonnegative_int, default=None, metavar="N",
-                   help=f"{what} over a draft vocabulary of N tokens, the training split's "
-                   "most frequent (0: the whole vocabulary); default: its own")
-    p.add_argument("--num-conversations", type=positive_int, default=17671,
-                   help="--draft-vocab: training conversations to count tokens in")
-    p.add_argument("--max-len", type=positive_int, default=512,
-                   help="--draft-vocab: tokens per counted conversation")
-
-
-def vocabulary_samples(target, args: argparse.Namespace) -> list[dict]:
-    """The training samples whose tokens `add_vocabulary_args`' --draft-vocab counts, once
-    the size is known to fit (before minutes of tokenizing); none for the whole vocabulary,
-    which needs no counting."""
-    if args.draft_vocab in (0, check_draft_vocab(target, args.draft_vocab)):
-        return []
-    return online_samples(target, TrainConfig.conversations, args.num_conversations,
-                          args.max_len)
-
-
-def trainable(model):
-    """fp32 master weights in training mode, the frozen embedding copy excepted."""
-    model = model.float().train().requires_grad_(True)
-    if hasattr(model, "embed_tokens"):
-        model.embed_tokens.weight.requires_grad_(False)  # a frozen copy of the target's
-    return model
-
-
-def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: int,
-               noise: float, log_acc: bool = True, p_fraction: float = 1.0, seed: int = 0,
-               weights: LossWeights = REFERENCE_WEIGHTS, noise_on: str = "cpu",
-               mlp_detach: bool = False):
-    """Forward one batch; returns (loss, logs). `seed` fixes this batch's noise and ploss
-    sample, so a resumed (or differently parallelised) run repeats the same computation.
-    mlp_detach: Gumiho's MLP heads read the serial outputs without sending them gradient.
-    A batch from `collate` (host tensors) moves to the drafter's device here. noise_on:
-    "cpu" draws the input noise on the host (the same on every device), "device" on the
-    drafter's device from its own generator of the same seed (`noise_device`)."""
-    generator = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    valid = batch["valid"]
-    features = batch.get("hidden_state")
-    if features is None:
-        features = target.features(batch["input_ids"], valid.long())
-    features = features.float()
-    if not method_spec(method).serial:  # Medusa heads read the clean target features
-        return medusa_loss(model(features), batch["input_ids"], batch["loss_mask"], model,
-                           head, p_fraction, generator)
-    if model.training:
-        draw = generator if noise_on == "cpu" else \
-            torch.Generator(device=device).manual_seed(seed)
-        noised = add_noise(features, valid, noise, draw)
-    else:
-        noised = features
-    outputs = model(batch["input_ids"], noised, valid, detach_heads=mlp_detach)
-    return serial_loss(outputs, features, batch["loss_mask"], head, epoch,
-                       lm_head=target.lm_head if log_acc else None, weights=weights,
-                       p_fraction=p_fraction, generator=generator)
-
-
-@torch.no_grad()
-def evaluate(model, target, head, samples, method, epoch, batch_size) -> dict[str, float]:
-    """Mean top-1 accuracy per draft position (token-weighted per batch) on held-out data."""
-    was_training = model.training
-    model.eval()
-    sums: dict[str, float] = {}
-    batches = 0
-    for i in range(0, len(samples), batch_size):
-        batch = collate(samples[i : i + batch_size])
-        _, logs = batch_loss(model, target, head, batch, method, epoch, 0.0)
-        for k, v in logs.items():
-            sums[k] = sums.get(k, 0.0) + v
-        batches += 1
-    model.train(was_training)
-    return {k: v / max(batches, 1) for k, v in sums.items() if k.startswith("acc")}
-
-
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -320,74 +174,6 @@ def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
     parent = next(p for p in [out, *out.parents] if p.exists())
     if not os.access(parent, os.W_OK):
         raise GumihoError(f"--output-dir {out}: {parent} is not writable")
-
-
-def noise_device(config: TrainConfig, device: torch.device) -> str:
-    """Where the input noise is drawn: `--noise-on`, by default the training device's own
-    generator on a GPU (the host's draw and copy are host work each step, which the GPU
-    waits for once its queued work is done) and the CPU's on a CPU (where the two are the
-    same draw). Runs saved before the flag drew on the CPU; on a CPU they resume unchanged."""
-    return config.noise_on or ("cpu" if device.type == "cpu" else "device")
-
-
-def precision(config: TrainConfig) -> tuple[str, str]:
-    """Decided once: accelerate's mixed precision and the target's dtype. bf16 is autocast
-    over fp32 weights (optimizer and master weights stay fp32) with the target in bf16; by
-    default on a GPU only: on the device training runs on, so GUMIHO_DEVICE=cpu on a GPU
-    machine trains in fp32."""
-    on_cpu = choose_device_dtype()[0].type == "cpu"
-    chosen = config.precision or ("fp32" if on_cpu else "bf16")
-    if chosen == "bf16" and on_cpu:
-        slowdown = bf16_slowdown()
-        if slowdown > SLOW_BF16:
-            raise GumihoError(f"--precision bf16: bfloat16 matrix products run {slowdown:.0f}x "
-                              "slower than float32 on this CPU (no fast bf16 kernels for it): "
-                              "train with --precision fp32")
-    return ("bf16", "bfloat16") if chosen == "bf16" else ("no", "float32")
-
-
-def bf16_slowdown(rows: int = 512, width: int = 576, out: int = 1536) -> float:
-    """How many times longer bfloat16 matrix products take than float32 ones here, over the
-    three layouts of a training step (x W^T forward, g W and g^T x backward), at SmolLM2's
-    width. CPUs differ by an order of magnitude: one AVX2 machine here ran bf16 about 2x as
-    fast as fp32, another (AMD EPYC, AVX2) fell back to a scalar loop, 7x slower for x W^T
-    and 76x for g W (at 512 rows, as measured here, this returns about 9 there). Takes a few
-    milliseconds, or a few seconds on such a CPU. One warm-up pass was not enough on an AMX
-    CPU: the first timed bf16 pass there read 2-3x slower than fp32 (oneDNN compiles its kernels
-    and the process starts AMX on first use), later ones 0.2x."""
-    gen = torch.Generator().manual_seed(0)
-    x, g, w = (torch.randn(shape, generator=gen, device="cpu")
-               for shape in ((rows, width), (rows, out), (out, width)))
-
-    def products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
-        return lambda: (a @ c.t(), b @ c, b.t() @ a)
-
-    calls = {dtype: products(x.to(dtype), g.to(dtype), w.to(dtype))
-             for dtype in (torch.bfloat16, torch.float32)}
-    # two untimed passes each (kernel JIT, AMX start-up), then three rounds in turns
-    best = fastest_interleaved(calls, torch.device("cpu"), repeats=3, warmup=2)
-    return best[torch.bfloat16] / best[torch.float32]
-
-
-def fresh_accelerator_state(mixed: str, on_cpu: bool) -> None:
-    """accelerate keeps one process-wide state and refuses an Accelerator with another
-    mixed precision than the first one's, or cpu=True once a GPU state exists (and keeps a
-    CPU state's device when the GPU is wanted): a notebook training twice, the test suite
-    on a GPU with its CPU-only tests. Another precision drops the precision part; another
-    device, in a single process, the whole state (a launched group cannot move)."""
-    from accelerate.state import AcceleratorState, PartialState
-
-    if PartialState._shared_state:
-        partial = PartialState()
-        if (partial.device.type == "cpu") != on_cpu:
-            if partial.num_processes > 1:
-                raise GumihoError(f"this process is one of {partial.num_processes} launched "
-                                  f"on {partial.device.type}: it cannot train on "
-                                  f"{'the CPU' if on_cpu else 'a GPU'} as well")
-            AcceleratorState._reset_state(reset_partial_state=True)
-            return
-    if AcceleratorState._shared_state and AcceleratorState().mixed_precision != mixed:
-        AcceleratorState._reset_state()
 
 
 def train(config: TrainConfig, out: Path, stop_after: int | None = None,
@@ -495,40 +281,6 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         accelerator.print(json.dumps(summary))
     return 0
-
-
-def check_process_group(accelerator) -> None:
-    """Refuse launched processes that did not join one group (each would train alone)."""
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != accelerator.num_processes:
-        raise GumihoError(f"{launched} processes were launched but each trains alone "
-                          f"(accelerate sees {accelerator.num_processes}): launch with "
-                          "`accelerate launch --multi_gpu --num_processes N` or torchrun")
-
-
-def configure_deepspeed(accelerator, config: TrainConfig) -> None:
-    """Under DeepSpeed this run's flags decide its micro-batch, accumulation and clipping
-    (no dataloader is prepared, so accelerate would have no micro-batch size)."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return
-    if accelerator.gradient_accumulation_steps != config.grad_accum:
-        raise GumihoError(f"the accelerate config sets gradient_accumulation_steps="
-                          f"{accelerator.gradient_accumulation_steps}: remove it there, "
-                          "--grad-accum decides")
-    plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=config.batch_size,
-                                   gradient_accumulation_steps=config.grad_accum,
-                                   gradient_clipping=config.grad_clip)
-
-
-def global_mean(accelerator, logs: list[dict[str, float]]) -> dict[str, float]:
-    """Each logged term averaged over the optimizer step's micro-batches on every process:
-    what one process with the whole global batch logs."""
-    keys = sorted(logs[0])
-    local = torch.tensor([sum(log[k] for log in logs) for k in keys] + [len(logs)],
-                         dtype=torch.float64, device=accelerator.device)
-    total = accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
-    return {k: float(v / total[-1]) for k, v in zip(keys, total[:-1], strict=True)}
 
 
 def log_evaluation(accelerator, model, target, head, samples, config: TrainConfig,

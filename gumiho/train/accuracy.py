@@ -23,7 +23,8 @@ from gumiho.ge_data.shards import load_samples
 from gumiho.methods import DRAFTER_METHODS
 from gumiho.modeling import DraftHead
 from gumiho.target import load_target
-from gumiho.train.__main__ import add_vocabulary_args, evaluate, over_vocabulary, vocabulary_samples
+from gumiho.train.start import add_vocabulary_args, over_vocabulary, vocabulary_samples
+from gumiho.train.step import evaluate
 
 
 def build_parser() -> ArgumentParser:
