@@ -52,8 +52,7 @@ def shipped_drafter(method: str = "gumiho") -> Path:
     return path
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="gumiho demo", description=__doc__.split("\n")[0])
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-new-tokens", type=positive_int, default=160)
@@ -88,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default=None, choices=ATTENTION_CHOICES,
                    help="the target's attention; sdpa_invariant: bf16 on a CPU gives plain "
                    "decoding's output bit for bit (docs/cpu_costs.md, bfloat16 on a CPU)")
-    args = p.parse_args(argv)
+    return p
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not args.prompt.strip():  # before the slow load and tree-size calibration
         raise GumihoError("empty prompt: give some text to answer")
     check_context_room("smollm2", args.max_new_tokens)
@@ -121,19 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     streamed = gen.last_result
     print("\n\n(decoding the same prompt plainly for comparison, alternating with the "
           f"drafter, {args.rounds} round{'s' if args.rounds > 1 else ''} ...)", flush=True)
-    run(target, PlainDrafter(), ids, GenerateConfig(max_new_tokens=8, engine=gen.engine))
-    rounds = [(run(target, drafter, ids, config), run(target, PlainDrafter(), ids, config))
-              for _ in range(args.rounds)]
-    rounds.sort(key=lambda pair: pair[0].tokens_per_s / pair[1].tokens_per_s)
+    rounds = alternated_rounds(target, drafter, ids, config, args.rounds)
     fast, plain = rounds[len(rounds) // 2]  # the median round
     identical = all(f.token_ids == streamed.token_ids == p.token_ids for f, p in rounds)
-    # what "lossless" guarantees exactly (README): fp32, or a row-invariant attention on a
-    # CPU whose products are row-independent for a verify's rows (bf16 on AMX, <= 32 rows)
-    widest = tree.total_tokens + tree.lookup  # the most rows a verify had
-    invariant = (target.config._attn_implementation == SDPA_INVARIANT
-                 and target.device.type == "cpu" and rows_independent(target.dtype, widest)
-                 and invariant_here(target.dtype))
-    exact = target.dtype == torch.float32 or invariant
+    exact = exact_here(target, tree)
     if identical:
         same = "identical"
     elif exact:
@@ -158,6 +153,27 @@ def main(argv: list[str] | None = None) -> int:
           f"{fast.tokens_per_s / plain.tokens_per_s:.2f}x{spread}; outputs {same}")
     return 0 if identical or not exact else 1
 
+
+
+def alternated_rounds(target, drafter, ids: list[int], config: GenerateConfig, rounds: int
+                      ) -> list[tuple]:
+    """(speculative, plain) results of `rounds` decodes of `ids` timed in turns, after a
+    plain warm-up, sorted by their speedup (the median round is the demo's figure)."""
+    run(target, PlainDrafter(), ids, GenerateConfig(max_new_tokens=8, engine=config.engine))
+    pairs = [(run(target, drafter, ids, config), run(target, PlainDrafter(), ids, config))
+             for _ in range(rounds)]
+    return sorted(pairs, key=lambda pair: pair[0].tokens_per_s / pair[1].tokens_per_s)
+
+
+def exact_here(target, tree) -> bool:
+    """Whether the output must equal plain decoding's bit for bit, what "lossless"
+    guarantees exactly (README): float32, or a row-invariant attention on a CPU whose
+    products are row-independent for a verify's rows (bf16 on AMX, <= 32 rows)."""
+    widest = tree.total_tokens + tree.lookup  # the most rows a verify had
+    invariant = (target.config._attn_implementation == SDPA_INVARIANT
+                 and target.device.type == "cpu" and rows_independent(target.dtype, widest)
+                 and invariant_here(target.dtype))
+    return target.dtype == torch.float32 or invariant
 
 if __name__ == "__main__":
     sys.exit(main())
