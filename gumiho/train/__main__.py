@@ -176,9 +176,9 @@ def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
         raise GumihoError(f"--output-dir {out}: {parent} is not writable")
 
 
-def train(config: TrainConfig, out: Path, stop_after: int | None = None,
-          eval_data: list[str] | tuple[str, ...] = (), eval_each_epoch: bool = False,
-          log_every: int = 10, eval_every: int = 0, save_every: int = 0) -> int:
+def make_accelerator(config: TrainConfig):
+    """The run's Accelerator, its group and DeepSpeed settings checked and the seed set;
+    returns it with the target's dtype (accel.precision)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -193,22 +193,47 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
     check_process_group(accelerator)
     configure_deepspeed(accelerator, config)
     set_seed(config.seed)
-    target = load_target(config.target, device=str(accelerator.device), dtype=target_dtype)
+    return accelerator, target_dtype
+
+
+def training_samples(config: TrainConfig, target, progress: bool) -> list[dict]:
+    """The training samples: tokenized from conversations (`--online`, the target's
+    features computed in the loop) or read from stored data dirs."""
     if config.online:
-        samples = online_samples(target, config.conversations, config.num_conversations,
-                                 config.max_len, config.template, config.skip_conversations,
-                                 progress=accelerator.is_main_process)
-    else:
-        samples = stored_samples(config.data, target.hidden_size)
+        return online_samples(target, config.conversations, config.num_conversations,
+                              config.max_len, config.template, config.skip_conversations,
+                              progress=progress)
+    return stored_samples(config.data, target.hidden_size)
+
+
+def steps_per_epoch(lengths: list[int], config: TrainConfig, procs: int) -> int:
+    """Whole optimizer steps in an epoch of samples of these lengths (the last, partial
+    global batch is dropped); refuses data that does not fill one."""
+    steps = len(epoch_batches(lengths, config.batch_size, config.seed, 0)) \
+        // (procs * config.grad_accum)
+    if steps == 0:
+        raise GumihoError(f"{len(lengths)} training samples do not fill one global batch of "
+                          f"{config.batch_size * config.grad_accum * procs}: lower "
+                          "--batch-size or --grad-accum, or add data")
+    return steps
+
+
+def append_log(out: Path, row: dict) -> None:
+    """One row of OUT/train_log.jsonl (a step's logs or an `eval`)."""
+    with (out / LOG).open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def train(config: TrainConfig, out: Path, stop_after: int | None = None,
+          eval_data: list[str] | tuple[str, ...] = (), eval_each_epoch: bool = False,
+          log_every: int = 10, eval_every: int = 0, save_every: int = 0) -> int:
+    accelerator, target_dtype = make_accelerator(config)
+    target = load_target(config.target, device=str(accelerator.device), dtype=target_dtype)
+    samples = training_samples(config, target, accelerator.is_main_process)
     eval_samples = stored_samples(eval_data, target.hidden_size) if eval_data else []
     procs = accelerator.num_processes
     lengths = [s["input_ids"].shape[0] for s in samples]
-    per_epoch = len(epoch_batches(lengths, config.batch_size, config.seed, 0)) \
-        // (procs * config.grad_accum)
-    if per_epoch == 0:
-        raise GumihoError(f"{len(samples)} training samples do not fill one global batch of "
-                          f"{config.batch_size * config.grad_accum * procs}: lower "
-                          "--batch-size or --grad-accum, or add data")
+    per_epoch = steps_per_epoch(lengths, config, procs)
     total = config.max_steps or per_epoch * config.epochs
     model = new_model(target, config, samples)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -249,9 +274,8 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
                 if grad_norm is not None:  # before clipping (DeepSpeed's engine may report none)
                     logs["grad_norm"] = float(grad_norm)
                 bar.set_postfix({k: f"{v:.3f}" for k, v in logs.items() if k != "lr"})
-                with (out / LOG).open("a") as f:
-                    f.write(json.dumps({"step": state.step, "epoch": state.epoch,
-                                        "lr": scheduler.get_last_lr()[0], **logs}) + "\n")
+                append_log(out, {"step": state.step, "epoch": state.epoch,
+                                 "lr": scheduler.get_last_lr()[0], **logs})
             if eval_samples and eval_every and state.step % eval_every == 0:
                 log_evaluation(accelerator, model, target, head, eval_samples, config, state,
                                out)
@@ -289,8 +313,7 @@ def log_evaluation(accelerator, model, target, head, samples, config: TrainConfi
     acc = evaluate(accelerator.unwrap_model(model), target, head, samples, config.method,
                    state.epoch, config.batch_size)
     if accelerator.is_main_process:
-        with (out / LOG).open("a") as f:
-            f.write(json.dumps({"step": state.step, "epoch": state.epoch, "eval": acc}) + "\n")
+        append_log(out, {"step": state.step, "epoch": state.epoch, "eval": acc})
 
 
 def step_micro_batch(accelerator, model, target, head, optimizer, params, batch,
