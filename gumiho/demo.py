@@ -36,6 +36,7 @@ from gumiho.target import ATTENTION_CHOICES, choose_device_dtype
 SHIPPED = Path(__file__).parent / "assets" / "smollm2"
 PROMPT = "Explain in a few sentences why the sky is blue."
 
+
 def exact_bf16_here(device: torch.device) -> bool:
     """Whether the demo's default on `device` is bfloat16 with the row-invariant attention:
     a CPU with AMX, whose bf16 products give each of a verify's rows what it gets alone.
@@ -88,6 +89,27 @@ def build_parser() -> ArgumentParser:
                    help="the target's attention; sdpa_invariant: bf16 on a CPU gives plain "
                    "decoding's output bit for bit (docs/cpu_costs.md, bfloat16 on a CPU)")
     return p
+
+
+def alternated_rounds(target, drafter, ids: list[int], config: GenerateConfig, rounds: int
+                      ) -> list[tuple]:
+    """(speculative, plain) results of `rounds` decodes of `ids` timed in turns, after a
+    plain warm-up, sorted by their speedup (the median round is the demo's figure)."""
+    run(target, PlainDrafter(), ids, GenerateConfig(max_new_tokens=8, engine=config.engine))
+    pairs = [(run(target, drafter, ids, config), run(target, PlainDrafter(), ids, config))
+             for _ in range(rounds)]
+    return sorted(pairs, key=lambda pair: pair[0].tokens_per_s / pair[1].tokens_per_s)
+
+
+def exact_here(target, tree) -> bool:
+    """Whether the output must equal plain decoding's bit for bit, what "lossless"
+    guarantees exactly (README): float32, or a row-invariant attention on a CPU whose
+    products are row-independent for a verify's rows (bf16 on AMX, <= 32 rows)."""
+    widest = tree.total_tokens + tree.lookup  # the most rows a verify had
+    invariant = (target.config._attn_implementation == SDPA_INVARIANT
+                 and target.device.type == "cpu" and rows_independent(target.dtype, widest)
+                 and invariant_here(target.dtype))
+    return target.dtype == torch.float32 or invariant
 
 
 @cli_errors
@@ -153,27 +175,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{fast.tokens_per_s / plain.tokens_per_s:.2f}x{spread}; outputs {same}")
     return 0 if identical or not exact else 1
 
-
-
-def alternated_rounds(target, drafter, ids: list[int], config: GenerateConfig, rounds: int
-                      ) -> list[tuple]:
-    """(speculative, plain) results of `rounds` decodes of `ids` timed in turns, after a
-    plain warm-up, sorted by their speedup (the median round is the demo's figure)."""
-    run(target, PlainDrafter(), ids, GenerateConfig(max_new_tokens=8, engine=config.engine))
-    pairs = [(run(target, drafter, ids, config), run(target, PlainDrafter(), ids, config))
-             for _ in range(rounds)]
-    return sorted(pairs, key=lambda pair: pair[0].tokens_per_s / pair[1].tokens_per_s)
-
-
-def exact_here(target, tree) -> bool:
-    """Whether the output must equal plain decoding's bit for bit, what "lossless"
-    guarantees exactly (README): float32, or a row-invariant attention on a CPU whose
-    products are row-independent for a verify's rows (bf16 on AMX, <= 32 rows)."""
-    widest = tree.total_tokens + tree.lookup  # the most rows a verify had
-    invariant = (target.config._attn_implementation == SDPA_INVARIANT
-                 and target.device.type == "cpu" and rows_independent(target.dtype, widest)
-                 and invariant_here(target.dtype))
-    return target.dtype == torch.float32 or invariant
 
 if __name__ == "__main__":
     sys.exit(main())
