@@ -45,25 +45,26 @@ def test_anchors_follow_githubs_rule():
 
 def broken_links(page: Path) -> list[str]:
     broken = []
-    for line in prose(page):
-        for target in LINK.findall(line):
-            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
-                continue
-            file, _, anchor = target.partition("#")
-            dest = (page.parent / file).resolve() if file else page
-            if not dest.exists():
-                broken.append(f"{page.name}: {target}: no such file")
-            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
-                broken.append(f"{page.name}: {target}: no such heading")
+    # the whole prose at once: a link's text may wrap onto the next line
+    for target in LINK.findall("\n".join(prose(page))):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (page.parent / file).resolve() if file else page
+        if not dest.exists():
+            broken.append(f"{page.name}: {target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{page.name}: {target}: no such heading")
     return broken
 
 
 def test_broken_links_are_found(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# A heading\n\n[ok](#a-heading) [gone](#another) [lost](lost.md)\n"
-                    "```\n[in code](nowhere.md)\n```\n")
+                    "```\n[in code](nowhere.md)\n```\n[a link that\nwraps](wrapped.md)\n")
     assert broken_links(page) == ["page.md: #another: no such heading",
-                                  "page.md: lost.md: no such file"]
+                                  "page.md: lost.md: no such file",
+                                  "page.md: wrapped.md: no such file"]
 
 
 def test_relative_links_resolve():
