@@ -3,6 +3,7 @@ normalisation and a fixed held-out split."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -123,11 +124,7 @@ def load_conversations(source: str = "sharegpt", notes: list[str] | None = None
         raise GumihoError(f"conversation file {path} not found (--data takes 'sharegpt' or a "
                           "JSON/JSONL file)")
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    if key not in _PARSED:
-        _PARSED.clear()  # the newest file only: ShareGPT's parse holds ~150 MB
-        _PARSED[key] = parse_conversations(path)
-    out, found = _PARSED[key]
+    out, found = _parsed(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     if notes is not None:
         notes += [f"{source}: {note}" for note in found]
     return list(out)
@@ -136,8 +133,11 @@ def load_conversations(source: str = "sharegpt", notes: list[str] | None = None
 # A process reads the same file more than once (allocation plans from it, then its own CPU
 # worker makes shards from it; the test suite's workers many times): ShareGPT's salvage and
 # normalisation take ~2 s a read on the 2-core dev machine. Keyed by path, size and mtime,
-# so a changed file is read again. The conversations are shared: callers must not mutate them.
-_PARSED: dict[tuple[str, int, int], tuple[tuple[dict, ...], tuple[str, ...]]] = {}
+# so a changed file is read again; the newest file only (ShareGPT's parse holds ~150 MB).
+# The conversations are shared: callers must not mutate them.
+@functools.lru_cache(maxsize=1)
+def _parsed(path: str, size: int, mtime_ns: int) -> tuple[tuple[dict, ...], tuple[str, ...]]:
+    return parse_conversations(Path(path))
 
 
 def parse_conversations(path: Path) -> tuple[tuple[dict, ...], tuple[str, ...]]:
