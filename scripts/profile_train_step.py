@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
-import gumiho.train.step as trainer
+import gumiho.train.step as batch_step
 from gumiho.config import TrainConfig
 from gumiho.evaluation.profiling import kernel_summary
 from gumiho.modeling import DraftHead
@@ -101,17 +101,17 @@ def main() -> None:
                 else nullcontext())  # accelerate's bf16 mixed precision
     timer = PhaseTimer(device, enabled=False)
 
-    noise_on = trainer.noise_device(config, device)
+    noise_on = batch_step.noise_device(config, device)
 
     def step(index: int, noise_on: str = noise_on) -> int:
         batch = collate([samples[i] for i in batches[index]])
         with timer("batch to device"):
             batch = {k: v.to(device) for k, v in batch.items()}
         with autocast:
-            loss, _ = trainer.batch_loss(model, target, head, batch, config.method, args.epoch,
-                                         config.noise, log_acc=False,
-                                         p_fraction=config.ploss_fraction, seed=index,
-                                         weights=weights, noise_on=noise_on)
+            loss, _ = batch_step.batch_loss(model, target, head, batch, config.method,
+                                            args.epoch, config.noise, log_acc=False,
+                                            p_fraction=config.ploss_fraction, seed=index,
+                                            weights=weights, noise_on=noise_on)
         with timer("backward"):
             loss.backward()
         with timer("clip + optimizer"):
@@ -120,12 +120,12 @@ def main() -> None:
             optimizer.zero_grad()
         return int(batch["valid"].sum())
 
-    # the batch_loss phases, timed where the trainer calls them (only while timing)
+    # the batch_loss phases, timed where batch_loss calls them (only while timing)
     target.features = timed_calls(timer, "target features", target.features)
-    trainer.add_noise = timed_calls(timer, "input noise", trainer.add_noise)
+    batch_step.add_noise = timed_calls(timer, "input noise", batch_step.add_noise)
     model.forward = timed_calls(timer, "drafter forward", model.forward)
-    trainer.serial_loss = timed_calls(timer, "losses", trainer.serial_loss)
-    trainer.medusa_loss = timed_calls(timer, "losses", trainer.medusa_loss)
+    batch_step.serial_loss = timed_calls(timer, "losses", batch_step.serial_loss)
+    batch_step.medusa_loss = timed_calls(timer, "losses", batch_step.medusa_loss)
 
     for i in range(args.warmup):
         step(i)
