@@ -300,6 +300,9 @@ class TrainConfig:
     # Gumiho: the MLP heads' losses train the heads alone (not the serial layers and fusion
     # layer whose outputs they read); the reference trains all of it on every loss
     mlp_detach: bool = False
+    # Gumiho: serial step 2's vloss and ploss (on step 1's own output, as at inference)
+    # join the loss at this weight times step 1's; the reference has none (0)
+    serial2_weight: float = 0.0
     # a drafter checkpoint dir to start from (its weights and draft vocabulary) instead of
     # fresh weights; the optimizer and schedule start fresh
     init_from: str | None = None
@@ -326,11 +329,12 @@ class TrainConfig:
         if not (self.lr > 0 and self.warmup_steps >= 0 and self.grad_clip > 0
                 and self.noise >= 0 and self.draft_vocab >= 0
                 and self.mlp_ploss_after_epochs >= 0 and self.skip_conversations >= 0
-                and self.mlp_ploss_weight >= 0 and self.ploss_weight >= 0):
+                and self.mlp_ploss_weight >= 0 and self.ploss_weight >= 0
+                and self.serial2_weight >= 0):
             raise GumihoError("--lr and --grad-clip must be positive; --warmup-steps, "
                               "--noise, --draft-vocab, --mlp-ploss-after-epochs, "
-                              "--ploss-weight, --mlp-ploss-weight and --skip-conversations "
-                              "at least 0")
+                              "--ploss-weight, --mlp-ploss-weight, --serial2-weight and "
+                              "--skip-conversations at least 0")
         if self.precision not in (None, "bf16", "fp32"):
             raise GumihoError(f"--precision {self.precision}: use bf16 or fp32")
         if self.noise_on not in (None, "cpu", "device"):

@@ -143,6 +143,33 @@ def test_mlp_detach_keeps_the_heads_losses_off_the_serial_layers(tiny, tiny_data
     assert "fc.weight" in moved and any(k.startswith("layers.") for k in moved)
 
 
+def test_serial_step_2_joins_the_loss_when_weighted(tiny, tiny_data_dir):
+    """--serial2-weight w adds w x (vloss + 0.1 ploss) of serial step 2 (run on step 1's own
+    output) to the reference loss, and its gradient; step 2's accuracy is the one logged
+    without it. At 0 the loss is the reference's."""
+    _, samples = load_samples(tiny_data_dir)
+    batch = collate(samples[:4])
+    model = new_model(tiny, TrainConfig(method="gumiho", online=True), seed=0)
+    head = DraftHead.for_model(tiny, model)
+
+    def run(serial2: float):
+        loss, logs = batch_loss(model, tiny, head, batch, "gumiho", epoch=3, noise=0.2,
+                                seed=5, weights=LossWeights(serial2=serial2))
+        model.zero_grad()
+        loss.backward()
+        return loss.detach(), logs, model.layers[0].self_attn.q_proj.weight.grad.clone()
+
+    reference, ref_logs, ref_grad = run(0.0)
+    assert "vloss2" not in ref_logs
+    torch.testing.assert_close(run(0.0)[0], reference, rtol=0, atol=0)
+    weighted, logs, grad = run(0.5)
+    assert logs["vloss2"] > 0 and logs["ploss2"] > 0
+    assert logs["acc_serial2"] == ref_logs["acc_serial2"]
+    expected = reference + 0.5 * (logs["vloss2"] + 0.1 * logs["ploss2"])
+    torch.testing.assert_close(weighted, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(grad, ref_grad, rtol=1e-4)
+
+
 def test_ploss_weight_reaches_the_loss(tiny_target_dir, tiny_data_dir, tmp_path):
     """--ploss-weight 0 leaves the serial step's ploss out of the gradient: which positions
     its ploss would score (--ploss-fraction) no longer matters; at the reference weight it
@@ -400,7 +427,8 @@ def test_periodic_saves_resume_mid_epoch_exactly(tiny_target_dir, tiny_data_dir,
                                            (["--precision", "bf16"], "precision"),
                                            (["--mlp-ploss-after-epochs", "0"],
                                             "mlp_ploss_after_epochs"),
-                                           (["--mlp-detach"], "mlp_detach")])
+                                           (["--mlp-detach"], "mlp_detach"),
+                                           (["--serial2-weight", "0.5"], "serial2_weight")])
 def test_resume_with_other_settings_is_refused(tiny_target_dir, tiny_data_dir, tmp_path,
                                                capsys, change, named):
     data = (tiny_target_dir, tiny_data_dir)
@@ -424,7 +452,7 @@ def test_resume_with_other_settings_is_refused(tiny_target_dir, tiny_data_dir, t
                                  ["--ploss-fraction", "0"], ["--stop-after-steps", "0"],
                                  ["--mlp-ploss-after-epochs", "-1"],
                                  ["--mlp-ploss-weight", "-0.1"],
-                                 ["--ploss-weight", "-1"]])
+                                 ["--ploss-weight", "-1"], ["--serial2-weight", "-1"]])
 def test_bad_training_settings_are_one_line(tiny_target_dir, tiny_data_dir, tmp_path, capsys,
                                             bad):
     args = train_args((tiny_target_dir, tiny_data_dir), tmp_path)

@@ -98,6 +98,10 @@ def build_parser() -> ArgumentParser:
                    help="Gumiho: the MLP heads' losses train the heads alone, not the serial "
                    "layers and fusion layer they read (so a heavier --mlp-ploss-weight "
                    "cannot pull those; the reference trains them on every loss)")
+    p.add_argument("--serial2-weight", type=float, default=TrainConfig.serial2_weight,
+                   help="Gumiho: also score serial step 2 (run on step 1's own output, as "
+                   "at inference) against the target's features two ahead, with step 1's "
+                   "vloss and ploss weights times this (reference: 0, step 2 only logged)")
     p.add_argument("--init-from", default=None, metavar="DRAFT_DIR",
                    help="start from this drafter checkpoint (its weights and draft "
                    "vocabulary; the same --method) instead of fresh weights; the optimizer "
@@ -333,7 +337,8 @@ def step_micro_batch(accelerator, model, target, head, optimizer, params, batch,
                                 seed=hash((config.seed, state.epoch, index)) % 2**62,
                                 weights=LossWeights(
                                     p=config.ploss_weight, mlp_p=config.mlp_ploss_weight,
-                                    mlp_p_from_epoch=config.mlp_ploss_after_epochs),
+                                    mlp_p_from_epoch=config.mlp_ploss_after_epochs,
+                                    serial2=config.serial2_weight),
                                 noise_on=noise_device(config, accelerator.device),
                                 mlp_detach=config.mlp_detach)
         accelerator.backward(loss)

@@ -5,7 +5,10 @@ softmax(lm_head(f)) and log_softmax(lm_head(out)), both masked. Gumiho's MLP hea
 scored against f_{t+3+i} with weight 0.8^(i+1):
     total = 1.0 vloss + 0.1 ploss + (1/9) sum_i w_i vloss_i + p_mlp (1/9) sum_i w_i ploss_i
 with p_mlp = 0 for the first 2 epochs, then 0.1. Medusa heads use cross-entropy on the
-token x_{t+2+i}.
+token x_{t+2+i}. Beyond the reference, `serial2` > 0 also scores Gumiho's serial step 2
+(out2, run on step 1's own output as at inference) against f_{t+2}, with the step's own
+vloss and ploss weights times `serial2`: the idea of training a drafter on its own
+earlier outputs is EAGLE-3's "training-time test" (Li et al. 2025) and HASS's.
 
 Both distributions live on the draft vocabulary (the `DraftHead`: the whole target
 vocabulary, or the reduced one): the target's is its softmax restricted to the draft
@@ -43,6 +46,7 @@ class LossWeights:
     mlp_p: float = 0.1 / 9  # applied from epoch `mlp_p_from_epoch`
     mlp_decay: float = 0.8
     mlp_p_from_epoch: int = 2
+    serial2: float = 0.0  # serial step 2's losses (not in the reference: logged only)
 
 
 REFERENCE_WEIGHTS = LossWeights()
@@ -126,7 +130,13 @@ def serial_loss(outputs: dict, features: Tensor, loss_mask: Tensor, head: DraftH
     total = weights.v * first["v"] + weights.p * first["p"]
     logs = {"vloss": float(first["v"].detach()), "ploss": float(first["p"].detach())}
     accs = {"acc_serial1": first["acc"]}
-    if "out2" in outputs and log_acc:  # step 2 is not in the reference loss; logged only
+    if "out2" in outputs and weights.serial2 > 0:
+        second = feature_losses(outputs["out2"], features, 2, targets, head, True, log_acc,
+                                p_fraction, generator)
+        total = total + weights.serial2 * (weights.v * second["v"] + weights.p * second["p"])
+        logs.update(vloss2=float(second["v"].detach()), ploss2=float(second["p"].detach()))
+        accs["acc_serial2"] = second["acc"]
+    elif "out2" in outputs and log_acc:  # step 2 is not in the reference loss; logged only
         accs["acc_serial2"] = feature_losses(outputs["out2"].detach(), features, 2, targets,
                                              head, False, True, p_fraction, generator)["acc"]
     if "mlp" in outputs:
