@@ -335,6 +335,9 @@ class TrainConfig:
                               "--noise, --draft-vocab, --mlp-ploss-after-epochs, "
                               "--ploss-weight, --mlp-ploss-weight, --serial2-weight and "
                               "--skip-conversations at least 0")
+        if self.serial2_weight > 0 and not method_spec(self.method).parallel_heads:
+            raise GumihoError(f"--serial2-weight: {self.method} drafters train one serial "
+                              "step; only gumiho's loss has a serial step 2 to score")
         if self.precision not in (None, "bf16", "fp32"):
             raise GumihoError(f"--precision {self.precision}: use bf16 or fp32")
         if self.noise_on not in (None, "cpu", "device"):

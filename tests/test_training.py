@@ -467,6 +467,14 @@ def test_bad_training_settings_are_one_line(tiny_target_dir, tiny_data_dir, tmp_
     assert not (tmp_path / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("method", ["eagle2", "medusa"])
+def test_serial2_weight_is_refused_without_a_serial_step_2(method):
+    """Only Gumiho's training pass runs serial step 2; elsewhere the flag would do nothing."""
+    with pytest.raises(GumihoError, match="--serial2-weight"):
+        TrainConfig(method=method, online=True, serial2_weight=1.0)
+    assert TrainConfig(method="gumiho", online=True, serial2_weight=1.0).serial2_weight == 1.0
+
+
 def test_eval_every_logs_curves_that_plot(tiny_target_dir, tiny_data_dir, tmp_path):
     from gumiho.train import plot
 
