@@ -536,6 +536,61 @@ def test_accuracy_tool_matches_trainings_evaluation(tiny_target_dir, tiny_data_d
         assert report[key] == pytest.approx(value, abs=1e-3)
 
 
+def test_accuracy_tool_compares_two_drafters_sample_by_sample(smollm2, tmp_path, capsys):
+    """--against: each drafter's mean over samples, and per position the mean of the
+    per-sample differences with its 95% interval. The shipped Gumiho against itself differs
+    by exactly 0; against a copy whose fusion layer is zeroed it is ahead at every serial
+    position, beyond the interval; against a drafter of another method, one error line."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from gumiho.ge_data import allocation
+    from gumiho.train import accuracy
+
+    data = tmp_path / "data"
+    assert allocation.main(["--outdir", str(data), "--split", "held_out", "--end", "6",
+                            "--shard-size", "6", "--max-len", "160"]) == 0
+    assets = Path("gumiho/assets/smollm2")
+    shipped = assets / "gumiho"
+    broken = tmp_path / "broken"
+    shutil.copytree(shipped, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["fc.weight"] = torch.zeros_like(weights["fc.weight"])
+    save_file(weights, str(broken / "model.safetensors"))
+    capsys.readouterr()
+
+    def compare(first, second):
+        code = accuracy.main(["--draft", str(first), "--against", str(second),
+                              "--data", str(data)])
+        out, err = capsys.readouterr()
+        return code, (json.loads(out) if code == 0 else err.strip().splitlines())
+
+    _, same = compare(shipped, shipped)
+    assert same["draft_acc"] == same["against_acc"] and same["draft_acc"]["acc_serial1"] > 0.3
+    assert all(v == [0.0, 0.0, 0.0] for v in same["difference"].values())
+    _, report = compare(shipped, broken)
+    for key, (mean, low, high) in report["difference"].items():
+        assert low <= mean <= high
+        assert mean == pytest.approx(report["draft_acc"][key] - report["against_acc"][key],
+                                     abs=2e-4)
+    assert all(report["difference"][k][1] > 0 for k in ("acc_serial1", "acc_serial2"))
+    code, err = compare(shipped, assets / "eagle2")
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:") and "eagle2" in err[0]
+
+
+def test_paired_difference_is_the_mean_and_a_normal_interval():
+    from gumiho.train.accuracy import paired_difference
+
+    first = [{"acc_x": 1.0, "acc_y": 0.5}, {"acc_x": 0.5}, {"acc_x": 0.0, "acc_y": 0.5}]
+    second = [{"acc_x": 0.5, "acc_y": 0.5}, {"acc_x": 0.5}, {"acc_x": 0.5, "acc_y": 0.25}]
+    half = round(1.96 * 0.5 / 3 ** 0.5, 4)  # differences 0.5, 0, -0.5: sd 0.5
+    found = paired_difference(first, second)
+    assert found["acc_x"] == [0.0, -half, half]
+    assert found["acc_y"] == [0.125, round(0.125 - 1.96 * 0.125 * 2 ** 0.5 / 2 ** 0.5, 4),
+                              round(0.125 + 1.96 * 0.125 * 2 ** 0.5 / 2 ** 0.5, 4)]
+
+
 def test_online_training_takes_a_template_for_a_base_model(smollm2, tmp_path):
     """A tokenizer without a chat template (a base model) is refused with a pointer to
     --template; with --template the online samples mask the assistant turns."""

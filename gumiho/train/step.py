@@ -57,17 +57,23 @@ def batch_loss(model, target, head: DraftHead, batch: dict, method: str, epoch: 
 
 
 @torch.no_grad()
-def evaluate(model, target, head, samples, method, epoch, batch_size) -> dict[str, float]:
-    """Mean top-1 accuracy per draft position (token-weighted per batch) on held-out data."""
+def batch_accuracies(model, target, head, samples, method, epoch, batch_size
+                     ) -> list[dict[str, float]]:
+    """Top-1 accuracy per draft position of each batch of `batch_size` held-out samples, in
+    order (token-weighted within a batch)."""
     was_training = model.training
     model.eval()
-    sums: dict[str, float] = {}
-    batches = 0
+    found = []
     for i in range(0, len(samples), batch_size):
         batch = collate(samples[i : i + batch_size])
         _, logs = batch_loss(model, target, head, batch, method, epoch, 0.0)
-        for k, v in logs.items():
-            sums[k] = sums.get(k, 0.0) + v
-        batches += 1
+        found.append({k: v for k, v in logs.items() if k.startswith("acc")})
     model.train(was_training)
-    return {k: v / max(batches, 1) for k, v in sums.items() if k.startswith("acc")}
+    return found
+
+
+def evaluate(model, target, head, samples, method, epoch, batch_size) -> dict[str, float]:
+    """Mean top-1 accuracy per draft position (token-weighted per batch) on held-out data."""
+    found = batch_accuracies(model, target, head, samples, method, epoch, batch_size)
+    return {k: sum(b[k] for b in found if k in b) / max(len(found), 1)
+            for k in dict.fromkeys(k for b in found for k in b)}
