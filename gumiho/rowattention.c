@@ -1,5 +1,7 @@
 /* Row-invariant float32 attention: out[r, h] = softmax(q[h, r] . k[g, j] * scale over the
- * keys j that mask[r, j] lets row r see) . v[g, j], g = h / (heads per KV head).
+ * keys j that mask[r, j] lets row r see) . v[g, j], g = h / (heads per KV head). The keys
+ * and values may be stored in 16 bits (a bfloat16 or float16 cache), widened to float32 as
+ * they are read: the same arithmetic as on their float32 values.
  *
  * A row is computed from its own query and visible keys alone, in one fixed order: scores
  * as dot products over eight FMA lanes added pairwise, their maximum, exp(score - max)
@@ -18,26 +20,28 @@
 /* The score of query a against key b: eight FMA lanes over d in order, the lanes added
    pairwise, then the d % 8 tail. Every score is summed this way, whichever of the
    functions below computes it (-ffp-contract=off keeps the tail's products unfused). */
-static inline float dot(const float *a, const float *b, int D) {
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b,
+                                                       size_t at, int D, int kind) {
     __m256 acc = _mm256_setzero_ps();
     int d = 0;
     for (; d + 8 <= D; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b, at + d, kind), acc);
     float s = lanes(acc);
-    for (; d < D; d++) s += a[d] * b[d];
+    for (; d < D; d++) s += a[d] * load1(b, at + d, kind);
     return s;
 }
 
-/* HB heads' queries (a group's, which share keys) against two keys at once: each key is
-   loaded once for all of them, 2 * HB chains in flight; each score as `dot` sums it */
+/* HB heads' queries (a group's, which share keys) against two keys at once (elements
+   at0 and at1 of b): each key is loaded once for all of them, 2 * HB chains in flight;
+   each score as `dot` sums it */
 static inline __attribute__((always_inline)) void dots(
-        const float *const *qs, const float *b0, const float *b1, int D, int HB,
-        float *const *p, int i) {
+        const float *const *qs, const void *b, size_t at0, size_t at1, int D, int HB,
+        float *const *p, int i, int kind) {
     __m256 c0[4], c1[4];
     for (int h = 0; h < HB; h++) c0[h] = c1[h] = _mm256_setzero_ps();
     int d = 0;
     for (; d + 8 <= D; d += 8) {
-        __m256 k0 = _mm256_loadu_ps(b0 + d), k1 = _mm256_loadu_ps(b1 + d);
+        __m256 k0 = load8(b, at0 + d, kind), k1 = load8(b, at1 + d, kind);
         for (int h = 0; h < HB; h++) {
             __m256 u = _mm256_loadu_ps(qs[h] + d);
             c0[h] = _mm256_fmadd_ps(u, k0, c0[h]);
@@ -47,8 +51,8 @@ static inline __attribute__((always_inline)) void dots(
     for (int h = 0; h < HB; h++) {
         float s0 = lanes(c0[h]), s1 = lanes(c1[h]);
         for (int t = d; t < D; t++) {
-            s0 += qs[h][t] * b0[t];
-            s1 += qs[h][t] * b1[t];
+            s0 += qs[h][t] * load1(b, at0 + t, kind);
+            s1 += qs[h][t] * load1(b, at1 + t, kind);
         }
         p[h][i] = s0, p[h][i + 1] = s1;
     }
@@ -57,17 +61,17 @@ static inline __attribute__((always_inline)) void dots(
 /* The values weighted by HB heads' probabilities, dims d0.. in chunks of 8 * C: each value
    row loaded once for all heads; every element accumulates p[i] * v[i] over i in order */
 static inline __attribute__((always_inline)) int weigh(
-        const float *vg, long vj, const int *seen, int n, float *const *p, const float *sums,
-        float *const *o, int d0, int D, int HB, int C) {
+        const void *vg, long vj, const int *seen, int n, float *const *p, const float *sums,
+        float *const *o, int d0, int D, int HB, int C, int kind) {
     int d = d0;
     for (; d + 8 * C <= D; d += 8 * C) {
         __m256 acc[4][4];
         for (int h = 0; h < HB; h++)
             for (int c = 0; c < C; c++) acc[h][c] = _mm256_setzero_ps();
         for (int i = 0; i < n; i++) {
-            const float *vv = vg + seen[i] * vj + d;
+            size_t at = (size_t)seen[i] * vj + d;
             __m256 x[4];
-            for (int c = 0; c < C; c++) x[c] = _mm256_loadu_ps(vv + 8 * c);
+            for (int c = 0; c < C; c++) x[c] = load8(vg, at + 8 * c, kind);
             for (int h = 0; h < HB; h++) {
                 __m256 w = _mm256_set1_ps(p[h][i]);
                 for (int c = 0; c < C; c++) acc[h][c] = _mm256_fmadd_ps(w, x[c], acc[h][c]);
@@ -110,13 +114,14 @@ static inline __m256 exp8(__m256 x) {
 /* HB heads of kv group g (qs: their queries, o: their outputs) over one row's visible keys
    (seen[0..n)); p: HB rows of K scratch floats */
 static inline __attribute__((always_inline)) void heads(
-        const float *const *qs, float *const *o, const float *kg, long kj, const float *vg,
-        long vj, const int *seen, int n, float *const *p, int D, float scale, int HB) {
+        const float *const *qs, float *const *o, const void *kg, long kj, const void *vg,
+        long vj, const int *seen, int n, float *const *p, int D, float scale, int HB,
+        int kind) {
     int i = 0;
     for (; i + 2 <= n; i += 2)
-        dots(qs, kg + seen[i] * kj, kg + seen[i + 1] * kj, D, HB, p, i);
+        dots(qs, kg, (size_t)seen[i] * kj, (size_t)seen[i + 1] * kj, D, HB, p, i, kind);
     for (; i < n; i++)
-        for (int h = 0; h < HB; h++) p[h][i] = dot(qs[h], kg + seen[i] * kj, D);
+        for (int h = 0; h < HB; h++) p[h][i] = dot(qs[h], kg, (size_t)seen[i] * kj, D, kind);
     float sums[4];
     for (int h = 0; h < HB; h++) {
         float *ph = p[h], top = -INFINITY;
@@ -141,25 +146,31 @@ static inline __attribute__((always_inline)) void heads(
         sums[h] = lanes(total);
     }
     /* 32 dims at a time for one head, 16 for more (their accumulators fit the registers) */
-    int d = HB == 1 ? weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 4)
-                    : weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 2);
-    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 1);
+    int d = HB == 1 ? weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 4, kind)
+                    : weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 2, kind);
+    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 1, kind);
     for (; d < D; d++)  /* a head size not a multiple of 8 */
         for (int h = 0; h < HB; h++) {
             float a = 0.0f;
-            for (i = 0; i < n; i++) a += p[h][i] * vg[seen[i] * vj + d];
+            for (i = 0; i < n; i++) a += p[h][i] * load1(vg, (size_t)seen[i] * vj + d, kind);
             o[h][d] = a / sums[h];
         }
 }
 
+#define HEAD(T, B) case T * 4 + B: \
+    heads(qs, o, kg, kj, vg, vj, seen, n, p, D, scale, B, T); break;
+#define HEADS(T) HEAD(T, 1) HEAD(T, 2) HEAD(T, 3)
+
 /* q: element (h, r, d) at q[h * qh + r * qr + d]; k, v: (g, j, d) at [g * kh + j * kj + d]
    (and vh, vj); mask: (r, j) at mask[r * K + j], nonzero = visible; out: (r, h, d)
-   contiguous. Returns 0, or -1 where a row sees no key or memory ran out. A task is a row
-   and up to three heads of one kv group (one head each for a single row, so both threads
-   have work); a head's arithmetic is the same in any block. */
-int rowattention(const float *q, long qh, long qr, const float *k, long kh, long kj,
-                 const float *v, long vh, long vj, const unsigned char *mask, float *out,
-                 int Q, int H, int G, int K, int D, float scale) {
+   contiguous; k and v stored as `kind` (F32, F16 or BF16), q float32. Returns 0, or -1
+   where a row sees no key or memory ran out. A task is a row and up to three heads of one
+   kv group (one head each for a single row, so both threads have work); a head's
+   arithmetic is the same in any block. */
+int rowattention(const float *q, long qh, long qr, const void *k, long kh, long kj,
+                 const void *v, long vh, long vj, const unsigned char *mask, float *out,
+                 int Q, int H, int G, int K, int D, float scale, int kind) {
+    size_t size = kind == F32 ? 4 : 2;
     int failed = 0, per = H / G, block = Q > 1 ? 3 : 1;
     int blocks = (per + block - 1) / block;  /* per kv group */
     #pragma omp parallel
@@ -196,11 +207,10 @@ int rowattention(const float *q, long qh, long qr, const float *k, long kh, long
                 o[h] = out + ((size_t)r * H + h0 + h) * D;
                 p[h] = scratch + (size_t)h * K;
             }
-            const float *kg = k + g * kh, *vg = v + g * vh;
-            switch (HB) {
-                case 1: heads(qs, o, kg, kj, vg, vj, seen, n, p, D, scale, 1); break;
-                case 2: heads(qs, o, kg, kj, vg, vj, seen, n, p, D, scale, 2); break;
-                default: heads(qs, o, kg, kj, vg, vj, seen, n, p, D, scale, 3); break;
+            const void *kg = (const char *)k + (size_t)g * kh * size,
+                       *vg = (const char *)v + (size_t)g * vh * size;
+            switch (kind * 4 + HB) {  /* each a copy of `heads` for its constants */
+                HEADS(F32) HEADS(F16) HEADS(BF16)
             }
         }
         free(scratch);

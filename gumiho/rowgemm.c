@@ -13,26 +13,7 @@
  * registers as it is read: where every value of a float32 weight is exactly a 16-bit one
  * (a drafter saved in float16, a target released in bfloat16), the products are bit for bit
  * the float32 ones and the weight costs half the memory traffic. */
-#include <stdint.h>
 #include "rowkernels.h"
-
-enum { F32 = 0, F16 = 1, BF16 = 2 };  /* the weight's storage (rowgemm.py: KINDS) */
-
-/* eight weights from element i, widened to float32 (exactly: every 16-bit value is one) */
-static inline __attribute__((always_inline)) __m256 load8(const void *w, size_t i, int kind) {
-    if (kind == F32) return _mm256_loadu_ps((const float *)w + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
-    if (kind == F16) return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline __attribute__((always_inline)) float load1(const void *w, size_t i, int kind) {
-    if (kind == F32) return ((const float *)w)[i];
-    uint16_t h = ((const uint16_t *)w)[i];
-    if (kind == F16) return _cvtsh_ss(h);
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
-}
 
 /* R input rows (from x) times C weight rows (from w), R and C constants after inlining */
 static inline __attribute__((always_inline)) void block(

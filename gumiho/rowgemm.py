@@ -30,9 +30,10 @@ values (they stay as they are); a target released in bfloat16 and loaded in floa
 be.
 
 `rowattention.c`, built into the same library, is the attention counterpart
-(`attention`, used by attention.py's `sdpa_invariant` in float32): each (row, head) from its
-own query and visible keys in slot order, so a tree node gets what its token gets decoded
-alone over the same keys.
+(`attention`, used by attention.py's `sdpa_invariant`): each (row, head) from its own query
+and visible keys in slot order, so a tree node gets what its token gets decoded alone over
+the same keys. A bfloat16 or float16 cache is read in place and widened like a 16-bit
+weight, the attention computed in float32 and rounded once to the cache's dtype.
 
 The C sources are compiled once per machine with the system's C compiler into the cache
 folder (paths.cache_dir, about a second) and loaded with ctypes; its threads are torch's
@@ -122,7 +123,14 @@ def _probe(function, attend) -> bool:
     got = _attend(attend, q, k, v, mask, 0.25)
     expected = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True).transpose(1, 2)
-    return got is not None and torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    if got is None or not torch.allclose(got, expected, rtol=1e-5, atol=1e-5):
+        return False
+    for dtype in (torch.float16, torch.bfloat16):  # a 16-bit cache: its values' attention
+        short = [t.to(dtype) for t in (q, k, v)]
+        wide = _attend(attend, *(t.float() for t in short), mask, 0.25)
+        if not torch.equal(_attend(attend, *short, mask, 0.25), wide.to(dtype)):
+            return False
+    return True
 
 
 def _library() -> tuple[str, list[str], Path] | None:
@@ -166,7 +174,7 @@ def kernel():
         attend.restype = ctypes.c_int
         attend.argtypes = [ctypes.c_void_p, *[ctypes.c_long] * 2] + \
             [ctypes.c_void_p, *[ctypes.c_long] * 2] * 2 + [ctypes.c_void_p] * 2 + \
-            [ctypes.c_int] * 5 + [ctypes.c_float]
+            [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
         if not _works(function, attend):
             log.warning("rowgemm gave wrong products here; torch's run instead")
             return None
@@ -245,11 +253,13 @@ def narrowed(weight: Tensor) -> Tensor | None:
 
 
 def attends(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> bool:
-    """Whether `attention` runs this call: float32 on the CPU, one sequence, a bool mask,
-    every tensor's last dim contiguous, no gradient wanted, the kernels built here."""
+    """Whether `attention` runs this call: one dtype (float32, bfloat16 or float16) on the
+    CPU, one sequence, a bool mask, every tensor's last dim contiguous, no gradient wanted,
+    the kernels built here."""
     tensors = (query, key, value)
     return (mask is not None and mask.dtype == torch.bool and mask.device.type == "cpu"
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 4
+            and query.dtype in KINDS
+            and all(t.device.type == "cpu" and t.dtype == query.dtype and t.dim() == 4
                     and t.shape[0] == 1 and t.stride(-1) == 1 for t in tensors)
             and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0
             and mask.dim() == 4 and mask.shape[0] == 1 and mask.shape[1] == 1
@@ -262,7 +272,9 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: fl
               ) -> Tensor:
     """query (1, heads, Q, D), key/value (1, kv heads, K, D), mask (1, 1, Q|1, K) bool ->
     (1, Q, heads, D), every row as it would be alone (rowattention.c), for a call `attends`
-    accepts; a row that sees no key raises."""
+    accepts; a row that sees no key raises. In 16 bits: the float32 attention of the
+    values they hold (a 16-bit cache is read as it is, never copied), rounded once to
+    their dtype at the end."""
     out = _attend(kernel().attention, query, key, value, mask, scale)
     if out is None:
         raise ValueError("rowattention: a row sees no key")
@@ -274,10 +286,11 @@ def _attend(function, query: Tensor, key: Tensor, value: Tensor, mask: Tensor,
     _, heads, rows, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     visible = mask[0, 0].expand(rows, length).contiguous().view(torch.uint8)
+    wide = query.float()  # (a few rows) the kernel's queries are float32; strides kept
     out = torch.empty(1, rows, heads, dim, device=query.device)
-    status = function(query.data_ptr(), query.stride(1), query.stride(2),
+    status = function(wide.data_ptr(), wide.stride(1), wide.stride(2),
                       key.data_ptr(), key.stride(1), key.stride(2),
                       value.data_ptr(), value.stride(1), value.stride(2),
                       visible.data_ptr(), out.data_ptr(), rows, heads, kv_heads, length, dim,
-                      scale)
-    return out if status == 0 else None
+                      scale, KINDS[key.dtype])
+    return None if status else out.to(query.dtype)

@@ -214,10 +214,39 @@ def test_rowattention_is_torchs_attention_and_each_row_its_own(dim):
         assert torch.equal(alone[0, 0], got[0, node])
     with pytest.raises(ValueError, match="sees no key"):
         rowgemm.attention(q, k, v, torch.zeros_like(mask), 0.125)
-    assert not rowgemm.attends(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    assert not rowgemm.attends(q, k.bfloat16(), v.bfloat16(), mask)  # one dtype for all
+    assert not rowgemm.attends(q.double(), k.double(), v.double(), mask)
     assert not rowgemm.attends(q, k, v, mask.float())
     assert not rowgemm.attends(q, k, v, None)
     assert not rowgemm.attends(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, mask)
+
+
+@needs_rowgemm
+@pytest.mark.host
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rowattention_reads_a_16_bit_cache_as_its_float32_values(dtype):
+    """A bfloat16 or float16 cache (a strided view, read in place): the float32 attention
+    of the values it holds, rounded once to its dtype, and each row of a tree bit for bit
+    what it gets as a one-row call over the keys it sees (a decode step's view)."""
+    g = torch.Generator().manual_seed(7)
+    cache_k, cache_v = (torch.randn(1, 3, 80, 64, generator=g).to(dtype) for _ in range(2))
+    k, v = cache_k[:, :, :70], cache_v[:, :, :70]
+    q = torch.randn(1, 9, 5, 64, generator=g).to(dtype)
+    mask = torch.zeros(1, 1, 5, 70, dtype=torch.bool)
+    mask[..., :65] = True
+    for node, parent in enumerate([-1, 0, 1, 0, 3]):
+        mask[0, 0, node, 65 + node] = True
+        mask[0, 0, node, 65:70] |= mask[0, 0, parent, 65:70] if parent >= 0 else False
+    assert rowgemm.attends(q, k, v, mask)
+    got = rowgemm.attention(q, k, v, mask, 0.125)
+    assert got.dtype == dtype
+    wide = rowgemm.attention(q.float(), k.float(), v.float(), mask, 0.125)
+    assert torch.equal(got, wide.to(dtype))
+    for node in range(5):
+        seen = mask[0, 0, node].nonzero().flatten()
+        alone = rowgemm.attention(q[:, :, node:node + 1], k[:, :, seen], v[:, :, seen],
+                                  torch.ones(1, 1, 1, len(seen), dtype=torch.bool), 0.125)
+        assert torch.equal(alone[0, 0], got[0, node])
 
 
 @needs_rowgemm
