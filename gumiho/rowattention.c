@@ -17,44 +17,46 @@
 #include <stdlib.h>
 #include "rowkernels.h"
 
-/* The score of query a against key b: eight FMA lanes over d in order, the lanes added
-   pairwise, then the d % 8 tail. Every score is summed this way, whichever of the
-   functions below computes it (-ffp-contract=off keeps the tail's products unfused). */
-static inline __attribute__((always_inline)) float dot(const float *a, const void *b,
-                                                       size_t at, int D, int kind) {
-    __m256 acc = _mm256_setzero_ps();
-    int d = 0;
-    for (; d + 8 <= D; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b, at + d, kind), acc);
-    float s = lanes(acc);
-    for (; d < D; d++) s += a[d] * load1(b, at + d, kind);
-    return s;
+/* `lanes` of two vectors at once, the same additions in the same pairs (the halves, then
+   lanes 0 + 2 and 1 + 3, then those two): lanes(a) and lanes(b) in elements 0 and 1 */
+static inline __m128 lanes2(__m256 a, __m256 b) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 y = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    __m128 z = _mm_add_ps(_mm_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm_hadd_ps(z, z);
 }
 
-/* HB heads' queries (a group's, which share keys) against two keys at once (elements
-   at0 and at1 of b): each key is loaded once for all of them, 2 * HB chains in flight;
-   each score as `dot` sums it */
+/* The scores of HB heads' queries (a group's, which share keys) against NK keys at once
+   (elements at[0..NK) of b), into p[h][i..i + NK): each key loaded once for all heads,
+   NK * HB chains in flight. Every score is summed one way, whichever call computes it:
+   eight FMA lanes over d in order, the lanes added pairwise, then the d % 8 tail
+   (-ffp-contract=off keeps the tail's products unfused). */
 static inline __attribute__((always_inline)) void dots(
-        const float *const *qs, const void *b, size_t at0, size_t at1, int D, int HB,
+        const float *const *qs, const void *b, const size_t *at, int D, int HB, int NK,
         float *const *p, int i, int kind) {
-    __m256 c0[4], c1[4];
-    for (int h = 0; h < HB; h++) c0[h] = c1[h] = _mm256_setzero_ps();
+    __m256 c[4][3];  /* [key][head] */
+    for (int j = 0; j < NK; j++)
+        for (int h = 0; h < HB; h++) c[j][h] = _mm256_setzero_ps();
     int d = 0;
     for (; d + 8 <= D; d += 8) {
-        __m256 k0 = load8(b, at0 + d, kind), k1 = load8(b, at1 + d, kind);
+        __m256 key[4];
+        for (int j = 0; j < NK; j++) key[j] = load8(b, at[j] + d, kind);
         for (int h = 0; h < HB; h++) {
             __m256 u = _mm256_loadu_ps(qs[h] + d);
-            c0[h] = _mm256_fmadd_ps(u, k0, c0[h]);
-            c1[h] = _mm256_fmadd_ps(u, k1, c1[h]);
+            for (int j = 0; j < NK; j++) c[j][h] = _mm256_fmadd_ps(u, key[j], c[j][h]);
         }
     }
     for (int h = 0; h < HB; h++) {
-        float s0 = lanes(c0[h]), s1 = lanes(c1[h]);
-        for (int t = d; t < D; t++) {
-            s0 += qs[h][t] * load1(b, at0 + t, kind);
-            s1 += qs[h][t] * load1(b, at1 + t, kind);
+        int j = 0;
+        if (d == D)  /* a head size of whole lanes (the usual): scores two at a time */
+            for (; j + 2 <= NK; j += 2)
+                _mm_storel_pi((__m64 *)(p[h] + i + j), lanes2(c[j][h], c[j + 1][h]));
+        for (; j < NK; j++) {
+            float s = lanes(c[j][h]);
+            for (int t = d; t < D; t++) s += qs[h][t] * load1(b, at[j] + t, kind);
+            p[h][i + j] = s;
         }
-        p[h][i] = s0, p[h][i + 1] = s1;
     }
 }
 
@@ -108,46 +110,71 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* q: element (h, r, d) at q[h * qh + r * qr + d]; k, v: (g, j, d) at [g * kh + j * kj + d]
-   (and vh, vj); mask: (r, j) at mask[r * K + j], nonzero = visible; out: (r, h, d)
-   contiguous. Returns 0, or -1 where a row sees no key or memory ran out. */
+/* One head's n scores in place: scaled, then their weights exp(score - max), eight at a
+   time by `exp8` (the last few padded with the max, exp(0) = 1, and left out of the sum);
+   returns the weights' sum over eight lanes in slot order */
+static inline float weights(float *ph, int n, float scale) {
+    __m256 factor = _mm256_set1_ps(scale), most = _mm256_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(ph + i), factor);
+        _mm256_storeu_ps(ph + i, x);
+        most = _mm256_max_ps(most, x);
+    }
+    float top = -INFINITY, eight[8];
+    _mm256_storeu_ps(eight, most);
+    for (int t = 0; t < 8; t++)
+        if (eight[t] > top) top = eight[t];
+    for (; i < n; i++) {
+        ph[i] *= scale;
+        if (ph[i] > top) top = ph[i];
+    }
+    __m256 total = _mm256_setzero_ps(), high = _mm256_set1_ps(top);
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(ph + i), high));
+        _mm256_storeu_ps(ph + i, e);
+        total = _mm256_add_ps(total, e);
+    }
+    if (i < n) {
+        float part[8];
+        int m = n - i;
+        for (int t = 0; t < 8; t++) part[t] = t < m ? ph[i + t] : top;
+        _mm256_storeu_ps(part, exp8(_mm256_sub_ps(_mm256_loadu_ps(part), high)));
+        for (int t = 0; t < 8; t++) {
+            if (t < m) ph[i + t] = part[t];
+            else part[t] = 0.0f;
+        }
+        total = _mm256_add_ps(total, _mm256_loadu_ps(part));
+    }
+    return lanes(total);
+}
+
 /* HB heads of kv group g (qs: their queries, o: their outputs) over one row's visible keys
    (seen[0..n)); p: HB rows of K scratch floats */
 static inline __attribute__((always_inline)) void heads(
         const float *const *qs, float *const *o, const void *kg, long kj, const void *vg,
         long vj, const int *seen, int n, float *const *p, int D, float scale, int HB,
         int kind) {
+    /* keys four at a time for up to two heads, three for three (the accumulators and keys
+       fit AVX2's sixteen registers); the last few one at a time */
+    const int NK = HB == 3 ? 3 : 4;
     int i = 0;
-    for (; i + 2 <= n; i += 2)
-        dots(qs, kg, (size_t)seen[i] * kj, (size_t)seen[i + 1] * kj, D, HB, p, i, kind);
-    for (; i < n; i++)
-        for (int h = 0; h < HB; h++) p[h][i] = dot(qs[h], kg, (size_t)seen[i] * kj, D, kind);
-    float sums[4];
-    for (int h = 0; h < HB; h++) {
-        float *ph = p[h], top = -INFINITY;
-        for (i = 0; i < n; i++) {
-            ph[i] *= scale;
-            if (ph[i] > top) top = ph[i];
-        }
-        /* eight at a time; the last few padded with the top (exp(0) = 1) and left out of
-           the sum, so every key's weight is exp8's and the lanes sum in slot order */
-        __m256 total = _mm256_setzero_ps(), high = _mm256_set1_ps(top);
-        for (i = 0; i < n; i += 8) {
-            float part[8];
-            int m = n - i < 8 ? n - i : 8;
-            for (int t = 0; t < 8; t++) part[t] = t < m ? ph[i + t] : top;
-            _mm256_storeu_ps(part, exp8(_mm256_sub_ps(_mm256_loadu_ps(part), high)));
-            for (int t = 0; t < 8; t++) {
-                if (t < m) ph[i + t] = part[t];
-                else part[t] = 0.0f;
-            }
-            total = _mm256_add_ps(total, _mm256_loadu_ps(part));
-        }
-        sums[h] = lanes(total);
+    for (; i + NK <= n; i += NK) {
+        size_t at[4];
+        for (int j = 0; j < NK; j++) at[j] = (size_t)seen[i + j] * kj;
+        dots(qs, kg, at, D, HB, NK, p, i, kind);
     }
-    /* 32 dims at a time for one head, 16 for more (their accumulators fit the registers) */
-    int d = HB == 1 ? weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 4, kind)
-                    : weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 2, kind);
+    for (; i < n; i++) {
+        size_t at = (size_t)seen[i] * kj;
+        dots(qs, kg, &at, D, HB, 1, p, i, kind);
+    }
+    float sums[4];
+    for (int h = 0; h < HB; h++) sums[h] = weights(p[h], n, scale);
+    /* 32 dims at a time for up to two heads, 24 for three: their accumulators in registers
+       (the order each element sums in is the same for any width) */
+    int d = HB == 3 ? weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 3, kind)
+                    : weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 4, kind);
+    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 2, kind);
     d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 1, kind);
     for (; d < D; d++)  /* a head size not a multiple of 8 */
         for (int h = 0; h < HB; h++) {

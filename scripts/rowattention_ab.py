@@ -1,0 +1,93 @@
+"""rowattention.c at a git revision against the working tree's, in one process: the same
+calls alternated (the fastest of several rounds each), and whether every output is bit for
+bit the same, for the shapes a SmolLM2 verify makes (9 query heads over 3 KV heads, head
+size 64; a committed prefix and a tree of `R` rows, each seeing its ancestors).
+
+    python scripts/rowattention_ab.py --base HEAD~1 --threads 1
+
+A change to the kernel that keeps every score's and every output's order of operations
+keeps the bits, so decode steps and verifies still agree wherever either build runs; one
+that changes the order must say so (both builds stay row-invariant on their own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gumiho import rowgemm
+
+HERE = Path(__file__).resolve().parent.parent / "gumiho"
+FILES = ("rowgemm.c", "rowattention.c", "rowkernels.h")
+
+
+def build(sources: Path, out: Path):
+    """The attention function of the C sources in `sources`, compiled as rowgemm.py does."""
+    subprocess.run(["cc", *rowgemm.FLAGS, *rowgemm._openmp_flags(),
+                    *(str(sources / name) for name in FILES[:2]), "-o", str(out), "-lm"],
+                   check=True)
+    attend = ctypes.CDLL(str(out)).rowattention
+    attend.restype = ctypes.c_int
+    attend.argtypes = [ctypes.c_void_p, *[ctypes.c_long] * 2] + \
+        [ctypes.c_void_p, *[ctypes.c_long] * 2] * 2 + [ctypes.c_void_p] * 2 + \
+        [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+    return attend
+
+
+def inputs(dtype: torch.dtype, context: int, rows: int):
+    """Queries, a cache and a tree mask: the prefix for every row, row r its ancestors (a
+    chain here: row r sees tree slots 0..r)."""
+    q = torch.randn(1, 9, rows, 64).to(dtype)
+    k, v = (torch.randn(1, 3, context + rows, 64).to(dtype) for _ in range(2))
+    mask = torch.zeros(1, 1, rows, context + rows, dtype=torch.bool)
+    mask[..., :context] = True
+    for r in range(rows):
+        mask[0, 0, r, context:context + r + 1] = True
+    return q, k, v, mask
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="HEAD", help="git revision to compare against")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--shapes", default="448x1,448x16,1024x16,128x24",
+                        help="CONTEXTxROWS,... (cached tokens x tree rows)")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "base"
+        old.mkdir()
+        for name in FILES:
+            text = subprocess.run(["git", "show", f"{args.base}:gumiho/{name}"], cwd=HERE,
+                                  check=True, capture_output=True, text=True).stdout
+            (old / name).write_text(text)
+        kernels = {"base": build(old, Path(tmp) / "base.so"),
+                   "tree": build(HERE, Path(tmp) / "tree.so")}
+        for dtype in (torch.bfloat16, torch.float32):
+            for shape in args.shapes.split(","):
+                context, rows = map(int, shape.split("x"))
+                q, k, v, mask = inputs(dtype, context, rows)
+                best, outs = dict.fromkeys(kernels, float("inf")), {}
+                for _ in range(args.rounds):
+                    for name, attend in kernels.items():
+                        start = time.perf_counter()
+                        for _ in range(50):
+                            outs[name] = rowgemm._attend(attend, q, k, v, mask, 0.125)
+                        best[name] = min(best[name], (time.perf_counter() - start) / 50)
+                print(f"{str(dtype).removeprefix('torch.'):9s} {context:5d} cached x {rows:3d} "
+                      f"rows: {args.base} {best['base'] * 1e6:7.0f} us, working tree "
+                      f"{best['tree'] * 1e6:7.0f} us ({best['base'] / best['tree']:.2f}x), "
+                      f"same bits: {torch.equal(outs['base'], outs['tree'])}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
