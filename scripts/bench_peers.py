@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from gumiho.generate import SpeculativeGenerator
+from gumiho.methods import method_spec
 from gumiho.target import load_target, resolve_target_path
 
 # A summary and a list edit (the answer copies the prompt), open-ended text, code.
@@ -92,13 +93,19 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None,
                    help="default: float32 on a CPU, bfloat16 on a GPU")
+    p.add_argument("--attention", default=None, choices=["sdpa", "eager", "sdpa_invariant"],
+                   help="our target's attention (transformers' stays sdpa), e.g. the AMX "
+                        "demo's bf16 sdpa_invariant")
+    p.add_argument("--preset", default=None, choices=["demo"],
+                   help="our drafters' tree settings (`gumiho generate --preset`)")
     p.add_argument("--hf-static", action="store_true",
                    help="also transformers' generate with a static (compiled) cache")
     args = p.parse_args()
     drafts = {**DRAFTS, **dict(d.split("=", 1) for d in args.draft)}
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
-    target = load_target("smollm2", device=str(device), dtype=str(dtype).split(".")[1])
+    target = load_target("smollm2", device=str(device), dtype=str(dtype).split(".")[1],
+                         attn_implementation=args.attention)
     stock = stock_model("smollm2", device, dtype)
     prompts = {name: target.chat_ids(text) for name, text in PROMPTS.items()}
     variants = {"hf": lambda ids: hf_runner(stock, target, ids, args.new_tokens, None),
@@ -107,7 +114,8 @@ def main() -> None:
         variants["hf_static"] = lambda ids: hf_runner(stock, target, ids, args.new_tokens,
                                                       None, "static")
     for method in args.methods.split(","):
-        gen = SpeculativeGenerator.load(target, method, drafts.get(method))
+        preset = args.preset if method_spec(method).drafter else None
+        gen = SpeculativeGenerator.load(target, method, drafts.get(method), preset=preset)
         variants[method] = lambda ids, gen=gen: our_runner(gen, ids, args.new_tokens)
     runners = {(v, name): make(ids) for v, make in variants.items()
                for name, ids in prompts.items()}
