@@ -320,3 +320,32 @@ def test_float32_tree_rows_are_one_token_steps_bit_for_bit():
                 cache.commit(1)
             assert torch.equal(features[node], step_features[0]), node
             assert torch.equal(logits[node], step_logits[0]), node
+
+
+@needs_rowgemm
+@pytest.mark.host
+def test_rowattention_ab_builds_a_revision_beside_the_working_tree(capsys):
+    """scripts/rowattention_ab.py (how a kernel change is timed and checked for its bits)
+    runs: HEAD's kernel against the working tree's, the same bits where the sources agree."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode:
+        pytest.skip("needs a git checkout")
+    changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "gumiho/rowgemm.c",
+                              "gumiho/rowattention.c", "gumiho/rowkernels.h"], cwd=root)
+    sys.path.insert(0, str(root / "scripts"))
+    try:
+        import rowattention_ab
+    finally:
+        sys.path.pop(0)
+    assert rowattention_ab.main(["--base", "HEAD", "--shapes", "20x3", "--rounds", "1",
+                                 "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and all("20 cached x   3 rows" in line for line in lines)
+    if changed.returncode == 0:  # the kernel sources are HEAD's: the same bits
+        assert all(line.endswith("same bits: True") for line in lines)
