@@ -82,12 +82,14 @@ def _openmp_flags() -> list[str]:
     return ["-fopenmp", f"-L{lib}", f"-Wl,-rpath,{lib}"]
 
 
-def _build(compiler: str, flags: list[str], out: Path) -> None:
-    """Compile the kernel to `out`, atomically (concurrent processes may race to it)."""
+def _build(compiler: str, flags: list[str], out: Path, sources: list[Path] = SOURCES
+           ) -> None:
+    """Compile the kernels (`sources`: rowgemm.c and rowattention.c, rowkernels.h beside
+    them) to `out`, atomically (concurrent processes may race to it)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        subprocess.run([compiler, *FLAGS, *flags, *map(str, SOURCES), "-o", str(built), *LIBS],
+        subprocess.run([compiler, *FLAGS, *flags, *map(str, sources), "-o", str(built), *LIBS],
                        check=True, capture_output=True, timeout=120)
         os.replace(built, out)
 
@@ -156,6 +158,20 @@ def identity() -> str | None:
     return _library()[2].stem if kernel() is not None else None
 
 
+def _bind(path: Path):
+    """The built library's product and attention, as ctypes functions with their
+    signatures."""
+    library = ctypes.CDLL(str(path))
+    function, attend = library.rowgemm, library.rowattention
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    attend.restype = ctypes.c_int
+    attend.argtypes = [ctypes.c_void_p, *[ctypes.c_long] * 2] + \
+        [ctypes.c_void_p, *[ctypes.c_long] * 2] * 2 + [ctypes.c_void_p] * 2 + \
+        [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+    return function, attend
+
+
 @functools.cache
 def kernel():
     """The compiled product (a ctypes function; `.attention` the attention), or None where
@@ -167,14 +183,7 @@ def kernel():
     try:
         if not path.exists():
             _build(compiler, flags, path)
-        library = ctypes.CDLL(str(path))
-        function, attend = library.rowgemm, library.rowattention
-        function.restype = None
-        function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-        attend.restype = ctypes.c_int
-        attend.argtypes = [ctypes.c_void_p, *[ctypes.c_long] * 2] + \
-            [ctypes.c_void_p, *[ctypes.c_long] * 2] * 2 + [ctypes.c_void_p] * 2 + \
-            [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+        function, attend = _bind(path)
         if not _works(function, attend):
             log.warning("rowgemm gave wrong products here; torch's run instead")
             return None

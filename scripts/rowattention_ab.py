@@ -13,7 +13,6 @@ that changes the order must say so (both builds stay row-invariant on their own)
 from __future__ import annotations
 
 import argparse
-import ctypes
 import subprocess
 import tempfile
 import time
@@ -29,15 +28,12 @@ FILES = ("rowgemm.c", "rowattention.c", "rowkernels.h")
 
 def build(sources: Path, out: Path):
     """The attention function of the C sources in `sources`, compiled as rowgemm.py does."""
-    subprocess.run(["cc", *rowgemm.FLAGS, *rowgemm._openmp_flags(),
-                    *(str(sources / name) for name in FILES[:2]), "-o", str(out), "-lm"],
-                   check=True)
-    attend = ctypes.CDLL(str(out)).rowattention
-    attend.restype = ctypes.c_int
-    attend.argtypes = [ctypes.c_void_p, *[ctypes.c_long] * 2] + \
-        [ctypes.c_void_p, *[ctypes.c_long] * 2] * 2 + [ctypes.c_void_p] * 2 + \
-        [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
-    return attend
+    here = rowgemm._library()
+    if here is None:
+        raise SystemExit("error: rowgemm's kernels do not build here (rowgemm.py)")
+    compiler, flags, _ = here
+    rowgemm._build(compiler, flags, out, [sources / name for name in FILES[:2]])
+    return rowgemm._bind(out)[1]
 
 
 def inputs(dtype: torch.dtype, context: int, rows: int):

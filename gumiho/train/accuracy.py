@@ -67,6 +67,13 @@ def paired_difference(first: list[dict[str, float]], second: list[dict[str, floa
     return found
 
 
+def scored_mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Per position, the mean over the samples that score it."""
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return {k: round(sum(r[k] for r in rows if k in r) / sum(k in r for r in rows), 4)
+            for k in keys}
+
+
 def outside_vocab(target, head: DraftHead, samples: list[dict]) -> float:
     """The share of the samples' scored target tokens (the target's argmax at each
     assistant position) that lie outside the head's draft vocabulary."""
@@ -97,12 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"{args.draft} is {method}")
         rows = [batch_accuracies(m, target, h, samples, method, 2, 1)
                 for m, h in ((model, head), (other, other_head))]
-        mean = [{k: round(sum(r[k] for r in found if k in r)
-                          / sum(k in r for r in found), 4)
-                 for k in dict.fromkeys(k for r in found for k in r)} for found in rows]
         print(json.dumps({"draft": args.draft, "against": args.against, "data": args.data,
-                          "samples": len(samples), "draft_acc": mean[0],
-                          "against_acc": mean[1],
+                          "samples": len(samples), "draft_acc": scored_mean(rows[0]),
+                          "against_acc": scored_mean(rows[1]),
                           "difference": paired_difference(*rows)}))
         return 0
     acc = evaluate(model, target, head, samples, model.config.method, 2, args.batch_size)
