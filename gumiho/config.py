@@ -301,6 +301,10 @@ class TrainConfig:
     # Gumiho: the MLP heads' losses train the heads alone (not the serial layers and fusion
     # layer whose outputs they read); the reference trains all of it on every loss
     mlp_detach: bool = False
+    # Gumiho: train the MLP heads alone; the serial layers, fc and their losses stay out
+    # (frozen, run without autograd): a drafter whose serial head is good and whose heads
+    # are short gets them trained at a fraction of a whole step's cost
+    heads_only: bool = False
     # Gumiho: serial step 2's vloss and ploss (on step 1's own output, as at inference)
     # join the loss at this weight times step 1's; the reference has none (0)
     serial2_weight: float = 0.0
@@ -336,6 +340,12 @@ class TrainConfig:
                               "--noise, --draft-vocab, --mlp-ploss-after-epochs, "
                               "--ploss-weight, --mlp-ploss-weight, --serial2-weight and "
                               "--skip-conversations at least 0")
+        if self.heads_only and not method_spec(self.method).parallel_heads:
+            raise GumihoError(f"--heads-only: {self.method} drafters have no MLP heads; only "
+                              "gumiho's can train alone")
+        if self.heads_only and self.serial2_weight > 0:
+            raise GumihoError("--heads-only trains the MLP heads alone: --serial2-weight "
+                              "would score the frozen serial step")
         if self.serial2_weight > 0 and not method_spec(self.method).parallel_heads:
             raise GumihoError(f"--serial2-weight: {self.method} drafters train one serial "
                               "step; only gumiho's loss has a serial step 2 to score")

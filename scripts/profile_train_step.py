@@ -70,6 +70,8 @@ def main() -> None:
                    "(Gumiho's MLP heads take their ploss from --mlp-ploss-after-epochs)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--mlp-detach", action="store_true", help="as the trainer's flag")
+    p.add_argument("--heads-only", action="store_true", help="as the trainer's flag")
     p.add_argument("--top", type=int, default=20, help="kernels (operators) listed")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
@@ -79,7 +81,8 @@ def main() -> None:
     config = TrainConfig(method=args.method, online=True, num_conversations=args.conversations,
                          max_len=args.max_len, batch_size=args.batch_size, grad_accum=1,
                          draft_vocab=args.draft_vocab, init_from=args.init, precision=mixed,
-                         mlp_ploss_after_epochs=0, noise_on=args.noise_on)
+                         mlp_ploss_after_epochs=0, noise_on=args.noise_on,
+                         mlp_detach=args.mlp_detach, heads_only=args.heads_only)
     torch.manual_seed(config.seed)
     target = load_target(config.target, device=str(device),
                          dtype="bfloat16" if mixed == "bf16" else "float32")
@@ -96,7 +99,8 @@ def main() -> None:
         sys.exit(f"error: {len(batches)} batches of {config.batch_size}; the run needs {need}: "
                  "give more --conversations")
     weights = LossWeights(p=config.ploss_weight, mlp_p=config.mlp_ploss_weight,
-                          mlp_p_from_epoch=config.mlp_ploss_after_epochs)
+                          mlp_p_from_epoch=config.mlp_ploss_after_epochs,
+                          heads_only=config.heads_only)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if mixed == "bf16"
                 else nullcontext())  # accelerate's bf16 mixed precision
     timer = PhaseTimer(device, enabled=False)
@@ -111,7 +115,8 @@ def main() -> None:
             loss, _ = batch_step.batch_loss(model, target, head, batch, config.method,
                                             args.epoch, config.noise, log_acc=False,
                                             p_fraction=config.ploss_fraction, seed=index,
-                                            weights=weights, noise_on=noise_on)
+                                            weights=weights, noise_on=noise_on,
+                                            mlp_detach=config.mlp_detach)
         with timer("backward"):
             loss.backward()
         with timer("clip + optimizer"):
@@ -147,7 +152,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     report = {"device": name, "precision": mixed, "method": config.method,
               "batch_size": config.batch_size, "max_len": config.max_len,
-              "draft_vocab": config.draft_vocab, "init": args.init, "noise_on": noise_on}
+              "draft_vocab": config.draft_vocab, "init": args.init, "noise_on": noise_on,
+              "mlp_detach": config.mlp_detach, "heads_only": config.heads_only}
 
     def show(*lines: str, **fields) -> None:
         """Print as each part ends and keep the JSON current: a run cut by a time limit

@@ -143,6 +143,63 @@ def test_mlp_detach_keeps_the_heads_losses_off_the_serial_layers(tiny, tiny_data
     assert "fc.weight" in moved and any(k.startswith("layers.") for k in moved)
 
 
+def test_heads_only_trains_the_mlp_heads_and_nothing_else(tiny_target_dir, tiny_data_dir,
+                                                          tmp_path):
+    """--heads-only from a checkpoint: every weight but the MLP heads' is saved bit for bit
+    as it started (the serial layers, fc), the heads train (on the same data they move as
+    in a whole run), and the serial step's losses stay out of the gradient."""
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path / "first", "--export-dtype", "float32")) == 0
+    first = load_file(str(tmp_path / "first" / "model.safetensors"))
+    common = ("--export-dtype", "float32", "--init-from", str(tmp_path / "first"),
+              "--mlp-ploss-after-epochs", "0")
+    assert main(train_args(data, tmp_path / "heads", *common, "--heads-only")) == 0
+    assert main(train_args(data, tmp_path / "whole", *common)) == 0
+    heads, whole = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("heads", "whole"))
+    mlp = [k for k in first if k.startswith("mlp.")]
+    assert mlp and heads.keys() == first.keys()
+    for key in first:
+        if key not in mlp:
+            assert torch.equal(heads[key], first[key]), key
+    assert any(not torch.equal(heads[k], first[k]) for k in mlp)
+    assert any(not torch.equal(whole[k], first[k]) for k in first if k not in mlp)
+    log = [json.loads(line) for line in (tmp_path / "heads" / "train_log.jsonl").open()]
+    assert all("acc_mlp1" in row for row in log if "loss" in row)
+
+
+def test_heads_only_loss_has_no_serial_gradient(tiny, tiny_data_dir):
+    """The heads-only loss is the heads' part of the whole loss: the same MLP gradients as
+    a whole pass whose serial losses are weighted 0, and no gradient on anything else."""
+    _, samples = load_samples(tiny_data_dir)
+    batch = collate(samples[:4])
+    config = TrainConfig(method="gumiho", online=True, heads_only=True)
+    model = new_model(tiny, config, seed=0)
+    head = DraftHead.for_model(tiny, model)
+    trained = {k for k, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(k.startswith("mlp.") for k in trained)
+    loss, logs = batch_loss(model, tiny, head, batch, "gumiho", epoch=3, noise=0.2, seed=5,
+                            weights=LossWeights(mlp_p=0.1, heads_only=True))
+    loss.backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+    assert logs["ploss"] == 0.0 and logs["vloss"] > 0
+    model.zero_grad()
+    model.requires_grad_(True)
+    model.embed_tokens.weight.requires_grad_(False)
+    loss, _ = batch_loss(model, tiny, head, batch, "gumiho", epoch=3, noise=0.2, seed=5,
+                         weights=LossWeights(v=0.0, p=0.0, mlp_p=0.1), mlp_detach=True)
+    loss.backward()
+    for key, grad in got.items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[key].grad)
+
+
+@pytest.mark.parametrize("method", ["eagle2", "medusa"])
+def test_heads_only_is_refused_without_mlp_heads(method):
+    with pytest.raises(GumihoError, match="--heads-only"):
+        TrainConfig(method=method, online=True, heads_only=True)
+    with pytest.raises(GumihoError, match="--serial2-weight"):
+        TrainConfig(method="gumiho", online=True, heads_only=True, serial2_weight=1.0)
+
+
 def test_serial_step_2_joins_the_loss_when_weighted(tiny, tiny_data_dir):
     """--serial2-weight w adds w x (vloss + 0.1 ploss) of serial step 2 (run on step 1's own
     output) to the reference loss, and its gradient; step 2's accuracy is the one logged
@@ -428,6 +485,7 @@ def test_periodic_saves_resume_mid_epoch_exactly(tiny_target_dir, tiny_data_dir,
                                            (["--mlp-ploss-after-epochs", "0"],
                                             "mlp_ploss_after_epochs"),
                                            (["--mlp-detach"], "mlp_detach"),
+                                           (["--heads-only"], "heads_only"),
                                            (["--serial2-weight", "0.5"], "serial2_weight")])
 def test_resume_with_other_settings_is_refused(tiny_target_dir, tiny_data_dir, tmp_path,
                                                capsys, change, named):

@@ -47,6 +47,7 @@ class LossWeights:
     mlp_decay: float = 0.8
     mlp_p_from_epoch: int = 2
     serial2: float = 0.0  # serial step 2's losses (not in the reference: logged only)
+    heads_only: bool = False  # the MLP heads' losses alone (`--heads-only`)
 
 
 REFERENCE_WEIGHTS = LossWeights()
@@ -125,9 +126,11 @@ def serial_loss(outputs: dict, features: Tensor, loss_mask: Tensor, head: DraftH
     lm_head: the target's full head, given when accuracies are to be logged."""
     targets = TargetDistributions(features, loss_mask.bool(), head, lm_head)
     log_acc = lm_head is not None
-    first = feature_losses(outputs["out1"], features, 1, targets, head, True, log_acc,
-                           p_fraction, generator)
-    total = weights.v * first["v"] + weights.p * first["p"]
+    first = feature_losses(outputs["out1"], features, 1, targets, head,
+                           not weights.heads_only, log_acc, p_fraction, generator)
+    # heads only: the serial step's losses are logged (vloss; ploss reads 0), not trained
+    total = first["v"] * 0 if weights.heads_only else \
+        weights.v * first["v"] + weights.p * first["p"]
     logs = {"vloss": float(first["v"].detach()), "ploss": float(first["p"].detach())}
     accs = {"acc_serial1": first["acc"]}
     if "out2" in outputs and weights.serial2 > 0:

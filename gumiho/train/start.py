@@ -31,12 +31,18 @@ def trainable(model):
 def new_model(target, config: TrainConfig, samples: list[dict] | None = None,
               seed: int | None = None):
     """A fresh trainable drafter (fp32 master weights); a reduced draft vocabulary is
-    chosen from the samples' assistant-token counts (stop tokens always included)."""
+    chosen from the samples' assistant-token counts (stop tokens always included). With
+    `heads_only`, only the MLP heads' weights train."""
     if config.init_from:
-        return start_from(target, config, samples)
-    return trainable(random_drafter_model(config.method, target,
-                                          config.seed if seed is None else seed,
-                                          chosen_vocabulary(target, config.draft_vocab, samples)))
+        model = start_from(target, config, samples)
+    else:
+        model = trainable(random_drafter_model(
+            config.method, target, config.seed if seed is None else seed,
+            chosen_vocabulary(target, config.draft_vocab, samples)))
+    if config.heads_only:
+        model.requires_grad_(False)
+        model.mlp.requires_grad_(True)
+    return model
 
 
 def check_draft_vocab(target, size: int) -> int:
