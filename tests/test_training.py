@@ -268,12 +268,14 @@ def train_args(data, out, *extra):
             "--warmup-steps", "2", "--log-every", "1", "--ploss-fraction", "0.5", *extra]
 
 
-def test_resume_reproduces_an_uninterrupted_run(tiny_target_dir, tiny_data_dir, tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--heads-only",)], ids=["whole", "heads_only"])
+def test_resume_reproduces_an_uninterrupted_run(tiny_target_dir, tiny_data_dir, tmp_path,
+                                                flags):
     data = (tiny_target_dir, tiny_data_dir)
-    assert main(train_args(data, tmp_path / "whole")) == 0
-    assert main(train_args(data, tmp_path / "split", "--stop-after-steps", "2")) == 0
+    assert main(train_args(data, tmp_path / "whole", *flags)) == 0
+    assert main(train_args(data, tmp_path / "split", "--stop-after-steps", "2", *flags)) == 0
     halfway = load_file(str(tmp_path / "split" / "model.safetensors"))
-    assert main(train_args(data, tmp_path / "split")) == 0  # the same command resumes
+    assert main(train_args(data, tmp_path / "split", *flags)) == 0  # the same command resumes
     whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
     split = load_file(str(tmp_path / "split" / "model.safetensors"))
     assert whole.keys() == split.keys() and "embed_tokens.weight" not in whole
