@@ -189,8 +189,11 @@ def check_drafter_dir(path: str | Path) -> Path:
     return path
 
 
-def load_drafter_model(path: str | Path, target, method: str | None = None) -> nn.Module:
-    """Load a drafter checkpoint dir for `target`; strict about keys and shapes."""
+def load_drafter_model(path: str | Path, target, method: str | None = None,
+                       dtype: torch.dtype | None = None) -> nn.Module:
+    """Load a drafter checkpoint dir for `target`; strict about keys and shapes. dtype:
+    its weights' (default the target's; training, export and the accuracy tool ask for
+    float32, so a 16-bit checkpoint is read exactly whatever the target's dtype)."""
     path = check_drafter_dir(path)
     state = read_state(path)
     saved = None
@@ -216,16 +219,19 @@ def load_drafter_model(path: str | Path, target, method: str | None = None) -> n
             f"drafter {path} is for hidden size {config.hidden_size} / vocab "
             f"{config.vocab_size}, but target {target.name} has {target.hidden_size} / "
             f"{vocab}: use a drafter trained for this target")
-    return drafter_network(config, target, from_official(state, config))
+    return drafter_network(config, target, from_official(state, config), dtype=dtype)
 
 
 def drafter_network(config: DrafterConfig, target, state: dict[str, Tensor] | None = None,
-                    draft_ids: Tensor | None = None) -> nn.Module:
+                    draft_ids: Tensor | None = None, dtype: torch.dtype | None = None
+                    ) -> nn.Module:
     """The drafter network of `config` for `target`, frozen, on the target's device and
-    dtype: the weights of `state` (the model's own key names, checked strictly), else the
-    fresh ones the current seed gives, with the draft vocabulary `draft_ids` (target ids,
-    modeling/vocab.py). The frozen parts a state leaves out come from the target: the
-    embedding (any scale included) and the start of Medusa's own lm heads."""
+    `dtype` (default the target's: a bf16 target would round a float16 checkpoint's
+    weights, so training asks for float32): the weights of `state` (the model's own key
+    names, checked strictly), else the fresh ones the current seed gives, with the draft
+    vocabulary `draft_ids` (target ids, modeling/vocab.py). The frozen parts a state leaves
+    out come from the target: the embedding (any scale included) and the start of Medusa's
+    own lm heads."""
     model = build_draft_model(config)
     if draft_ids is not None:
         set_draft_vocabulary(model, draft_ids)
@@ -238,7 +244,8 @@ def drafter_network(config: DrafterConfig, target, state: dict[str, Tensor] | No
         model.load_state_dict(own, strict=True)
     if not method_spec(config.method).serial and "lm_heads" not in own:
         model.init_lm_heads(DraftHead.for_model(target, model))  # no-op without own heads
-    return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    return model.to(device=target.device, dtype=dtype or target.dtype).eval() \
+        .requires_grad_(False)
 
 
 def check_keys(expected: dict[str, Tensor], got: dict[str, Tensor], config) -> None:

@@ -441,15 +441,17 @@ class MedusaDrafter:
 
 
 def random_drafter_model(method: str, target, seed: int = 0,
-                         draft_ids: Tensor | None = None, **config_overrides):
+                         draft_ids: Tensor | None = None, dtype: torch.dtype | None = None,
+                         **config_overrides):
     """A seeded fresh drafter network of `method` for `target` (training starts here;
-    `--draft random` uses it for checks and timing), on the target's device and dtype.
-    draft_ids: the target ids of a reduced draft vocabulary (modeling/vocab.py)."""
+    `--draft random` uses it for checks and timing), on the target's device and `dtype`
+    (default the target's). draft_ids: the target ids of a reduced draft vocabulary
+    (modeling/vocab.py)."""
     torch.manual_seed(seed)
     if draft_ids is not None:
         config_overrides["draft_vocab_size"] = draft_ids.shape[0]
     config = DrafterConfig.for_target(target.config, method, **config_overrides)
-    return drafter_network(config, target, draft_ids=draft_ids)
+    return drafter_network(config, target, draft_ids=draft_ids, dtype=dtype)
 
 
 def load_drafter(method: str, target, draft: str | None = None,

@@ -64,7 +64,7 @@ def export(draft: str | Path, target, out: str | Path, fmt: str = "gumiho",
     if fmt.endswith("eagle3"):
         raise GumihoError(EAGLE3_REFUSAL.format(fmt=fmt))
     dtype = dtype or stored_dtype(Path(draft))
-    model = load_drafter_model(draft, target, method).float()
+    model = load_drafter_model(draft, target, method, dtype=torch.float32)
     if draft_vocab is not None:
         model = over_vocabulary(model, target, draft_vocab or target.lm_head.weight.shape[0],
                                 samples, str(draft)).float()

@@ -143,16 +143,19 @@ def test_mlp_detach_keeps_the_heads_losses_off_the_serial_layers(tiny, tiny_data
     assert "fc.weight" in moved and any(k.startswith("layers.") for k in moved)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_heads_only_trains_the_mlp_heads_and_nothing_else(tiny_target_dir, tiny_data_dir,
-                                                          tmp_path):
+                                                          tmp_path, precision):
     """--heads-only from a checkpoint: every weight but the MLP heads' is saved bit for bit
     as it started (the serial layers, fc), the heads train (on the same data they move as
-    in a whole run), and the serial step's losses stay out of the gradient."""
+    in a whole run), and the serial step's losses stay out of the gradient. In bf16 too,
+    where the warm start once read the checkpoint in the bf16 target's dtype and rounded
+    every weight before the first step."""
     data = (tiny_target_dir, tiny_data_dir)
     assert main(train_args(data, tmp_path / "first", "--export-dtype", "float32")) == 0
     first = load_file(str(tmp_path / "first" / "model.safetensors"))
     common = ("--export-dtype", "float32", "--init-from", str(tmp_path / "first"),
-              "--mlp-ploss-after-epochs", "0")
+              "--mlp-ploss-after-epochs", "0", "--precision", precision)
     assert main(train_args(data, tmp_path / "heads", *common, "--heads-only")) == 0
     assert main(train_args(data, tmp_path / "whole", *common)) == 0
     heads, whole = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("heads", "whole"))

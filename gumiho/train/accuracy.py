@@ -121,7 +121,7 @@ def read_drafter(path: str, target, method: str | None, draft_vocab: int | None,
                  counted: list[dict] | None):
     """The drafter network of `path` in float32, over `draft_vocab` tokens when given (the
     most frequent in `counted`), and its draft head."""
-    model = load_drafter_model(path, target, method).float()
+    model = load_drafter_model(path, target, method, dtype=torch.float32)
     if draft_vocab is not None:  # 0 here is the whole vocabulary, not "its own"
         model = over_vocabulary(model, target, draft_vocab or target.lm_head.weight.shape[0],
                                 counted, path).float()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+import torch
 from torch import Tensor
 
 from gumiho.checkpoint import drafter_network, load_drafter_model
@@ -38,7 +39,7 @@ def new_model(target, config: TrainConfig, samples: list[dict] | None = None,
     else:
         model = trainable(random_drafter_model(
             config.method, target, config.seed if seed is None else seed,
-            chosen_vocabulary(target, config.draft_vocab, samples)))
+            chosen_vocabulary(target, config.draft_vocab, samples), dtype=torch.float32))
     if config.heads_only:
         model.requires_grad_(False)
         model.mlp.requires_grad_(True)
@@ -70,7 +71,8 @@ def chosen_vocabulary(target, size: int, samples: list[dict] | None) -> Tensor |
 def start_from(target, config: TrainConfig, samples: list[dict] | None = None):
     """The trainable drafter of checkpoint `config.init_from` (a warm start): its weights,
     and its draft vocabulary unless --draft-vocab names another size (`over_vocabulary`)."""
-    model = load_drafter_model(config.init_from, target, config.method)
+    # float32 whatever the target's dtype: a bf16 target would round a float16 checkpoint
+    model = load_drafter_model(config.init_from, target, config.method, dtype=torch.float32)
     return trainable(over_vocabulary(model, target, config.draft_vocab, samples,
                                      config.init_from))
 
@@ -94,7 +96,7 @@ def over_vocabulary(model, target, size: int, samples: list[dict] | None, source
     state = {k: v for k, v in model.state_dict().items() if k not in ("d2t", "t2d")}
     if draft_ids is not None:
         state["d2t"], state["t2d"] = vocab_buffers(draft_ids, vocab)
-    return drafter_network(new, target, state, draft_ids)
+    return drafter_network(new, target, state, draft_ids, dtype=next(model.parameters()).dtype)
 
 
 def add_vocabulary_args(p: argparse.ArgumentParser, what: str) -> None:
