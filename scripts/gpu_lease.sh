@@ -79,9 +79,10 @@
 # Next lease (what is still open), calls back to back, ~820 s of the 900 with the start.
 # Issue 12's tau 3.0 at the reference tree (2.89-2.90 on this CPU): the MLP heads are the
 # short part and have seen ~3.5 epochs of the split (the paper's drafters 20 of 68k), so
-# the lease's training time goes to one long run from the shipped drafter with the heads
-# weighted but kept off the serial layers (`_mlpd`: the eighth lease's weighting traded
-# serial 2 for the heads). A `_self` run on the target's own answers was dropped from this
+# the lease's training time goes to one long run from the shipped drafter training the
+# heads alone (`_heads`, `--heads-only`: the eighth lease's weighting traded serial 2 for
+# the heads; a CPU session's 240 heads-only steps raised MLP 1 / 2 by 0.010 / 0.008 with
+# the serial head kept, docs/training_recipe.md; a step costs less than a whole one). A `_self` run on the target's own answers was dropped from this
 # plan: one such epoch on this CPU raised the serial steps' self-text top-1 (0.765 / 0.669
 # -> 0.789 / 0.718) and left tau at 2.89 (docs/results/campaign/self_text_cpu_finetune.md).
 # The suite on CUDA again beside it (clean expected since e9613a4: issue 11's "the whole
@@ -93,17 +94,17 @@
 #        0.765 / 0.669 / 0.394 there, docs/results/campaign/self_text_top1.md);
 #        EVAL_DATA=/root/lease/data/self_heldout512 CAMPAIGN_METHODS=gumiho
 #        INIT=gumiho/assets/smollm2 DRAFT_VOCAB=32768 MAX_LEN=512 BATCH=32 ACCUM=1 LR=3e-4
-#        WARMUP=20 MAX_STEPS=2400 EVAL_EVERY=200 SETTLE=60 RUN_SUFFIX=_mlpd
-#        TRAIN_ARGS="--mlp-ploss-weight 0.1 --mlp-detach" bash scripts/gpu_lease.sh
+#        WARMUP=20 MAX_STEPS=2400 EVAL_EVERY=200 SETTLE=60 RUN_SUFFIX=_heads
+#        TRAIN_ARGS="--mlp-ploss-weight 0.1 --heads-only" bash scripts/gpu_lease.sh
 #        campaign; SUITE_WORKERS=12 SUITE_LIMIT=220 bash scripts/gpu_lease.sh suite;
-#        CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_mlpd WAIT_LIMIT=180 bash scripts/gpu_lease.sh
+#        CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_heads WAIT_LIMIT=180 bash scripts/gpu_lease.sh
 #        wait (2,400 steps are ~5 epochs of the split; the eighth lease's run went 6.4
 #        steps a second beside the suite, so ~6.5 minutes)
-#   4  (~240 s) CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_mlpd WAIT_LIMIT=200 bash
-#        scripts/gpu_lease.sh wait; RUN_SUFFIX=_mlpd CAMPAIGN_METHODS=gumiho bash
+#   4  (~240 s) CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_heads WAIT_LIMIT=200 bash
+#        scripts/gpu_lease.sh wait; RUN_SUFFIX=_heads CAMPAIGN_METHODS=gumiho bash
 #        scripts/gpu_lease.sh fetch (a run still going is stopped at its last save, every
 #        50 steps; its train_log.jsonl's grad_norm says whether the clip at 0.5 acted on
-#        the heavier heads' loss, which scales the serial layers' gradients too)
+#        the heavier heads' loss; with --heads-only the serial layers get none)
 #   here: unpack, then the reference tree's tau on this CPU over 8 questions a benchmark
 #   (2.89 / 2.90 / 2.89 for the seventh, eighth and CPU self-text drafters; the bar is 3.0), and
 #   `python -m gumiho.export --draft-vocab 8192` for the shipped asset if one is better.
