@@ -67,7 +67,7 @@ def export(draft: str | Path, target, out: str | Path, fmt: str = "gumiho",
     model = load_drafter_model(draft, target, method, dtype=torch.float32)
     if draft_vocab is not None:
         model = over_vocabulary(model, target, draft_vocab or target.lm_head.weight.shape[0],
-                                samples, str(draft)).float()
+                                samples, str(draft))
     out = Path(out)
     if fmt == "gumiho":
         save_drafter(model, out, dtype=dtype)

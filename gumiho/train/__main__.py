@@ -100,8 +100,8 @@ def build_parser() -> ArgumentParser:
                    "cannot pull those; the reference trains them on every loss)")
     p.add_argument("--heads-only", action="store_true",
                    help="Gumiho: train the MLP heads alone (the serial layers and fc frozen, "
-                   "their losses left out; ~1.5x the tokens/s of a whole step on a CPU): for "
-                   "a drafter whose heads are the short part")
+                   "their losses left out; 1.25x the tokens/s of an --mlp-detach step on a "
+                   "CPU): for a drafter whose heads are the short part")
     p.add_argument("--serial2-weight", type=float, default=TrainConfig.serial2_weight,
                    help="Gumiho: also score serial step 2 (run on step 1's own output, as "
                    "at inference) against the target's features two ahead, with step 1's "

@@ -124,7 +124,7 @@ def read_drafter(path: str, target, method: str | None, draft_vocab: int | None,
     model = load_drafter_model(path, target, method, dtype=torch.float32)
     if draft_vocab is not None:  # 0 here is the whole vocabulary, not "its own"
         model = over_vocabulary(model, target, draft_vocab or target.lm_head.weight.shape[0],
-                                counted, path).float()
+                                counted, path)
     return model, DraftHead.for_model(target, model)
 
 
