@@ -81,8 +81,9 @@
 # short part and have seen ~3.5 epochs of the split (the paper's drafters 20 of 68k), so
 # the lease's training time goes to one long run from the shipped drafter training the
 # heads alone (`_heads`, `--heads-only`: the eighth lease's weighting traded serial 2 for
-# the heads; a CPU session's 240 heads-only steps raised MLP 1 / 2 by 0.010 / 0.008 with
-# the serial head kept, docs/training_recipe.md; a step costs less than a whole one). A `_self` run on the target's own answers was dropped from this
+# the heads; two CPU sessions' 240 + 160 heads-only steps raised MLP 1 / 2 by 0.012 / 0.008
+# with the serial head kept and tau 2.89 -> 2.90, docs/training_recipe.md; a step costs
+# less than a whole one). A `_self` run on the target's own answers was dropped from this
 # plan: one such epoch on this CPU raised the serial steps' self-text top-1 (0.765 / 0.669
 # -> 0.789 / 0.718) and left tau at 2.89 (docs/results/campaign/self_text_cpu_finetune.md).
 # The suite on CUDA again beside it (clean expected since e9613a4: issue 11's "the whole
@@ -106,7 +107,8 @@
 #        50 steps; its train_log.jsonl's grad_norm says whether the clip at 0.5 acted on
 #        the heavier heads' loss; with --heads-only the serial layers get none)
 #   here: unpack, then the reference tree's tau on this CPU over 8 questions a benchmark
-#   (2.89 / 2.90 / 2.89 for the seventh, eighth and CPU self-text drafters; the bar is 3.0), and
+#   (2.89 / 2.90 / 2.89 / 2.90 for the seventh, eighth, CPU self-text and CPU heads-only
+#   drafters; the bar is 3.0), and
 #   `python -m gumiho.export --draft-vocab 8192` for the shipped asset if one is better.
 #   Not in this plan, for a lease after: the GPU testbed with the better drafter (2x; 1.72x
 #   with a lookup chain on the eighth lease) and the compile engine's cycle at the 8B shape
