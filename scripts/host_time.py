@@ -74,6 +74,31 @@ class StepClock:
         self.inside, self.replays = 0.0, 0
 
 
+def one_run(gen, ids, config, clock: StepClock, profiler: cProfile.Profile | None = None
+            ) -> tuple[int, int, float, float, int, float]:
+    """One generation: the cycles after the first, their tokens, wall time, time inside
+    recorded steps and replays, and the first cycle's host work (`profiler`, if given,
+    sees the cycles after the first)."""
+    steps = generate(gen.target, gen.drafter, ids, config)
+    next(steps)  # the prefill's token (eager)
+    clock.reset()
+    start = time.perf_counter()
+    next(steps)  # the first cycle: its propose catches up over the prompt
+    first_host = time.perf_counter() - start - clock.inside
+    clock.reset()
+    clock.profiler = profiler
+    if profiler is not None:
+        profiler.enable()
+    cycles, tokens, start = 0, 0, time.perf_counter()
+    for new in steps:
+        cycles, tokens = cycles + 1, tokens + len(new)
+    wall = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+    clock.profiler = None
+    return cycles, tokens, wall, clock.inside, clock.replays, first_host
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", default="gumiho")
@@ -89,37 +114,19 @@ def main(argv: list[str] | None = None) -> int:
                                     dtype=args.dtype, engine="static")
     ids = gen.prompt_ids(PROMPT)
     config = GenerateConfig(max_new_tokens=args.max_new_tokens, engine="static")
-    profiler = cProfile.Profile() if args.profile else None
-    runs = ["warm-up", "timed"] + (["profiled"] if profiler else [])  # warm-up records steps
     with StepClock() as clock:
-        for run in runs:
-            steps = generate(gen.target, gen.drafter, ids, config)
-            next(steps)  # the prefill's token (eager)
-            clock.reset()
-            start = time.perf_counter()
-            next(steps)  # the first cycle: its propose catches up over the prompt
-            first, first_inside = time.perf_counter() - start, clock.inside
-            clock.reset()
-            clock.profiler = profiler if run == "profiled" else None
-            if clock.profiler:
-                clock.profiler.enable()
-            cycles, tokens, start = 0, 0, time.perf_counter()
-            for new in steps:
-                cycles, tokens = cycles + 1, tokens + len(new)
-            if clock.profiler:
-                clock.profiler.disable()
-                clock.profiler = None
-            if run == "timed":
-                wall, inside, replays = time.perf_counter() - start, clock.inside, clock.replays
-                first_host, timed = first - first_inside, (cycles, tokens)
-    cycles, tokens = timed
+        one_run(gen, ids, config, clock)  # warm-up: records every step shape
+        cycles, tokens, wall, inside, replays, first_host = one_run(gen, ids, config, clock)
+        profiler = cProfile.Profile() if args.profile else None
+        if profiler is not None:  # a run of its own: cProfile's cost inflates what it sees
+            one_run(gen, ids, config, clock, profiler)
     ms = 1e3 / max(cycles, 1)
     print(f"{args.method}: {cycles} cycles after the first, {tokens / max(cycles, 1):.2f} "
           f"tokens a cycle; per cycle: wall {wall * ms:.2f} ms, inside recorded steps "
           f"{inside * ms:.2f} ms ({replays / max(cycles, 1):.1f} replays), "
           f"host work {(wall - inside) * ms:.3f} ms; the first cycle: host work "
           f"{first_host * 1e3:.1f} ms (the prompt's catch-up)")
-    if profiler is not None:  # a run of its own: cProfile's cost inflates what it sees
+    if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     return 0
 
