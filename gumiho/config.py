@@ -125,7 +125,7 @@ class DrafterConfig:
 PRESETS = ("reference", "demo")
 # `gumiho demo`'s confidence floors, for the methods that take them, in float32. On the
 # 2-core CPU the demo was tuned on, --min-confidence 0.1 took its prompt 0.95x -> 1.01x
-# plain and six benchmarks 1.34x -> 1.36x (README, Methods); not in bf16, where a wider
+# plain and six benchmarks 1.34x -> 1.36x (docs/methods.md); not in bf16, where a wider
 # verify costs little on an AMX CPU and the floors cost speed (six benchmarks 1.80x without,
 # 1.67x with). --extend-confidence 0.4: a deeper level costs a drafter step, the first
 # draft only a slightly wider verify.
@@ -188,7 +188,7 @@ class TreeConfig:
     # level j + 2 (heads 1..S-2 unused): a drafter step a level for better candidates there.
     serial_levels: int = 0
     # Full Tree Attention: off | official | exact. Default off: with the shipped drafter
-    # exact measured no better (tau 1.63 vs 1.64, 5 held-out prompts; README).
+    # exact measured no better (tau 1.63 vs 1.64, 5 held-out prompts; docs/methods.md).
     fta: str = "off"
     # Prompt-lookup candidates (lookup.py): a chain of this many n-gram continuation tokens
     # under the root, beside the drafter's tree (0 = none; the `lookup` method: 10).
@@ -207,7 +207,7 @@ class TreeConfig:
     # Draft a deeper level (a drafter step: a serial level or the MLP heads) only below a
     # node whose path probability reaches this (drafters.py; eager steps; 0 = the
     # min_confidence floor). A level costs a drafter step and a wider verify, the first
-    # draft only a slightly wider verify, so the two floors differ (README, Methods).
+    # draft only a slightly wider verify, so the two floors differ (docs/methods.md).
     extend_confidence: float = 0.0
 
     def __post_init__(self):

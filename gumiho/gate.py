@@ -6,7 +6,7 @@ the drafter's tokens per cycle exceed `c`, the break-even. On a GPU c is close t
 drafter almost always pays; on a 2-core CPU c is 1.2-1.4 for the smallest trees and a
 weak drafter on unfamiliar text does not reach it: on CNN/DM-like articles the shipped
 SmolLM2 Gumiho drafter's cycles (those where prompt lookup found nothing) emitted 1.21
-tokens at 1.33 plain steps each (README, "Drafting only where it pays").
+tokens at 1.33 plain steps each (docs/methods.md, "Drafting only where it pays").
 
 `GatedDrafter` keeps a running mean of the tokens its drafter's cycles emitted in this
 sequence (starting from the calibration's expectation) and, while that mean is below the
@@ -20,7 +20,7 @@ break-even of the shape it picks from whole unprofiled cycles (budget.py) and lo
 Off by default (`--draft-gate X` turns it on): the running mean is too noisy to tell a
 drafter at 1.15-1.2 tokens per cycle from one at 1.35-1.4 within one answer, and with the
 12,288-conversation SmolLM2 drafter it cost more where the drafter pays than it saved
-where it does not (six benchmarks, 2-core CPU: 1.33x plain gated, 1.36x ungated; README,
+where it does not (six benchmarks, 2-core CPU: 1.33x plain gated, 1.36x ungated; docs/methods.md,
 "Drafting only where it pays").
 
 Skipped cycles cost the drafter nothing: its `observe` queue holds their tokens and the

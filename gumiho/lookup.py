@@ -139,7 +139,7 @@ class LookupDrafter(DrafterWrapper):
     A continuation needs a recurring n-gram of at least `min_n` = 2 tokens: a single
     recurring token is a poor guess that still costs its chain's verify width (SmolLM2 on
     10 held-out ShareGPT prompts, 2-core CPU: lookup 1.24x -> 1.43x plain, Gumiho +
-    lookup 1.33x -> 1.44x; README, The shipped testbed drafters). A match shorter than
+    lookup 1.33x -> 1.44x; docs/methods.md). A match shorter than
     `max_n` proposes only its first `short` tokens: on plain decoding's answers (six
     benchmarks and held-out ShareGPT; scripts/lookup_chains.py) a 2-gram match's first
     token is accepted in 33-66% of cycles and its mean run is 0.6-3.4 tokens, a 3-gram's

@@ -15,7 +15,7 @@ counts tokens and verified drafts, not time; the speed of a floor is the evaluat
 for pairs of (first-draft floor, extend floor), against 1.00 for a plain step there. Each
 drafter cycle pays its catch-up (even one that becomes a plain step: the next cycle catches
 up again), a serial level 2 when the first draft reaches the extend floor, and its verify
-width beyond one token. The costs measured on the 2-core dev CPU (README, Methods):
+width beyond one token. The costs measured on the 2-core dev CPU (docs/methods.md):
 `--costs 0.13,0.10,0.035,0.10`.
 """
 

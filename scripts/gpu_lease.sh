@@ -363,7 +363,7 @@ campaign() {  # the three drafters on the whole training split, in the backgroun
     if pgrep -f "output-dir $LEASE_ROOT/runs/$run --" > /dev/null; then continue; fi
     local extra=""
     # MLP heads' ploss from the first step: on the CPU's 1,024-conversation run it lifted
-    # them 2-5x and left the serial heads as they were (README, the shipped drafters).
+    # them 2-5x and left the serial heads as they were (docs/history.md, "The drafters").
     [[ $m == gumiho ]] && extra="--mlp-ploss-after-epochs 0"
     # INIT=DIR: continue DIR/<method> (e.g. INIT=gumiho/assets/smollm2, the shipped ones).
     if [[ -n ${INIT:-} ]]; then

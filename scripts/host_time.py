@@ -13,7 +13,7 @@ over the prompt, eagerly, once a generation: it is reported apart.
     python scripts/host_time.py --method gumiho --draft gumiho/assets/smollm2/gumiho
     python scripts/host_time.py --method ar --profile 20    # the rest's Python, by function
 
-Measured figures: README, "Where it stands" (the paragraph after the list).
+Measured figures: docs/status.md, "Reached, and not yet".
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def test_a_depth_one_gumiho_tree_drafts_level_one_alone(smollm2):
     """`--depth 1`: the serial level-1 candidates only, no serial step, no heads; output
     still plain's, and the first cycle accepts what the reference tree predicted for that
     shape. (Auto does not try it for Gumiho: on this CPU it picked 2 tokens at depth 1 and
-    ran 1.43x against the 3-token chain's 1.45x over six benchmarks; README.)"""
+    ran 1.43x against the 3-token chain's 1.45x over six benchmarks; docs/engine.md.)"""
     ids, plain, full, trees, drafts = reference_first_cycle(smollm2,
                                                             "List three uses of a paperclip.")
     shape = budget.Shape(3, 1)

@@ -4,10 +4,10 @@
 Why: a shared or thermally limited machine drifts by several percent within minutes. When
 each method answers all questions in turn (one `gen_answers` after another), that drift
 lands on whichever method runs then, and two methods a few percent apart swap places from
-one run to the next (README, Methods: the same 12 CNN/DM-like questions read 1.27x, then
-1.48x). Here every method answers question 1, then every method question 2, and so on,
-with the order rotating by one from question to question, so drift falls on all of them
-alike and each method runs first equally often.
+one run to the next (docs/history.md, "Testbed tables of earlier drafters": the same 12
+CNN/DM-like questions read 1.27x, then 1.48x). Here every method answers question 1, then
+every method question 2, and so on, with the order rotating by one from question to
+question, so drift falls on all of them alike and each method runs first equally often.
 
 Common flags (once, outside --run): --target, --device, --dtype, --chat-template, --bench,
 --temperature, --max-new-tokens, --question-begin, --question-end, --seed, --warmup,
