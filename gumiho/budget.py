@@ -180,7 +180,8 @@ def candidate_shapes(method: str, reference: TreeConfig,
 
 def shape_drafter(model, method: str, tree: TreeConfig, engine: str):
     """The calibration drafter's network drafting at another tree shape."""
-    from gumiho.drafters import MedusaDrafter, SerialDrafter
+    from gumiho.drafters import MedusaDrafter
+    from gumiho.serial_drafter import SerialDrafter
 
     cls = SerialDrafter if method_spec(method).serial else MedusaDrafter
     return cls(model, tree, engine=engine)
@@ -321,7 +322,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     cost = fastest_interleaved(calls, target.device, 5)
     if not fixed["draft_catchup"]:
         # Captured engines record a cycle's drafting, catch-up included, as one step
-        # (drafters.py), so the profile has no catch-up phase: its share is the drafting
+        # (serial_drafter.py), so the profile has no catch-up phase: its share is the drafting
         # less a proposal at the calibration's shape. (Medusa has none: about 0.)
         fixed["draft_catchup"] = max(fixed["draft"] - cost[own], 0.0)
     rows = {}

@@ -202,10 +202,10 @@ class TreeConfig:
     draft_gate: float = 0.0
     # Verify only draft nodes whose path probability under the drafter (the product of its
     # probabilities from the root) is at least this, and stop drafting deeper once no node
-    # of a level reaches it (drafters.py; eager steps; 0 = off, default).
+    # of a level reaches it (serial_drafter.py; eager steps; 0 = off, default).
     min_confidence: float = 0.0
     # Draft a deeper level (a drafter step: a serial level or the MLP heads) only below a
-    # node whose path probability reaches this (drafters.py; eager steps; 0 = the
+    # node whose path probability reaches this (serial_drafter.py; eager steps; 0 = the
     # min_confidence floor). A level costs a drafter step and a wider verify, the first
     # draft only a slightly wider verify, so the two floors differ (docs/methods.md).
     extend_confidence: float = 0.0

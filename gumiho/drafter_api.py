@@ -10,9 +10,10 @@ The loop (engine.py) talks to a drafter through three calls:
   has it without a sync; None from other callers).
 * `propose() -> DraftTree`: a tree rooted at the newest root token.
 
-The methods' drafters and `load_drafter` are in drafters.py; the wrappers (a prompt-lookup
-chain, lookup.py; the drafting gate, gate.py) build on `DrafterWrapper` here, so
-drafters.py can put them together without importing itself back.
+The methods' drafters are in drafters.py and serial_drafter.py, `load_drafter` in
+drafters.py; the wrappers (a prompt-lookup chain, lookup.py; the drafting gate, gate.py)
+build on `DrafterWrapper` here, so drafters.py can put them together without importing
+itself back.
 """
 
 from __future__ import annotations

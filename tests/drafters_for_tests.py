@@ -134,7 +134,7 @@ class OracleHead:
 def oracle_drafter(method, target, full, tree, engine="eager"):
     """A SerialDrafter (gumiho or eagle2) whose network and lm_head are the oracle."""
     from gumiho.config import DrafterConfig
-    from gumiho.drafters import SerialDrafter
+    from gumiho.serial_drafter import SerialDrafter
 
     config = DrafterConfig.for_target(target.config, method)
     drafter = SerialDrafter(OracleModel(config, full), tree, engine=engine)

@@ -8,10 +8,11 @@ import pytest
 
 from gumiho.config import TreeConfig
 from gumiho.demo import shipped_drafter
-from gumiho.drafters import PlainDrafter, SerialDrafter, load_drafter
+from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.errors import GumihoError
 from gumiho.evaluation.speed import method_label
+from gumiho.serial_drafter import SerialDrafter
 
 from conftest import tiny_llama
 from test_sampling import assert_samples_match_target

@@ -12,12 +12,13 @@ import gumiho.train.__main__ as trainer
 import gumiho.train.accel as accel
 from gumiho.checkpoint import to_official
 from gumiho.config import TrainConfig, TreeConfig
-from gumiho.drafters import PlainDrafter, SerialDrafter, load_drafter
+from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, prefill, run
 from gumiho.errors import GumihoError
 from gumiho.ge_data.shards import load_samples
 from gumiho.kv_cache import KVCache
 from gumiho.modeling import DraftHead
+from gumiho.serial_drafter import SerialDrafter
 from gumiho.target import load_target
 from gumiho.train.__main__ import main
 from gumiho.train.accel import bf16_slowdown

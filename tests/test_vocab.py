@@ -9,10 +9,11 @@ from safetensors.torch import load_file
 
 from gumiho.checkpoint import load_drafter_model, save_drafter
 from gumiho.config import TreeConfig
-from gumiho.drafters import MedusaDrafter, SerialDrafter, random_drafter_model
+from gumiho.drafters import MedusaDrafter, random_drafter_model
 from gumiho.engine import GenerateConfig, run
 from gumiho.modeling import DraftHead, draft_vocabulary
 from gumiho.modeling.vocab import draft_ids_of, vocab_buffers
+from gumiho.serial_drafter import SerialDrafter
 from gumiho.train.dataset import token_counts
 
 from conftest import tiny_llama

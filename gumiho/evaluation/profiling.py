@@ -60,9 +60,9 @@ def tree_build_s(target: Target, drafter, ids: list[int], engine: str, repeats: 
     inputs come from an eager run of the same network and tree; a recorded step's replay
     is timed without its input copies. None for drafters without one (Medusa's tree is
     fixed) and for the FTA modes and floors, which build their trees on the host."""
-    from gumiho.drafters import SerialDrafter
     from gumiho.graphs import StaticStep
     from gumiho.profiling import timed
+    from gumiho.serial_drafter import SerialDrafter
 
     while hasattr(drafter, "inner"):  # a lookup chain or a gate around it
         drafter = drafter.inner

@@ -132,7 +132,7 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
     cycles = max(fast.cycles - 1, 1)  # the prefill is not a cycle
     phases = {k: v / cycles for k, v in fast.phase_s.items() if k != "prefill"}
     inner = [phases[p] for p in ("draft_catchup", "draft_serial", "draft_heads") if p in phases]
-    if inner:  # eager steps; a recorded drafting step is one phase (drafters.py)
+    if inner:  # eager steps; a recorded drafting step is one phase (serial_drafter.py)
         phases["draft_tree"] = max(phases.get("draft", 0.0) - sum(inner), 0.0)
     cycle = phases["draft"] + phases["verify"] + phases["accept_commit"]
     plain_cycles = max(plain.cycles - 1, 1)

@@ -24,11 +24,11 @@ import torch
 from tqdm import tqdm
 
 from gumiho.config import TrainConfig, TreeConfig
-from gumiho.drafters import SerialDrafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.errors import ArgumentParser, cli_errors, nonnegative_int, positive_int
 from gumiho.ge_data.conversations import load_conversations, split
 from gumiho.modeling import draft_vocabulary
+from gumiho.serial_drafter import SerialDrafter
 from gumiho.target import load_target
 from gumiho.templates import tokenize_conversation
 from gumiho.train.dataset import token_counts
