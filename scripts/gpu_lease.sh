@@ -79,33 +79,48 @@
 # Next lease (what is still open), calls back to back, ~820 s of the 900 with the start.
 # Issue 12's tau 3.0 at the reference tree (2.89-2.90 on this CPU): the MLP heads are the
 # short part and have seen ~3.5 epochs of the split (the paper's drafters 20 of 68k), so
-# the lease's training time goes to one long run from the shipped drafter training the
-# heads alone (`_heads`, `--heads-only`: the eighth lease's weighting traded serial 2 for
-# the heads; two CPU sessions' 240 + 160 heads-only steps raised MLP 1 / 2 by 0.012 / 0.008
-# with the serial head kept and tau 2.89 -> 2.90, docs/training_recipe.md; a step costs
-# less than a whole one). A `_self` run on the target's own answers was dropped from this
-# plan: one such epoch on this CPU raised the serial steps' self-text top-1 (0.765 / 0.669
-# -> 0.789 / 0.718) and left tau at 2.89 (docs/results/campaign/self_text_cpu_finetune.md).
-# The suite on CUDA again beside it (clean expected since e9613a4: issue 11's "the whole
-# suite runs on a GPU").
+# the lease's training time goes to two runs side by side from the shipped drafter:
+# `_heads` trains the heads alone (`--heads-only`: the eighth lease's weighting traded
+# serial 2 for the heads), `_s2` trains everything with the heads weighted as the eighth
+# lease did and serial step 2 scored too (`--serial2-weight 1`, so the heads' pull on the
+# shared layers is answered by step 2's own loss). Why both: on this CPU heads-only
+# training levels off early (240 + 160 steps raised MLP 1 / 2 by 0.012 / 0.008 with the
+# serial head kept, tau 2.89 -> 2.90; 180 steps at lr 1e-3 on the same batches trailed lr
+# 3e-4 by 0.009 at MLP 1 after 90 steps, led by 0.003 after 180, and read +0.012 against
+# the shipped drafter: docs/training_recipe.md), while the eighth lease's joint run was
+# still rising at step 900 (MLP 1 +0.041). A `_self` run on the target's own answers was
+# dropped from this plan: one such epoch on this CPU raised the serial steps' self-text
+# top-1 (0.765 / 0.669 -> 0.789 / 0.718) and left tau at 2.89
+# (docs/results/campaign/self_text_cpu_finetune.md). The suite on CUDA again beside them
+# (clean expected since e9613a4: issue 11's "the whole suite runs on a GPU").
 #   1  .stage/1 (receive, ~45 s with the start)
 #   2  .stage/3 (receive the drafters, ~5 s)
 #   3  .stage/2 (~560 s): REGEN_SPLITS=held_out bash scripts/gpu_lease.sh selfdistill
 #        (the target's own held-out answers, to evaluate on: the shipped network scores
-#        0.765 / 0.669 / 0.394 there, docs/results/campaign/self_text_top1.md);
-#        EVAL_DATA=/root/lease/data/self_heldout512 CAMPAIGN_METHODS=gumiho
+#        0.765 / 0.669 / 0.394 there, docs/results/campaign/self_text_top1.md); then, with
+#        C="EVAL_DATA=/root/lease/data/self_heldout512 CAMPAIGN_METHODS=gumiho
 #        INIT=gumiho/assets/smollm2 DRAFT_VOCAB=32768 MAX_LEN=512 BATCH=32 ACCUM=1 LR=3e-4
-#        WARMUP=20 MAX_STEPS=2400 EVAL_EVERY=200 SETTLE=60 RUN_SUFFIX=_heads
-#        TRAIN_ARGS="--mlp-ploss-weight 0.1 --heads-only" bash scripts/gpu_lease.sh
-#        campaign; SUITE_WORKERS=12 SUITE_LIMIT=220 bash scripts/gpu_lease.sh suite;
-#        CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_heads WAIT_LIMIT=180 bash scripts/gpu_lease.sh
-#        wait (2,400 steps are ~5 epochs of the split; the eighth lease's run went 6.4
-#        steps a second beside the suite, so ~6.5 minutes)
-#   4  (~240 s) CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_heads WAIT_LIMIT=200 bash
-#        scripts/gpu_lease.sh wait; RUN_SUFFIX=_heads CAMPAIGN_METHODS=gumiho bash
-#        scripts/gpu_lease.sh fetch (a run still going is stopped at its last save, every
-#        50 steps; its train_log.jsonl's grad_norm says whether the clip at 0.5 acted on
-#        the heavier heads' loss; with --heads-only the serial layers get none)
+#        WARMUP=20 MAX_STEPS=2400 EVAL_EVERY=200 SETTLE=60":
+#        env $C RUN_SUFFIX=_heads TRAIN_ARGS="--mlp-ploss-weight 0.1 --heads-only" bash
+#        scripts/gpu_lease.sh campaign; env $C SETTLE=30 RUN_SUFFIX=_s2
+#        TRAIN_ARGS="--mlp-ploss-weight 0.1 --serial2-weight 1 --grad-clip 1.25" bash
+#        scripts/gpu_lease.sh campaign (the split's tokens are cached by then; the clip
+#        raised because scoring step 2 makes the norm before clipping ~2.5x as large,
+#        docs/results/campaign/serial2_cpu.md, which at 0.5 would shrink every update); SUITE_WORKERS=12 SUITE_LIMIT=220
+#        bash scripts/gpu_lease.sh suite; CAMPAIGN_METHODS=gumiho WAIT_LIMIT=150 bash
+#        scripts/gpu_lease.sh wait (2,400 steps are ~5 epochs of the split; the eighth
+#        lease's run went 6.4 steps a second beside the suite, so ~6.5 minutes alone; two
+#        side by side will not both finish: `fetch` stops each at its last save)
+#   4  (~240 s) CAMPAIGN_METHODS=gumiho WAIT_LIMIT=200 bash scripts/gpu_lease.sh wait;
+#        then CAMPAIGN_METHODS=gumiho bash scripts/gpu_lease.sh fetch with
+#        RUN_SUFFIX=_heads, then with RUN_SUFFIX=_s2 (the first fetch stops both runs, each
+#        at its last save, every 50 steps; two archives of 3 parts each and the curves fit
+#        a call's 8 files; train_log.jsonl's grad_norm says whether the clip at 0.5 acted on
+#        the heavier heads' loss). Tried on this CPU (2026-11-29: DEVICE=cpu
+#        LEASE_ROOT=/tmp/lease_cpu, the two packages linked into its site/, MAX_LEN=64
+#        BATCH=2 MAX_STEPS=4 CONVERSATIONS=16 PRECISION=fp32, no EVAL_DATA): both campaigns
+#        trained side by side, wait, and the two fetches gave drafters_heads.tgz.part-a{a,b,c},
+#        drafters_s2.tgz.part-a{a,b,c} and campaign.png.
 #   here: unpack, then the reference tree's tau on this CPU over 8 questions a benchmark
 #   (2.89 / 2.90 / 2.89 / 2.90 for the seventh, eighth, CPU self-text and CPU heads-only
 #   drafters; the bar is 3.0), and
