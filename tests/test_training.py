@@ -584,6 +584,17 @@ def test_chained_runs_plot_as_one_curve(tmp_path):
         plot.eval_rows(second)  # alone, a run without evaluations is still an error
 
 
+@pytest.mark.host
+def test_a_log_cut_off_mid_line_is_named(tmp_path):
+    """A training log whose last line was cut off (a killed run) is refused in one line
+    naming it, not read as a bug."""
+    from gumiho.train import plot
+
+    (tmp_path / "train_log.jsonl").write_text('{"step": 5, "acc_mlp1": 0.4}\n{"step": 10, "ac')
+    with pytest.raises(GumihoError, match="line 2 is not JSON"):
+        plot.log_rows(tmp_path)
+
+
 def test_accuracy_tool_matches_trainings_evaluation(tiny_target_dir, tiny_data_dir, tmp_path,
                                                     capsys):
     from gumiho.train import accuracy

@@ -24,7 +24,15 @@ def log_rows(run: Path) -> list[dict]:
     if not log.is_file():
         raise GumihoError(f"{log} not found: give a training output dir or its "
                           "train_log.jsonl")
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(log.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise GumihoError(f"{log} line {number} is not JSON (a log cut off "
+                                  "mid-line: delete that line)") from None
+    return rows
 
 
 HOW_TO_EVALUATE = "train with --eval-data and --eval-every N"
