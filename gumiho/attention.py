@@ -16,7 +16,8 @@ per layer per step), the mask's rows are repeated per folded head.
 `sdpa_invariant` (`SDPA_INVARIANT`, chosen with `load_target(...,
 attn_implementation="sdpa_invariant")` or `--attention`) computes every row of a call as
 one-token decoding would (see `invariant_sdpa_forward`): with row-independent products
-(`linear.rows_independent`: bf16 on an AMX CPU, float32 where rowgemm.c builds) a tree
+(`linear.rows_independent`: bf16 on an AMX CPU, rowamx.c's up to 80 rows, float32 where
+rowgemm.c builds) a tree
 verify then gives exactly plain decoding's tokens, where torch's own attention kernel gives
 a row the same bits wherever its operands lie (`invariant_here` probes it;
 tests/test_attention.py held in both dtypes on the AMX dev machine, and in bf16 only on an

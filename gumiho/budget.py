@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from gumiho import rowgemm
+from gumiho import rowamx, rowgemm
 from gumiho.config import TreeConfig
 from gumiho.engine import GenerateConfig, TargetRunner, prefill, run, verify_tree
 from gumiho.linear import PackedLinear
@@ -245,11 +245,12 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # 6: bf16 CPU projections packed, MLP heads without weight copies; 7: float32 ones
     # packed for MKL; 8: float32 ones through rowgemm.c; 9: verify widths timed in turns,
     # the fastest round each; 10: the proposals likewise); whether the target's layers are
-    # packed ($GUMIHO_PACK) and whether rowgemm built here ($GUMIHO_ROWGEMM) change them
+    # packed ($GUMIHO_PACK) and whether rowgemm and rowamx built here ($GUMIHO_ROWGEMM,
+    # $GUMIHO_ROWAMX) change them
     packed = any(type(m) is PackedLinear for m in target.model.modules())
     key = json.dumps([10, target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
-                      engine, torch.__version__, packed, rowgemm.identity(),
+                      engine, torch.__version__, packed, rowgemm.identity(), rowamx.identity(),
                       target.config._attn_implementation], default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 

@@ -29,8 +29,9 @@ from gumiho.errors import (
 )
 from gumiho.generate import SpeculativeGenerator, check_context_room, total_tokens_arg
 from gumiho.graphs import ENGINES
-from gumiho.linear import amx_cpu, rows_independent
+from gumiho.linear import rows_independent
 from gumiho.methods import DRAFTER_METHODS
+from gumiho.rowamx import amx_cpu
 from gumiho.target import ATTENTION_CHOICES, choose_device_dtype
 
 SHIPPED = Path(__file__).parent / "assets" / "smollm2"
@@ -104,7 +105,8 @@ def alternated_rounds(target, drafter, ids: list[int], config: GenerateConfig, r
 def exact_here(target, tree) -> bool:
     """Whether the output must equal plain decoding's bit for bit, what "lossless"
     guarantees exactly (README): float32, or a row-invariant attention on a CPU whose
-    products are row-independent for a verify's rows (bf16 on AMX, <= 32 rows)."""
+    products are row-independent for a verify's rows (bf16 on AMX: up to rowamx.MAX_ROWS
+    with rowamx.c, 32 with oneDNN alone)."""
     widest = tree.total_tokens + tree.lookup  # the most rows a verify had
     invariant = (target.config._attn_implementation == SDPA_INVARIANT
                  and target.device.type == "cpu" and rows_independent(target.dtype, widest)

@@ -30,7 +30,11 @@ bf16 39 and 44). oneDNN reorders a plain weight into its blocked layout on every
 reordering once at load (`PackedLinear`) makes a bf16 step about 20% faster (39 against
 50 ms for one token; docs/cpu_costs.md, bfloat16 on a CPU) and gives bit-identical results (the same
 kernel runs). torch.compile cannot lower the packed product: its engine unpacks
-(`unpack_linears`).
+(`unpack_linears`). Where rowamx.c runs (rowamx.py: AMX tiles and a compiler that knows
+them), a packed bf16 layer or vocabulary head also keeps its weight in that kernel's tile
+order and sends it 1 to rowamx.MAX_ROWS rows (decode steps, verifies, drafting): a product
+costs 0.35-0.7x oneDNN's there, and each row's bits are its own up to 80 rows; prefills
+and longer inputs keep oneDNN's.
 
 float32 layers are packed too, for MKL's packed GEMM (`cblas_sgemm_pack`/`_compute`, the
 op torch's CPU compiler emits for frozen float32 weights), which skips repacking the
@@ -50,12 +54,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional
 
-from gumiho import rowgemm
+from gumiho import rowamx, rowgemm
 
 log = logging.getLogger("gumiho")
 
@@ -131,10 +136,13 @@ def vocab_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None = None,
     """hidden (..., H) @ weight (V, H).T (+ bias): `functional.linear`, faster where MKL is
     slow (see the module doc; float32 rows up to rowgemm.MAX_ROWS run rowgemm.c). `packed`:
     the weight as `pack_weight` returned it, used where no gradient has to flow (the same
-    product)."""
+    product; its tiles for the rows rowamx.c takes)."""
     if packed is not None and hidden.device.type == "cpu" and not (
             torch.compiler.is_compiling() or (torch.is_grad_enabled() and hidden.requires_grad)):
-        return ONEDNN_LINEAR(hidden.to(packed.dtype), packed, bias, "none", [], "")
+        hidden = hidden.to(packed.onednn.dtype)
+        if bias is None and packed.tiles is not None and packed.tiles.takes(hidden):
+            return packed.tiles(hidden)
+        return ONEDNN_LINEAR(hidden, packed.onednn, bias, "none", [], "")
     if rowgemm.takes(hidden, weight):
         return rowgemm.linear(hidden, weight, bias)
     if uses_onednn(hidden, weight):
@@ -167,6 +175,9 @@ class PackedLinear(nn.Module):
             nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.rows = rowgemm.Prepared(self.plain if self.narrow is None else self.narrow,
                                      self.bias) if row_kernel else None
+        # bf16 on an AMX CPU: rowamx.c's tiles for 1 to rowamx.MAX_ROWS rows, oneDNN beyond
+        self.tiles = rowamx.Prepared(weight, self.bias) \
+            if weight.dtype == torch.bfloat16 and rowamx.kernel() is not None else None
 
     @property
     def row_kernel(self) -> bool:
@@ -184,6 +195,8 @@ class PackedLinear(nn.Module):
             if self.rows.takes(x):
                 return self.rows(x)
             return functional.linear(x, self.weight, self.bias)
+        if self.tiles is not None and self.tiles.takes(x):
+            return self.tiles(x)
         if self.mkl:
             rows = x.numel() // self.in_features
             if not MIN_ROWS <= rows <= MKL_MAX_ROWS:
@@ -193,27 +206,19 @@ class PackedLinear(nn.Module):
         return ONEDNN_LINEAR(x.to(self.packed.dtype), self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        kind = "rowgemm" if self.row_kernel else "MKL" if self.mkl else "oneDNN"
+        kind = "rowgemm" if self.row_kernel else "MKL" if self.mkl else \
+            "rowamx and oneDNN" if self.tiles is not None else "oneDNN"
         stored = f", stored as {self.narrow.dtype}" if self.narrow is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"packed for {kind}{stored}"
-
-
-def amx_cpu() -> bool:
-    """Whether this CPU has AMX tiles (torch's own check; False where torch cannot tell):
-    there bf16 products cost about the same for 1 to 16 rows (module doc)."""
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    try:
-        return bool(check()) if check is not None else False
-    except RuntimeError:
-        return False
 
 
 @functools.cache
 def rows_independent(dtype: torch.dtype = torch.bfloat16, rows: int = 32) -> bool:
     """Whether this CPU's products of layer shape in `dtype` (packed where `pack_linears`
     packs) give each of up to `rows` input rows bit for bit what it gets alone. oneDNN's
-    AMX bf16 kernels do, for up to 32 rows on the 2026-11-26 dev machine (not for 40);
+    AMX bf16 kernels do, for up to 32 rows on the 2026-11-26 dev machine (not for 40), and
+    rowamx.c's, which run a packed bf16 layer's 1 to rowamx.MAX_ROWS rows where they build;
     float32 MKL's do not, rowgemm.c's do (up to rowgemm.MAX_ROWS rows). With it and a
     row-invariant attention (attention.py), a verify's tokens get exactly the hidden states
     of one-token steps."""
@@ -238,12 +243,22 @@ def can_pack(weight: Tensor) -> bool:
             and weight.device.type == "cpu" and not torch.compiler.is_compiling())
 
 
-def pack_weight(weight: Tensor) -> Tensor | None:
-    """A frozen bf16 weight reordered once for `vocab_linear(..., packed=)`, or None where
+@dataclass(frozen=True)
+class PackedHead:
+    """A frozen bf16 vocabulary weight prepared once for the CPU (`pack_weight`): oneDNN's
+    reordered copy, and rowamx.c's tiles where they run (1 to rowamx.MAX_ROWS rows)."""
+    onednn: Tensor
+    tiles: rowamx.Prepared | None
+
+
+def pack_weight(weight: Tensor) -> PackedHead | None:
+    """A frozen bf16 weight prepared once for `vocab_linear(..., packed=)`, or None where
     `can_pack` says no (float32 vocabulary heads have their own path, `uses_onednn`)."""
     if weight.requires_grad or weight.dtype not in PACKED_DTYPES or not can_pack(weight):
         return None
-    return ONEDNN_REORDER(weight.detach(), PACK_ROWS)
+    weight = weight.detach()
+    return PackedHead(ONEDNN_REORDER(weight, PACK_ROWS),
+                      rowamx.Prepared(weight) if rowamx.kernel() is not None else None)
 
 
 def pack_linears(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:

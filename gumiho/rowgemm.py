@@ -73,7 +73,7 @@ KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 LIBS = ["-lm"]
 
 
-def _openmp_flags() -> list[str]:
+def openmp_flags() -> list[str]:
     """Link torch's own OpenMP runtime where the wheel ships one (so both share one pool);
     without it the kernel runs on one thread rather than start a second pool."""
     lib = Path(torch.__file__).parent / "lib"
@@ -82,7 +82,7 @@ def _openmp_flags() -> list[str]:
     return ["-fopenmp", f"-L{lib}", f"-Wl,-rpath,{lib}"]
 
 
-def _build(compiler: str, flags: list[str], out: Path, sources: list[Path] = SOURCES
+def build(compiler: str, flags: list[str], out: Path, sources: list[Path] = SOURCES
            ) -> None:
     """Compile the kernels (`sources`: rowgemm.c and rowattention.c, rowkernels.h beside
     them) to `out`, atomically (concurrent processes may race to it)."""
@@ -146,7 +146,7 @@ def _library() -> tuple[str, list[str], Path] | None:
     if compiler is None:
         log.info("no C compiler: float32 CPU products stay torch's (rowgemm.py)")
         return None
-    flags = _openmp_flags()
+    flags = openmp_flags()
     key = hashlib.sha1(repr([[f.read_bytes() for f in (*SOURCES, HEADER)], FLAGS, flags,
                              compiler]).encode())
     return compiler, flags, cache_dir() / "kernels" / f"rowgemm-{key.hexdigest()[:16]}.so"
@@ -182,7 +182,7 @@ def kernel():
     compiler, flags, path = library
     try:
         if not path.exists():
-            _build(compiler, flags, path)
+            build(compiler, flags, path)
         function, attend = _bind(path)
         if not _works(function, attend):
             log.warning("rowgemm gave wrong products here; torch's run instead")

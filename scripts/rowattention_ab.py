@@ -32,7 +32,7 @@ def build(sources: Path, out: Path):
     if here is None:
         raise SystemExit("error: rowgemm's kernels do not build here (rowgemm.py)")
     compiler, flags, _ = here
-    rowgemm._build(compiler, flags, out, [sources / name for name in FILES[:2]])
+    rowgemm.build(compiler, flags, out, [sources / name for name in FILES[:2]])
     return rowgemm._bind(out)[1]
 
 

@@ -4,7 +4,7 @@ the loop's wide verifies going through it while output stays plain decoding's.""
 import pytest
 import torch
 
-from gumiho import linear, rowgemm
+from gumiho import linear, rowamx, rowgemm
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.linear import MIN_OUTPUTS, uses_onednn, vocab_linear
@@ -19,6 +19,13 @@ def no_rowgemm(monkeypatch):
     """torch's products as on a machine where rowgemm.c does not build (the paths below
     are that machine's; tests/test_rowgemm.py holds rowgemm's)."""
     monkeypatch.setattr(rowgemm, "kernel", lambda: None)
+
+
+@pytest.fixture
+def no_rowamx(monkeypatch):
+    """oneDNN's bf16 products as on a CPU without AMX tiles (tests/test_rowamx.py holds
+    rowamx.c's)."""
+    monkeypatch.setattr(rowamx, "kernel", lambda: None)
 
 
 @needs_onednn
@@ -84,7 +91,7 @@ needs_packing = pytest.mark.skipif(linear.ONEDNN_REORDER is None, reason="torch 
 @needs_packing
 @pytest.mark.host
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_packed_linear_is_the_same_product(bias):
+def test_a_packed_linear_is_the_same_product(bias, no_rowamx):
     """bf16 layers reordered once for oneDNN give exactly nn.Linear's outputs (the same
     kernel runs), for any batch shape and for float32 inputs (cast as the layer would)."""
     torch.manual_seed(0)
@@ -178,7 +185,7 @@ def test_float32_layers_stay_unpacked_where_their_second_copy_would_not_fit(monk
 @needs_packing
 @pytest.mark.host
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_vocab_linear_with_a_packed_weight_is_the_same_product(rows):
+def test_vocab_linear_with_a_packed_weight_is_the_same_product(rows, no_rowamx):
     torch.manual_seed(0)
     weight = torch.randn(4096, 64).bfloat16()
     hidden = torch.randn(1, rows, 64).bfloat16()
@@ -194,7 +201,8 @@ def test_vocab_linear_with_a_packed_weight_is_the_same_product(rows):
 
 @needs_packing
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="packing is the CPU's")
-def test_a_bf16_target_is_packed_and_decodes_as_unpacked(tiny_target_dir, monkeypatch):
+def test_a_bf16_target_is_packed_and_decodes_as_unpacked(tiny_target_dir, monkeypatch,
+                                                         no_rowamx):
     """load_target packs a bf16 CPU target's layers (not its lm_head, which the logits and
     the drafters read), and packing changes no output: the same features, logits and
     greedy tokens as the same target unpacked, plain and with a drafter."""
@@ -307,16 +315,3 @@ def test_the_compile_engine_unpacks(tiny_target_dir):
     assert not any(type(m) is linear.PackedLinear for m in drafter.model.modules())
     assert any(type(m) is linear.PackedLinear
                for m in load_drafter("gumiho", target, "random").model.modules())
-
-
-@pytest.mark.host
-def test_amx_cpu_is_false_where_torch_cannot_tell(monkeypatch):
-    assert isinstance(linear.amx_cpu(), bool)
-
-    def broken():
-        raise RuntimeError("no cpuinfo")
-
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", broken, raising=False)
-    assert linear.amx_cpu() is False
-    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
-    assert linear.amx_cpu() is False

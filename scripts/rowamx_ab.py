@@ -1,0 +1,118 @@
+"""bf16 decoding on an AMX CPU with rowamx.c's products against oneDNN's, in one process,
+alternating (gumiho/rowamx.py): verify steps by width, then whole greedy answers, plain
+and with a drafter, with the row-invariant attention both sides.
+
+    python scripts/rowamx_ab.py [--widths 1,8,16,64] [--rounds 3] [--new-tokens 96]
+                                [--method gumiho] [--total-tokens 8] [--depth 2]
+                                [--lookup 10] [--prompts 4]
+
+Loads SmolLM2 and the shipped drafter twice, once as `load_target` leaves them (rowamx.c
+for 1 to rowamx.MAX_ROWS rows) and once with rowamx.c switched off while they load (oneDNN
+for every product, as on a CPU without it). Per round: each width's verify step on each
+copy in turn, then each prompt answered plainly and by the method on each copy in turn.
+Prints the median step per width, each copy's tokens/s and speedup over its own plain
+decoding, and whether every answer of each copy equals its plain decoding's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+
+from gumiho import rowamx  # noqa: E402
+from gumiho.budget import verify_step_seconds  # noqa: E402
+from gumiho.config import TreeConfig  # noqa: E402
+from gumiho.demo import PROMPT, shipped_drafter  # noqa: E402
+from gumiho.drafters import PlainDrafter, load_drafter  # noqa: E402
+from gumiho.engine import GenerateConfig, run  # noqa: E402
+from gumiho.evaluation.benchmarks import load_questions  # noqa: E402
+from gumiho.target import load_target  # noqa: E402
+
+
+@contextmanager
+def rowamx_off():
+    """rowamx.c unavailable while a target and drafter load (their layers and heads then
+    keep oneDNN's products only)."""
+    kernel = rowamx.kernel
+    rowamx.kernel = lambda: None
+    try:
+        yield
+    finally:
+        rowamx.kernel = kernel
+
+
+def loaded(method: str, tree: TreeConfig):
+    """(target, drafter) in bf16 with the row-invariant attention; the lm_head prepared."""
+    target = load_target("smollm2", device="cpu", dtype="bfloat16",
+                         attn_implementation="sdpa_invariant")
+    target._packed_head  # noqa: B018 - prepared now, under the caller's switch
+    return target, load_drafter(method, target, str(shipped_drafter(method)), tree=tree)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--widths", default="1,8,16,64")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--method", default="gumiho")
+    parser.add_argument("--total-tokens", type=int, default=8)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--lookup", type=int, default=10)
+    parser.add_argument("--prompts", type=int, default=4,
+                        help="the demo's prompt and the first MT-Bench questions, this many")
+    args = parser.parse_args(argv)
+    if rowamx.kernel() is None:
+        raise SystemExit("error: rowamx.c does not run here (no AMX tiles, or no compiler)")
+    tree = TreeConfig.for_method(args.method, total_tokens=args.total_tokens,
+                                 depth=args.depth, lookup=args.lookup,
+                                 lookup_first=bool(args.lookup))
+    copies = {"rowamx": loaded(args.method, tree)}
+    with rowamx_off():
+        copies["oneDNN"] = loaded(args.method, tree)
+    target = copies["rowamx"][0]
+    questions = [PROMPT] + [q["turns"][0] for q in load_questions("mt_bench")][:args.prompts - 1]
+    prompts = [target.chat_ids(q) for q in questions]
+    widths = [int(w) for w in args.widths.split(",")]
+    config = GenerateConfig(max_new_tokens=args.new_tokens)
+    steps: dict[tuple[int, str], list[float]] = {}
+    answers: dict[tuple[str, str], list] = {}
+    for name, (t, d) in copies.items():  # warm-up
+        run(t, d, prompts[0], GenerateConfig(max_new_tokens=8))
+    for _ in range(args.rounds):
+        for width in widths:
+            for name, (t, _) in copies.items():
+                ms = verify_step_seconds(t, width, args.context, args.repeats) * 1e3
+                steps.setdefault((width, name), []).append(ms)
+        for ids in prompts:
+            for name, (t, d) in copies.items():
+                for kind, drafter in (("plain", PlainDrafter()), (args.method, d)):
+                    answers.setdefault((name, kind), []).append(run(t, drafter, ids, config))
+    print(f"SmolLM2 bf16, sdpa_invariant, {args.rounds} rounds, context {args.context}")
+    print("| tree tokens | rowamx ms | oneDNN ms | rowamx / oneDNN |\n|---|---|---|---|")
+    for width in widths:
+        a, b = (statistics.median(steps[(width, n)]) for n in copies)
+        print(f"| {width} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
+    print(f"\n{len(prompts)} prompts x {args.rounds} rounds, {args.new_tokens} new tokens, "
+          f"{args.method} at {args.total_tokens} tokens, depth {args.depth}, lookup "
+          f"{args.lookup}")
+    print("| products | plain tokens/s | method tokens/s | speedup | tau | identical |\n"
+          "|---|---|---|---|---|---|")
+    for name in copies:
+        plain, fast = answers[(name, "plain")], answers[(name, args.method)]
+        rate = [sum(r.new_tokens for r in rs) / sum(r.wall_s for r in rs) for rs in (plain, fast)]
+        tau = sum(r.new_tokens for r in fast) / sum(r.cycles for r in fast)
+        same = sum(p.token_ids == f.token_ids for p, f in zip(plain, fast))
+        print(f"| {name} | {rate[0]:.1f} | {rate[1]:.1f} | {rate[1] / rate[0]:.2f}x | "
+              f"{tau:.2f} | {same}/{len(fast)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
