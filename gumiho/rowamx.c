@@ -15,15 +15,12 @@
  * in order: as fast as memory allows. Needs AMX-TILE and AMX-BF16 and the kernel's
  * permission to use them (rowamx_init). Threads split the outputs; they are OpenMP's,
  * torch's own runtime where rowgemm.py finds it. */
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "rowkernels.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -90,12 +87,8 @@ void rowamx(const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y, i
     int pairs = (NB + 1) / 2;
     #pragma omp parallel
     {
-#ifdef _OPENMP
-        int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-        int t = 0, T = 1;
-#endif
-        int per = (pairs + T - 1) / T, p0 = t * per, p1 = p0 + per < pairs ? p0 + per : pairs;
+        int p0, p1;
+        share(pairs, 1, &p0, &p1);
         float sums[2][256] __attribute__((aligned(64)));
         if (p0 < p1) {
             configure();

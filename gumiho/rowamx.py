@@ -29,7 +29,6 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import torch
@@ -63,7 +62,8 @@ def _library() -> tuple[str, list[str], Path] | None:
     if compiler is None:
         return None
     flags = FLAGS + rowgemm.openmp_flags()
-    key = hashlib.sha1(repr([SOURCE.read_bytes(), rowgemm.FLAGS, flags, compiler]).encode())
+    sources = [SOURCE.read_bytes(), rowgemm.HEADER.read_bytes()]  # it includes the header
+    key = hashlib.sha1(repr([sources, rowgemm.FLAGS, flags, compiler]).encode())
     return compiler, flags, cache_dir() / "kernels" / f"rowamx-{key.hexdigest()[:16]}.so"
 
 
@@ -76,17 +76,8 @@ def identity() -> str | None:
 @functools.cache
 def kernel():
     """The compiled product (a ctypes function), or None where it cannot run here."""
-    library = _library()
-    if library is None:
-        return None
-    compiler, flags, path = library
-    try:
-        if not path.exists():
-            rowgemm.build(compiler, flags, path, [SOURCE])
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.info("rowamx not built (%s): bf16 CPU products stay oneDNN's",
-                 str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc)
+    lib = rowgemm.built(_library(), [SOURCE], "bf16 CPU products stay oneDNN's")
+    if lib is None:
         return None
     if lib.rowamx_init() != 0:  # Linux withholds the tile state (an old kernel)
         log.info("rowamx: no permission for AMX tiles; bf16 CPU products stay oneDNN's")

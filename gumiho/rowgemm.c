@@ -76,14 +76,8 @@ void rowgemm(const float *x, const void *w, const float *b, float *y, int M, int
              int kind) {
     #pragma omp parallel
     {
-#ifdef _OPENMP
-        int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-        int t = 0, T = 1;
-#endif
-        int per = (N + T - 1) / T;
-        per = (per + 11) / 12 * 12;  /* whole tiles of 3 or 4 columns per thread */
-        int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
+        int n0, n1;
+        share(N, 12, &n0, &n1);  /* whole tiles of 3 or 4 columns per thread */
         if (n0 < n1) span(x, w, b, y, M, K, N, n0, n1, kind);
     }
 }

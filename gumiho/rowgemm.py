@@ -158,10 +158,27 @@ def identity() -> str | None:
     return _library()[2].stem if kernel() is not None else None
 
 
-def _bind(path: Path):
+def built(library: tuple[str, list[str], Path] | None, sources: list[Path], instead: str
+          ) -> ctypes.CDLL | None:
+    """The shared library of `sources`, built at `library`'s path with its compiler and flags
+    (`_library()`'s triple) where it is not there yet, and loaded; None where `library` is
+    None or the build or load fails (logged at info: `instead` says what runs instead)."""
+    if library is None:
+        return None
+    compiler, flags, path = library
+    try:
+        if not path.exists():
+            build(compiler, flags, path, sources)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("%s not built (%s): %s", path.stem.split("-")[0],
+                 str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc, instead)
+        return None
+
+
+def _bind(library: ctypes.CDLL):
     """The built library's product and attention, as ctypes functions with their
     signatures."""
-    library = ctypes.CDLL(str(path))
     function, attend = library.rowgemm, library.rowattention
     function.restype = None
     function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
@@ -176,22 +193,14 @@ def _bind(path: Path):
 def kernel():
     """The compiled product (a ctypes function; `.attention` the attention), or None where
     the kernels cannot run here."""
-    library = _library()
+    library = built(_library(), SOURCES, "float32 CPU products stay torch's")
     if library is None:
         return None
-    compiler, flags, path = library
-    try:
-        if not path.exists():
-            build(compiler, flags, path)
-        function, attend = _bind(path)
-        if not _works(function, attend):
-            log.warning("rowgemm gave wrong products here; torch's run instead")
-            return None
-        function.attention = attend
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.info("rowgemm not built (%s): float32 CPU products stay torch's",
-                 str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc)
+    function, attend = _bind(library)
+    if not _works(function, attend):
+        log.warning("rowgemm gave wrong products here; torch's run instead")
         return None
+    function.attention = attend
     return function
 
 

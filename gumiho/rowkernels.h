@@ -29,6 +29,20 @@ static inline __attribute__((always_inline)) float load1(const void *w, size_t i
     return v.f;
 }
 
+/* this thread's share [lo, hi) of n items, in whole units of `unit` (1 thread without
+   OpenMP) */
+static inline void share(int n, int unit, int *lo, int *hi) {
+#ifdef _OPENMP
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+    int t = 0, T = 1;
+#endif
+    int per = (n + T - 1) / T;
+    per = (per + unit - 1) / unit * unit;
+    *lo = t * per;
+    *hi = *lo + per < n ? *lo + per : n;
+}
+
 static inline float lanes(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

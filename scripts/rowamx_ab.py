@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     config = GenerateConfig(max_new_tokens=args.new_tokens)
     steps: dict[tuple[int, str], list[float]] = {}
     answers: dict[tuple[str, str], list] = {}
-    for name, (t, d) in copies.items():  # warm-up
+    for t, d in copies.values():  # warm-up
         run(t, d, prompts[0], GenerateConfig(max_new_tokens=8))
     for _ in range(args.rounds):
         for width in widths:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         plain, fast = answers[(name, "plain")], answers[(name, args.method)]
         rate = [sum(r.new_tokens for r in rs) / sum(r.wall_s for r in rs) for rs in (plain, fast)]
         tau = sum(r.new_tokens for r in fast) / sum(r.cycles for r in fast)
-        same = sum(p.token_ids == f.token_ids for p, f in zip(plain, fast))
+        same = sum(p.token_ids == f.token_ids for p, f in zip(plain, fast, strict=True))
         print(f"| {name} | {rate[0]:.1f} | {rate[1]:.1f} | {rate[1] / rate[0]:.2f}x | "
               f"{tau:.2f} | {same}/{len(fast)} |")
     return 0

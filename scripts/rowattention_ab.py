@@ -13,6 +13,7 @@ that changes the order must say so (both builds stay row-invariant on their own)
 from __future__ import annotations
 
 import argparse
+import ctypes
 import subprocess
 import tempfile
 import time
@@ -33,7 +34,7 @@ def build(sources: Path, out: Path):
         raise SystemExit("error: rowgemm's kernels do not build here (rowgemm.py)")
     compiler, flags, _ = here
     rowgemm.build(compiler, flags, out, [sources / name for name in FILES[:2]])
-    return rowgemm._bind(out)[1]
+    return rowgemm._bind(ctypes.CDLL(str(out)))[1]
 
 
 def inputs(dtype: torch.dtype, context: int, rows: int):
