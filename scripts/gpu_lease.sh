@@ -286,11 +286,25 @@ suite() {  # the whole suite on the GPU
   # Each failure's traceback and printed output land in suite_failures.txt as it happens
   # (conftest.py); no junit file: a call brings back at most 8 files.
   rm -f "$RESULTS/suite_failures.txt"
+  # The GPU memory in use, sampled every 2 s, its peak appended to suite.txt: the eighth
+  # lease's one cuBLAS internal error inside a capture (suite beside a training) fits a
+  # cuBLAS workspace allocation failing there (docs/gpu.md, the cuBLAS capture error).
+  local sampler=""
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits -l 2 \
+      > "$LEASE_ROOT/suite_memory.csv" 2> /dev/null &
+    sampler=$!
+  fi
   GUMIHO_TEST_FAILURES=$RESULTS/suite_failures.txt \
   GUMIHO_TEST_DEVICE=$DEVICE timeout "${SUITE_LIMIT:-300}" python3 -m pytest -v -rfE \
     --tb=short -n "${SUITE_WORKERS:-8}" -p no:cacheprovider \
     ${SUITE_ARGS:-} > "$RESULTS/suite.txt" 2>&1
-  grep -E "FAILED|ERROR|passed|failed" "$RESULTS/suite.txt" | tail -40
+  if [[ -n $sampler ]]; then
+    kill "$sampler" 2> /dev/null
+    awk -F', ' '$1 > peak {peak = $1} {total = $2} END {print "GPU memory in use beside the suite, peak " peak " of " total " MiB"}' \
+      "$LEASE_ROOT/suite_memory.csv" >> "$RESULTS/suite.txt"
+  fi
+  grep -E "FAILED|ERROR|passed|failed|GPU memory" "$RESULTS/suite.txt" | tail -40
   set -e
 }
 
