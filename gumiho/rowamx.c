@@ -5,8 +5,8 @@
  * of k, each row alone, so a row's result depends only on its own values, the weight and
  * the order of the k blocks, which is fixed (0, 1, 2, ...): whatever rows come with it,
  * whatever tile it falls in, whatever the number of threads, a row gets bit for bit what
- * it gets alone. Padding rows are zeros, and so are padded values of k (adding a zero
- * product leaves a float32 sum as it was). The weight is laid out once by rowamx.py:
+ * it gets alone. Padded values of k are zeros (adding a zero product leaves a float32 sum
+ * as it was). The weight is laid out once by rowamx.py:
  * blocks of 16 outputs x 32 values of k, each a tile of 16 rows of 16 pairs (k = 2r, 2r + 1
  * of output c at r's row, c's pair), blocks ordered by output then k. The float32 sum is
  * rounded once to bfloat16 as torch rounds (to nearest even; a NaN stays a NaN).
@@ -36,12 +36,13 @@ struct config {
     uint8_t rows[16];
 };
 
-static void configure(void) {
+/* tiles 0-1: sums, 2: `rows` rows of x (both of `rows` rows); 3-4: weights (16 rows) */
+static void configure(int rows) {
     struct config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 5; t++) {  /* 0-1: sums; 2: rows of x; 3-4: weights */
-        c.rows[t] = 16;
+    for (int t = 0; t < 5; t++) {
+        c.rows[t] = t < 3 ? rows : 16;
         c.colsb[t] = 64;
     }
     _tile_loadconfig(&c);
@@ -73,17 +74,27 @@ static void emit(const float *sums, const float *b, uint16_t *y, int M, int N, i
 }
 
 /* x (M, K) bf16, w laid out as above for N outputs, b (N) float32 or NULL, y (M, N) bf16.
-   Tiles 0-1 hold the sums of two output blocks for one block of 16 rows, 2 the rows' x,
-   3-4 the output blocks' weights. (Two row blocks at once, sums in four tiles, read the
-   weights half as often but ran 1.1-1.3x slower for 32 to 64 rows on an AMX Xeon.) */
+   Tiles 0-1 hold the sums of two output blocks for one block of up to 16 rows, 2 the rows'
+   x, 3-4 the output blocks' weights. Up to 16 rows are one block of exactly that many rows,
+   read in place where K is whole blocks of 32; otherwise x is copied, k padded with zeros
+   and, past 16 rows, the rows to whole blocks (a padding row's sums are its own and are
+   dropped). (Two row blocks at once, sums in four tiles, read the weights half as often
+   but ran 1.1-1.3x slower for 32 to 64 rows on an AMX Xeon.) */
 void rowamx(const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y, int M, int K,
             int N) {
     int KB = (K + 31) / 32, NB = (N + 15) / 16, MB = (M + 15) / 16;
+    int rows = M < 16 ? M : 16;
     size_t kp = (size_t)KB * 32;
-    uint16_t *xp = aligned_alloc(64, (size_t)MB * 16 * kp * 2);
-    if (!xp) return;
-    memset(xp, 0, (size_t)MB * 16 * kp * 2);
-    for (int m = 0; m < M; m++) memcpy(xp + m * kp, x + (size_t)m * K, (size_t)K * 2);
+    const uint16_t *xp = x;
+    uint16_t *copy = NULL;
+    if (kp != (size_t)K || M > 16) {
+        size_t bytes = (size_t)(M > 16 ? MB * 16 : M) * kp * 2;  /* whole 64-byte lines */
+        copy = aligned_alloc(64, bytes);
+        if (!copy) return;
+        memset(copy, 0, bytes);
+        for (int m = 0; m < M; m++) memcpy(copy + m * kp, x + (size_t)m * K, (size_t)K * 2);
+        xp = copy;
+    }
     int pairs = (NB + 1) / 2;
     #pragma omp parallel
     {
@@ -91,7 +102,7 @@ void rowamx(const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y, i
         share(pairs, 1, &p0, &p1);
         float sums[2][256] __attribute__((aligned(64)));
         if (p0 < p1) {
-            configure();
+            configure(rows);
             for (int p = p0; p < p1; p++) {
                 int n = 2 * p, two = n + 1 < NB;
                 const uint16_t *w0 = w + (size_t)n * KB * 512, *w1 = w0 + (size_t)KB * 512;
@@ -119,5 +130,5 @@ void rowamx(const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y, i
             _tile_release();
         }
     }
-    free(xp);
+    free(copy);
 }
