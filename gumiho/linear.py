@@ -195,8 +195,10 @@ class PackedLinear(nn.Module):
             if self.rows.takes(x):
                 return self.rows(x)
             return functional.linear(x, self.weight, self.bias)
-        if self.tiles is not None and self.tiles.takes(x):
-            return self.tiles(x)
+        if self.tiles is not None:
+            x = x.to(torch.bfloat16)  # as oneDNN's product below casts it: the same rows
+            if self.tiles.takes(x):  # take the same kernel whatever dtype they came in
+                return self.tiles(x)
         if self.mkl:
             rows = x.numel() // self.in_features
             if not MIN_ROWS <= rows <= MKL_MAX_ROWS:

@@ -92,6 +92,8 @@ def test_packed_bf16_layers_and_heads_use_it_for_a_verifys_rows_only():
             assert torch.equal(linear.vocab_linear(x, None, None, head),
                                head.tiles(x) if takes else linear.ONEDNN_LINEAR(
                                    x, head.onednn, None, "none", [], ""))
+        x = torch.randn(3, 64, generator=g)  # float32 rows, cast as oneDNN's product casts them
+        assert torch.equal(packed(x), product(x.bfloat16(), layer.weight, layer.bias))
     assert not packed.tiles.takes(torch.randn(2, 64, requires_grad=True).bfloat16())
     assert not packed.tiles.takes(torch.randn(2, 64))  # float32 rows are rowgemm's
     assert linear.rows_independent(torch.bfloat16, rowamx.MAX_ROWS)
