@@ -25,22 +25,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from gumiho import rowgemm
-from gumiho.paths import cache_dir
 
 log = logging.getLogger("gumiho")
 
 SOURCE = Path(__file__).with_name("rowamx.c")
-FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mamx-tile", "-mamx-bf16"]
+FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mamx-tile", "-mamx-bf16")
 MAX_ROWS = rowgemm.MAX_ROWS  # a 64-token verify plus an 11-token lookup chain
 OUTPUTS, DEPTH = 16, 32  # a tile: 16 outputs x 32 values of k, as 16 rows of 16 pairs
 
@@ -58,13 +55,7 @@ def _library() -> tuple[str, list[str], Path] | None:
     """(compiler, flags, the built library's path) where the kernel can run here."""
     if os.environ.get("GUMIHO_ROWAMX", "1") == "0" or not amx_cpu():
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        return None
-    flags = FLAGS + rowgemm.openmp_flags()
-    sources = [SOURCE.read_bytes(), rowgemm.HEADER.read_bytes()]  # it includes the header
-    key = hashlib.sha1(repr([sources, rowgemm.FLAGS, flags, compiler]).encode())
-    return compiler, flags, cache_dir() / "kernels" / f"rowamx-{key.hexdigest()[:16]}.so"
+    return rowgemm.library("rowamx", [SOURCE], FLAGS)
 
 
 def identity() -> str | None:

@@ -142,14 +142,24 @@ def _library() -> tuple[str, list[str], Path] | None:
     if platform.machine().lower() not in ("x86_64", "amd64") or \
             torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
+    found = library("rowgemm", SOURCES)
+    if found is None:
+        log.info("no C compiler: float32 CPU products stay torch's (rowgemm.py)")
+    return found
+
+
+def library(name: str, sources: list[Path], flags: tuple[str, ...] = ()
+            ) -> tuple[str, list[str], Path] | None:
+    """(compiler, flags, path) for library `name` of `sources` (rowkernels.h beside them),
+    compiled with FLAGS, `flags` and torch's OpenMP: the path carries a hash of all of them,
+    so a changed source or flag builds anew (`built`). None without a C compiler."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
-        log.info("no C compiler: float32 CPU products stay torch's (rowgemm.py)")
         return None
-    flags = openmp_flags()
-    key = hashlib.sha1(repr([[f.read_bytes() for f in (*SOURCES, HEADER)], FLAGS, flags,
+    flags = [*flags, *openmp_flags()]
+    key = hashlib.sha1(repr([[f.read_bytes() for f in (*sources, HEADER)], FLAGS, flags,
                              compiler]).encode())
-    return compiler, flags, cache_dir() / "kernels" / f"rowgemm-{key.hexdigest()[:16]}.so"
+    return compiler, flags, cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
 
 
 def identity() -> str | None:

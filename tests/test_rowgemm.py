@@ -5,7 +5,7 @@ changed where it cannot be built."""
 import pytest
 import torch
 
-from gumiho import linear, rowgemm
+from gumiho import linear, rowamx, rowgemm
 from gumiho.demo import shipped_drafter
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, run
@@ -170,19 +170,24 @@ def test_nothing_changes_where_it_cannot_be_built(monkeypatch, tmp_path):
 
 @needs_rowgemm
 @pytest.mark.host
-def test_a_built_kernel_is_reused_from_the_cache(monkeypatch, tmp_path):
+@pytest.mark.parametrize("module", [rowgemm, rowamx], ids=["rowgemm", "rowamx"])
+def test_a_built_kernel_is_reused_from_the_cache(monkeypatch, tmp_path, module):
+    """Both kernel libraries are built and loaded by `rowgemm.built`."""
+    if module.kernel() is None:
+        pytest.skip(f"{module.__name__} does not run here")
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    name = module.__name__.rsplit(".", 1)[-1]
     try:
-        rowgemm.kernel.cache_clear()
-        assert rowgemm.kernel() is not None
-        built = list(tmp_path.rglob("rowgemm-*.so"))
+        module.kernel.cache_clear()
+        assert module.kernel() is not None
+        built = list(tmp_path.rglob(f"{name}-*.so"))
         assert len(built) == 1 and not list(tmp_path.rglob("tmp*"))
         stamp = built[0].stat().st_mtime_ns
-        rowgemm.kernel.cache_clear()
+        module.kernel.cache_clear()
         monkeypatch.setattr(rowgemm, "build", lambda *a: pytest.fail("built twice"))
-        assert rowgemm.kernel() is not None and built[0].stat().st_mtime_ns == stamp
+        assert module.kernel() is not None and built[0].stat().st_mtime_ns == stamp
     finally:
-        rowgemm.kernel.cache_clear()
+        module.kernel.cache_clear()
 
 
 @needs_rowgemm
