@@ -22,6 +22,7 @@ from torch import Tensor
 from gumiho.attention import SDPA_GQA, SDPA_INVARIANT, use_grouped_sdpa
 from gumiho.embedded import EMBEDDED, SMOLLM2_ALIAS
 from gumiho.errors import GumihoError
+from gumiho.fused import FusedDecoder
 from gumiho.kv_cache import attention_kinds
 from gumiho.linear import pack_linears, pack_weight, softcap, unpack_linears, vocab_linear
 from gumiho.templates import TEMPLATES, turn_end_token
@@ -140,15 +141,23 @@ class Target:
         """
         if attention_mask is not None:
             attention_mask = self._decoder_masks(attention_mask)
-        out = self.model.get_decoder()(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        features = out.last_hidden_state[0]  # (K, H)
+        if self._fused is not None and attention_mask is not None and cache is not None:
+            features = self._fused(input_ids, position_ids, cache, attention_mask)[0]
+        else:
+            features = self.model.get_decoder()(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                past_key_values=cache,
+                use_cache=True,
+            ).last_hidden_state[0]  # (K, H)
         return features, self.logits(features[-1:] if last_logits else features)
+
+    @cached_property
+    def _fused(self) -> FusedDecoder | None:
+        """The decoder in fewer operations, the same bits (fused.py), where it applies: a
+        Llama target on the CPU. Made on first use, after `load_target` packed the layers."""
+        return FusedDecoder.of(self.model)
 
     @cached_property
     def _packed_head(self) -> Tensor | None:
@@ -160,7 +169,8 @@ class Target:
         """Undo the CPU packing of the layers and the lm_head (for torch.compile, whose
         inductor cannot lower the packed products; or to compare); returns how many layers
         went back to `nn.Linear`."""
-        self.__dict__["_packed_head"] = None  # the cached property, settled to "none"
+        self.__dict__["_packed_head"] = None  # the cached properties, settled to "none"
+        self.__dict__["_fused"] = None  # (its joined copies of the layers are packed too)
         return unpack_linears(self.model)
 
     def logits(self, hidden: Tensor) -> Tensor:

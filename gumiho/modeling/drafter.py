@@ -18,7 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from gumiho.attention import grouped_sdpa_forward
 from gumiho.config import DrafterConfig
-from gumiho.linear import PackedLinear
+from gumiho.fused import LlamaLayers
 from gumiho.methods import method_spec
 from gumiho.modeling.vocab import add_vocab_buffers
 
@@ -208,118 +208,37 @@ class DraftModel(nn.Module):
 
 class FusedSerial:
     """The serial layers of a frozen `DraftModel` for drafting: `serial_step`'s arithmetic
-    in fewer, larger operations. Each layer's q, k and v projections are one product, its
-    gate and up projections another (their weights concatenated once, here: a copy the size
-    of those five weights), RMSNorm is one call of torch's (one kernel where torch fuses
-    it), and the rotary embedding comes from a table and turns q and k together. A drafting
-    step on a CPU pays ~10 us of Python and dispatch per operation (2.7 ms for a warm
-    two-layer step of 2 tokens, of which 0.65 ms are its products, on the 2-core dev
-    machine), and on a GPU each operation is a kernel of its own, even inside a captured
-    step; the products' bits are unchanged on the CPU (rowgemm.c sums each output alone, so
-    a concatenated weight gives the same rows).
+    in fewer, larger operations (`gumiho.fused.LlamaLayers`: q/k/v one product, gate/up
+    another, RMSNorm one call, the rotary embedding from a table). A drafting step on a CPU
+    pays ~10 us of Python and dispatch per operation (2.7 ms for a warm two-layer step of 2
+    tokens, of which 0.65 ms are its products, on the 2-core dev machine), and on a GPU each
+    operation is a kernel of its own, even inside a captured step; the values are
+    `serial_step`'s.
 
     For a training model (weights that change) call `DraftModel.serial_step` instead."""
 
     def __init__(self, model: DraftModel):
         self.model = model
-        config = model.layers[0].self_attn.config
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = model.layers[0].self_attn.head_dim
-        self.qkv = [_joined([layer.self_attn.q_proj, layer.self_attn.k_proj,
-                             layer.self_attn.v_proj]) for layer in model.layers]
-        self.gate_up = [_joined([layer.mlp.gate_proj, layer.mlp.up_proj])
-                        for layer in model.layers]
-        self.cos = self.sin = None  # the rotary embedding by position, once `reserve`d
+        self.layers = LlamaLayers(model.layers, model.rotary, lambda _: grouped_sdpa_forward)
 
     def reserve(self, positions: int) -> None:
         """Tabulate the rotary embedding for positions 0..positions-1 (a drafter cache's
-        capacity), so a step looks its positions up instead of computing them: the model's
-        own rotary module over all of them at once, the same values (each is one product
-        and a cos or sin of it)."""
-        rotary = self.model.rotary
-        if (self.cos is not None and self.cos.shape[0] >= positions) or \
-                "dynamic" in rotary.rope_type or rotary.rope_type == "longrope":
-            return  # (rotations that change with the length are computed each step)
-        weight = self.model.embed_tokens.weight  # the steps' dtype (fuse)
-        probe = torch.zeros((), dtype=weight.dtype, device=weight.device)
-        cos, sin = rotary(probe, torch.arange(positions, device=weight.device)[None])
-        self.cos, self.sin = cos[0], _signed(sin[0])  # (positions, D)
+        capacity) in the steps' dtype (fuse's)."""
+        self.layers.reserve(positions, self.model.embed_tokens.weight)
 
     @classmethod
     def of(cls, model: nn.Module) -> FusedSerial | None:
         """The fused view of `model`, or None where its layers are not the plain Llama ones
         this computes (then `model.serial_step` runs)."""
-        if not isinstance(model, DraftModel):
-            return None
-        config = model.layers[0].self_attn.config
-        if (config.hidden_act != "silu" or getattr(config, "pretraining_tp", 1) != 1
-                or not all(type(layer) is LlamaDecoderLayer for layer in model.layers)):
+        if not isinstance(model, DraftModel) or not LlamaLayers.supports(model.layers):
             return None
         return cls(model)
 
     def __call__(self, tokens: Tensor, features: Tensor, position_ids: Tensor,
                  attention_mask: Tensor, cache=None) -> Tensor:
         """`DraftModel.serial_step`, the same arguments and result."""
-        model = self.model
-        h = model.fuse(tokens, features)
-        if self.cos is not None:  # positions past the table would fail to index
-            cos, sin = self.cos[position_ids], self.sin[position_ids]
-        else:
-            cos, sin = model.rotary(h, position_ids)
-            sin = _signed(sin)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, D): over q's and k's heads
-        batch, length = h.shape[:2]
-        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        for i, layer in enumerate(model.layers):
-            attention = layer.self_attn
-            x = h if isinstance(layer.input_layernorm, nn.Identity) else \
-                _rms_norm(layer.input_layernorm, h)
-            qkv = self.qkv[i](x).view(batch, length, heads + 2 * kv_heads, dim)
-            qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :]
-            # HF's apply_rotary_pos_emb for q and k at once: x cos + (-x2, x1) sin, the
-            # halves swapped by one flip and the sign kept in the sin table
-            qk = qk * cos + qk.unflatten(-1, (2, dim // 2)).flip(-2).flatten(-2) * sin
-            q, k, v = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), \
-                v.transpose(1, 2)
-            if cache is not None:
-                k, v = cache.update(k, v, i)
-            # grouped KV heads kept grouped on the CPU, repeated where CUDA needs them
-            out = grouped_sdpa_forward(attention, q, k, v, attention_mask,
-                                       scaling=attention.scaling)[0]  # (B, T, heads, D)
-            h = h + attention.o_proj(out.reshape(batch, length, heads * dim))
-            gate, up = self.gate_up[i](_rms_norm(layer.post_attention_layernorm, h)).chunk(2, -1)
-            h = h + layer.mlp.down_proj(F.silu(gate) * up)
-        return h
-
-
-def _signed(sin: Tensor) -> Tensor:
-    """The rotary sin (..., D) with its first half negated: (x2, x1) * this is HF's
-    rotate_half(x) * sin, where rotate_half(x) = (-x2, x1)."""
-    half = sin.shape[-1] // 2
-    return torch.cat([-sin[..., :half], sin[..., half:]], -1)
-
-
-def _rms_norm(norm: nn.Module, h: Tensor) -> Tensor:
-    """HF's LlamaRMSNorm in one call of torch's (normalised in float32, then the weight)."""
-    if h.dtype == torch.float32 == norm.weight.dtype:
-        return F.rms_norm(h, h.shape[-1:], norm.weight, norm.variance_epsilon)
-    return norm.weight * F.rms_norm(h.float(), h.shape[-1:], eps=norm.variance_epsilon
-                                    ).to(h.dtype)
-
-
-def _joined(linears: list[nn.Module]) -> nn.Module:
-    """One linear layer computing `linears` side by side (an inference copy), packed for the
-    CPU like them (linear.PackedLinear) where they were."""
-    weight = torch.cat([linear.weight.detach() for linear in linears])
-    biased = any(linear.bias is not None for linear in linears)
-    joined = nn.Linear(weight.shape[1], weight.shape[0], bias=biased, device="meta")
-    joined.weight = nn.Parameter(weight, requires_grad=False)
-    if biased:
-        joined.bias = nn.Parameter(torch.cat([
-            linear.bias.detach().to(weight.dtype) if linear.bias is not None else
-            torch.zeros(linear.out_features, dtype=weight.dtype, device=weight.device)
-            for linear in linears]), requires_grad=False)
-    return PackedLinear(joined) if isinstance(linears[0], PackedLinear) else joined
+        return self.layers(self.model.fuse(tokens, features), position_ids, attention_mask,
+                           cache)
 
 
 def build_draft_model(config: DrafterConfig) -> nn.Module:

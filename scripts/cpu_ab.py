@@ -1,17 +1,19 @@
-"""bf16 decoding on an AMX CPU with rowamx.c's products against oneDNN's, in one process,
-alternating (gumiho/rowamx.py): verify steps by width, then whole greedy answers, plain
-and with a drafter, with the row-invariant attention both sides.
+"""Decoding on the CPU with one of our CPU paths on and off, in one process, alternating:
+verify steps by width, then whole greedy answers, plain and with a drafter, with the
+row-invariant attention both sides.
 
-    python scripts/rowamx_ab.py [--widths 1,8,16,64] [--rounds 3] [--new-tokens 96]
-                                [--method gumiho] [--total-tokens 8] [--depth 2]
-                                [--lookup 10] [--prompts 4]
+    python scripts/cpu_ab.py [--switch rowamx|fused] [--dtype bfloat16|float32]
+                             [--widths 1,8,16,64] [--rounds 3] [--new-tokens 96]
+                             [--method gumiho] [--total-tokens 8] [--depth 2]
+                             [--lookup 10] [--prompts 4]
 
-Loads SmolLM2 and the shipped drafter twice, once as `load_target` leaves them (rowamx.c
-for 1 to rowamx.MAX_ROWS rows) and once with rowamx.c switched off while they load (oneDNN
-for every product, as on a CPU without it). Per round: each width's verify step on each
-copy in turn, then each prompt answered plainly and by the method on each copy in turn.
-Prints the median step per width, each copy's tokens/s and speedup over its own plain
-decoding, and whether every answer of each copy equals its plain decoding's.
+--switch rowamx (bf16 on an AMX CPU): rowamx.c's products against oneDNN's (rowamx.py);
+--switch fused: the target's decoder computed by fused.py against transformers' own
+(`GUMIHO_FUSED=0`), the same bits. Loads SmolLM2 and the shipped drafter twice, once as
+`load_target` leaves them and once with the path switched off. Per round: each width's
+verify step on each copy in turn, then each prompt answered plainly and by the method on
+each copy in turn. Prints the median step per width, each copy's tokens/s and speedup over
+its own plain decoding, and whether every answer of each copy equals its plain decoding's.
 """
 
 from __future__ import annotations
@@ -46,16 +48,21 @@ def rowamx_off():
         rowamx.kernel = kernel
 
 
-def loaded(method: str, tree: TreeConfig):
-    """(target, drafter) in bf16 with the row-invariant attention; the lm_head prepared."""
-    target = load_target("smollm2", device="cpu", dtype="bfloat16",
+def loaded(method: str, tree: TreeConfig, dtype: str, fused: bool = True):
+    """(target, drafter) in `dtype` with the row-invariant attention; the lm_head prepared;
+    fused: the target's decoder by fused.py (where it applies) or transformers'."""
+    target = load_target("smollm2", device="cpu", dtype=dtype,
                          attn_implementation="sdpa_invariant")
     target._packed_head  # noqa: B018 - prepared now, under the caller's switch
+    if not fused:
+        target.__dict__["_fused"] = None  # the cached property, settled to "none"
     return target, load_drafter(method, target, str(shipped_drafter(method)), tree=tree)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--switch", choices=("rowamx", "fused"), default="rowamx")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--widths", default="1,8,16,64")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
@@ -68,15 +75,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=4,
                         help="the demo's prompt and the first MT-Bench questions, this many")
     args = parser.parse_args(argv)
-    if rowamx.kernel() is None:
-        raise SystemExit("error: rowamx.c does not run here (no AMX tiles, or no compiler)")
+    if args.switch == "rowamx" and (rowamx.kernel() is None or args.dtype != "bfloat16"):
+        raise SystemExit("error: rowamx.c runs bf16 products on AMX tiles: --dtype bfloat16 "
+                         "on a CPU with them (and a compiler that knows them)")
     tree = TreeConfig.for_method(args.method, total_tokens=args.total_tokens,
                                  depth=args.depth, lookup=args.lookup,
                                  lookup_first=bool(args.lookup))
-    copies = {"rowamx": loaded(args.method, tree)}
-    with rowamx_off():
-        copies["oneDNN"] = loaded(args.method, tree)
-    target = copies["rowamx"][0]
+    if args.switch == "rowamx":
+        copies = {"rowamx": loaded(args.method, tree, args.dtype)}
+        with rowamx_off():
+            copies["oneDNN"] = loaded(args.method, tree, args.dtype)
+    else:
+        copies = {"fused": loaded(args.method, tree, args.dtype),
+                  "transformers": loaded(args.method, tree, args.dtype, fused=False)}
+        if copies["fused"][0]._fused is None:
+            raise SystemExit("error: fused.py does not run here (GUMIHO_FUSED=0?)")
+    target = next(iter(copies.values()))[0]
     questions = [PROMPT] + [q["turns"][0] for q in load_questions("mt_bench")][:args.prompts - 1]
     prompts = [target.chat_ids(q) for q in questions]
     widths = [int(w) for w in args.widths.split(",")]
@@ -94,15 +108,16 @@ def main(argv: list[str] | None = None) -> int:
             for name, (t, d) in copies.items():
                 for kind, drafter in (("plain", PlainDrafter()), (args.method, d)):
                     answers.setdefault((name, kind), []).append(run(t, drafter, ids, config))
-    print(f"SmolLM2 bf16, sdpa_invariant, {args.rounds} rounds, context {args.context}")
-    print("| tree tokens | rowamx ms | oneDNN ms | rowamx / oneDNN |\n|---|---|---|---|")
+    first, second = copies
+    print(f"SmolLM2 {args.dtype}, sdpa_invariant, {args.rounds} rounds, context {args.context}")
+    print(f"| tree tokens | {first} ms | {second} ms | {first} / {second} |\n|---|---|---|---|")
     for width in widths:
         a, b = (statistics.median(steps[(width, n)]) for n in copies)
         print(f"| {width} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
     print(f"\n{len(prompts)} prompts x {args.rounds} rounds, {args.new_tokens} new tokens, "
           f"{args.method} at {args.total_tokens} tokens, depth {args.depth}, lookup "
           f"{args.lookup}")
-    print("| products | plain tokens/s | method tokens/s | speedup | tau | identical |\n"
+    print(f"| {args.switch} | plain tokens/s | method tokens/s | speedup | tau | identical |\n"
           "|---|---|---|---|---|---|")
     for name in copies:
         plain, fast = answers[(name, "plain")], answers[(name, args.method)]
