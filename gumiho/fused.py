@@ -44,8 +44,8 @@ JOIN_LIMIT_BYTES = 1 << 30
 class LlamaLayers:
     """A frozen stack of transformers' `LlamaDecoderLayer`s computed in fewer operations
     (module doc). attention_for(attention module): the attention function to call, with
-    transformers' signature (asked each call, so a model switched to another implementation
-    follows). join: concatenate q/k/v and gate/up (copies)."""
+    transformers' signature (asked once a call, so a model switched to another
+    implementation follows). join: concatenate q/k/v and gate/up (copies)."""
 
     def __init__(self, layers, rotary: nn.Module, attention_for: Callable, join: bool = True):
         self.layers, self.rotary, self.attention_for = list(layers), rotary, attention_for
@@ -99,6 +99,7 @@ class LlamaLayers:
         cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, D): over q's and k's heads
         batch, length = h.shape[:2]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        attend = self.attention_for(self.layers[0].self_attn)  # the layers share a config
         for i, layer in enumerate(self.layers):
             attention = layer.self_attn
             x = h if isinstance(layer.input_layernorm, nn.Identity) else \
@@ -117,8 +118,8 @@ class LlamaLayers:
                 v.transpose(1, 2)
             if cache is not None:
                 k, v = cache.update(k, v, i)
-            out = self.attention_for(attention)(attention, q, k, v, attention_mask, dropout=0.0,
-                           scaling=attention.scaling)[0]  # (B, T, heads, D)
+            out = attend(attention, q, k, v, attention_mask, dropout=0.0,
+                         scaling=attention.scaling)[0]  # (B, T, heads, D)
             h = h + attention.o_proj(out.reshape(batch, length, heads * dim))
             x = rms_norm(layer.post_attention_layernorm, h)
             if self.gate_up is not None:
