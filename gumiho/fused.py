@@ -17,6 +17,13 @@ rotary turn `x cos + (-x2, x1) sin` becomes `x cos + (x2, x1) (-sin1, sin2)`, th
 products up to an exact sign.
 
 `GUMIHO_FUSED=0` runs the target through transformers' decoder instead (to compare).
+
+This is not a vendored copy of the model (STYLE.md 8): the stock `AutoModelForCausalLM`
+is loaded and keeps its modules and weights, which these steps read; only the order of
+calls around them is ours, for one layer type, on one device. Everything else (other
+families, GPUs, training's features, `torch.compile`) runs transformers' own forward, and
+the tests hold this path to that forward's bits under the pinned transformers, so a change
+there fails a test instead of drifting.
 """
 
 from __future__ import annotations
