@@ -219,6 +219,7 @@ class FusedSerial:
 
     def __init__(self, model: DraftModel):
         self.model = model
+        # attention: grouped KV heads kept grouped on the CPU, folded where CUDA needs them
         self.layers = LlamaLayers(model.layers, model.rotary, lambda _: grouped_sdpa_forward)
 
     def reserve(self, positions: int) -> None:
