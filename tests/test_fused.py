@@ -1,7 +1,8 @@
 """fused.py: a Llama target's decoder on the CPU in fewer operations gives transformers'
-decoder's outputs bit for bit (prompts, decode steps, tree verifies; float32 and bf16; each
-attention implementation; q/k/v joined or apart, with biases), and is used only where that
-was shown: Llama decoders on the CPU, not after `unpack`, not with GUMIHO_FUSED=0."""
+decoder's outputs bit for bit (prompts, decode steps, tree verifies; float32, bf16 and
+float16; each attention implementation; q/k/v joined or apart, with biases), and is used
+only where that was shown: Llama decoders on the CPU, not after `unpack`, not with
+GUMIHO_FUSED=0."""
 
 import pytest
 import torch
@@ -50,7 +51,8 @@ def trees_for(vocab: int, seed: int = 0):
 
 @pytest.mark.parametrize("dtype,attention", [("float32", "sdpa"), ("float32", "sdpa_invariant"),
                                              ("bfloat16", "sdpa_invariant"),
-                                             ("bfloat16", "sdpa")])
+                                             ("bfloat16", "sdpa"), ("bfloat16", "eager"),
+                                             ("float16", "sdpa_invariant")])
 def test_smollm2_decoder_bit_for_bit(dtype, attention):
     """A prompt of ~130 tokens too: past the row kernels' 80 rows, the libraries' products."""
     target = load_target("smollm2", device="cpu", dtype=dtype, attn_implementation=attention)
