@@ -132,7 +132,7 @@ def softcap(logits: Tensor, cap: float | None) -> Tensor:
 
 
 def vocab_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None = None,
-                 packed: Tensor | None = None) -> Tensor:
+                 packed: PackedHead | None = None) -> Tensor:
     """hidden (..., H) @ weight (V, H).T (+ bias): `functional.linear`, faster where MKL is
     slow (see the module doc; float32 rows up to rowgemm.MAX_ROWS run rowgemm.c). `packed`:
     the weight as `pack_weight` returned it, used where no gradient has to flow (the same

@@ -24,7 +24,14 @@ from gumiho.embedded import EMBEDDED, SMOLLM2_ALIAS
 from gumiho.errors import GumihoError
 from gumiho.fused import FusedDecoder
 from gumiho.kv_cache import attention_kinds
-from gumiho.linear import pack_linears, pack_weight, softcap, unpack_linears, vocab_linear
+from gumiho.linear import (
+    PackedHead,
+    pack_linears,
+    pack_weight,
+    softcap,
+    unpack_linears,
+    vocab_linear,
+)
 from gumiho.templates import TEMPLATES, turn_end_token
 
 log = logging.getLogger("gumiho")
@@ -160,8 +167,9 @@ class Target:
         return FusedDecoder.of(self.model)
 
     @cached_property
-    def _packed_head(self) -> Tensor | None:
-        """A plain linear lm_head reordered once for oneDNN (bf16 on the CPU), else None."""
+    def _packed_head(self) -> PackedHead | None:
+        """A plain linear lm_head prepared once for the CPU (bf16: oneDNN's reordered copy
+        and rowamx.c's tiles, `pack_weight`), else None."""
         head = self.model.get_output_embeddings()
         return pack_weight(head.weight) if type(head) is torch.nn.Linear else None
 
