@@ -245,9 +245,9 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # 6: bf16 CPU projections packed, MLP heads without weight copies; 7: float32 ones
     # packed for MKL; 8: float32 ones through rowgemm.c; 9: verify widths timed in turns,
     # the fastest round each; 10: the proposals likewise; 11: with fused.py); whether the
-    # target's layers are packed ($GUMIHO_PACK), whether rowgemm and rowamx built here
-    # ($GUMIHO_ROWGEMM, $GUMIHO_ROWAMX) and whether fused.py runs the target's decoder
-    # ($GUMIHO_FUSED) change them
+    # target's layers are packed ($GUMIHO_PACK), whether rowgemm (with its AVX-512 blocks)
+    # and rowamx built here ($GUMIHO_ROWGEMM, $GUMIHO_ROWGEMM512, $GUMIHO_ROWAMX) and
+    # whether fused.py runs the target's decoder ($GUMIHO_FUSED) change them
     packed = any(type(m) is PackedLinear for m in target.model.modules())
     key = json.dumps([11, target._fused is not None, target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),

@@ -29,6 +29,15 @@ gumiho.evaluation.timing --methods gumiho --draft gumiho/assets/smollm2/gumiho
 values (they stay as they are); a target released in bfloat16 and loaded in float32 would
 be.
 
+Where torch finds AVX-512 (an Intel Xeon since Skylake, AMD since Zen 4), rowgemm.c runs
+3 to 80 rows in pairs, sixteen lanes at a time: each lane adds what the AVX2 blocks' lane
+adds, in the same order, so the products are the AVX2 blocks' bits (checked here once
+before they are used) and a machine with AVX-512 computes what one without it does. On a
+2-core AMX Xeon, whose AVX-512 runs as many flops a cycle as its AVX2 (one 512-bit FMA a
+cycle against two 256-bit ones), they need fewer loads per FMA: 1.2x-1.35x as fast at 13-80
+rows, the same at 1-8 (`scripts/cpu_ab.py --switch wide`). $GUMIHO_ROWGEMM512=0 keeps the
+AVX2 blocks.
+
 `rowattention.c`, built into the same library, is the attention counterpart
 (`attention`, used by attention.py's `sdpa_invariant`): each (row, head) from its own query
 and visible keys in slot order, so a tree node gets what its token gets decoded alone over
@@ -165,7 +174,10 @@ def library(name: str, sources: list[Path], flags: tuple[str, ...] = ()
 def identity() -> str | None:
     """Which kernels run here (their build's name, which changes with the sources), or None:
     part of what measured costs are cached under (budget.py)."""
-    return _library()[2].stem if kernel() is not None else None
+    function = kernel()
+    if function is None:
+        return None
+    return _library()[2].stem + ("-avx512" if function.wide else "")
 
 
 def built(library: tuple[str, list[str], Path] | None, sources: list[Path], instead: str
@@ -211,7 +223,48 @@ def kernel():
         log.warning("rowgemm gave wrong products here; torch's run instead")
         return None
     function.attention = attend
+    function.setter = library.rowgemm_wide
+    function.setter.restype, function.setter.argtypes = ctypes.c_int, [ctypes.c_int]
+    function.can_widen = _widen(function)
+    function.wide = function.can_widen
     return function
+
+
+def _widen(function) -> bool:
+    """Turn on rowgemm.c's AVX-512 blocks where torch finds AVX-512 here (unless
+    $GUMIHO_ROWGEMM512 is 0), once they are seen to give the AVX2 blocks' bits on this
+    machine; whether they are on."""
+    if os.environ.get("GUMIHO_ROWGEMM512", "1") == "0" or \
+            torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return bool(function.setter(0))
+    g = torch.Generator().manual_seed(1)
+    with torch.device("cpu"):
+        cases = [(m, k, torch.randn(m, k, generator=g), torch.randn(13, k, generator=g).to(dtype))
+                 for m, k in ((3, 37), (11, 24), (16, 45)) for dtype in KINDS]
+        bias = torch.randn(13, generator=g)
+        got = {}
+        for on in (0, 1):
+            if function.setter(on) != on:
+                return False
+            for i, (m, k, x, w) in enumerate(cases):
+                y = got.setdefault((i, on), torch.empty(m, 13))
+                function(x.data_ptr(), w.data_ptr(), bias.data_ptr(), y.data_ptr(), m, k, 13,
+                         KINDS[w.dtype])
+    if all(torch.equal(got[(i, 0)], got[(i, 1)]) for i in range(len(cases))):
+        return True
+    log.warning("rowgemm's AVX-512 blocks differ from its AVX2 ones here; AVX2 runs")
+    return bool(function.setter(0))
+
+
+def set_wide(on: bool) -> bool:
+    """Run rowgemm.c's AVX-512 blocks (on) or its AVX2 ones only, to compare the two
+    (scripts/cpu_ab.py, the tests): the same bits either way. Whether the AVX-512 ones now
+    run; False where the kernel or AVX-512 is not here."""
+    function = kernel()
+    if function is None:
+        return False
+    function.wide = bool(function.setter(int(on and function.can_widen)))
+    return function.wide
 
 
 def takes(x: Tensor, weight: Tensor) -> bool:

@@ -2,15 +2,17 @@
 verify steps by width, then whole greedy answers, plain and with a drafter, with the
 row-invariant attention both sides.
 
-    python scripts/cpu_ab.py [--switch rowamx|fused] [--dtype bfloat16|float32]
+    python scripts/cpu_ab.py [--switch rowamx|fused|wide] [--dtype bfloat16|float32]
                              [--widths 1,8,16,64] [--rounds 3] [--new-tokens 96]
                              [--method gumiho] [--total-tokens 8] [--depth 2]
                              [--lookup 10] [--prompts 4]
 
 --switch rowamx (bf16 on an AMX CPU): rowamx.c's products against oneDNN's (rowamx.py);
 --switch fused: the target's decoder computed by fused.py against transformers' own
-(`GUMIHO_FUSED=0`), the same bits. Loads SmolLM2 and the shipped drafter twice, once as
-`load_target` leaves them and once with the path switched off. Per round: each width's
+(`GUMIHO_FUSED=0`), the same bits; --switch wide (float32 on an AVX-512 CPU): rowgemm.c's
+AVX-512 blocks against its AVX2 ones (`GUMIHO_ROWGEMM512=0`), the same bits. Loads SmolLM2
+and the shipped drafter twice, once as `load_target` leaves them and once with the path
+switched off (wide: once, the blocks switched before each use). Per round: each width's
 verify step on each copy in turn, then each prompt answered plainly and by the method on
 each copy in turn. Prints the median step per width, each copy's tokens/s and speedup over
 its own plain decoding, and whether every answer of each copy equals its plain decoding's.
@@ -26,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
-from gumiho import rowamx  # noqa: E402
+from gumiho import rowamx, rowgemm  # noqa: E402
 from gumiho.budget import verify_step_seconds  # noqa: E402
 from gumiho.config import TreeConfig  # noqa: E402
 from gumiho.demo import PROMPT, shipped_drafter  # noqa: E402
@@ -61,7 +63,7 @@ def loaded(method: str, tree: TreeConfig, dtype: str, fused: bool = True):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--switch", choices=("rowamx", "fused"), default="rowamx")
+    parser.add_argument("--switch", choices=("rowamx", "fused", "wide"), default="rowamx")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--widths", default="1,8,16,64")
     parser.add_argument("--rounds", type=int, default=3)
@@ -78,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.switch == "rowamx" and (rowamx.kernel() is None or args.dtype != "bfloat16"):
         raise SystemExit("error: rowamx.c runs bf16 products on AMX tiles: --dtype bfloat16 "
                          "on a CPU with them (and a compiler that knows them)")
+    if args.switch == "wide" and (not rowgemm.set_wide(True) or args.dtype != "float32"):
+        raise SystemExit("error: rowgemm.c's AVX-512 blocks run float32 products: --dtype "
+                         "float32 on a CPU with AVX-512 (and not GUMIHO_ROWGEMM512=0)")
     tree = TreeConfig.for_method(args.method, total_tokens=args.total_tokens,
                                  depth=args.depth, lookup=args.lookup,
                                  lookup_first=bool(args.lookup))
@@ -85,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         copies = {"rowamx": loaded(args.method, tree, args.dtype)}
         with rowamx_off():
             copies["oneDNN"] = loaded(args.method, tree, args.dtype)
+    elif args.switch == "wide":
+        copies = dict.fromkeys(("AVX-512", "AVX2"), loaded(args.method, tree, args.dtype))
     else:
         copies = {"fused": loaded(args.method, tree, args.dtype),
                   "transformers": loaded(args.method, tree, args.dtype, fused=False)}
@@ -97,15 +104,24 @@ def main(argv: list[str] | None = None) -> int:
     config = GenerateConfig(max_new_tokens=args.new_tokens)
     steps: dict[tuple[int, str], list[float]] = {}
     answers: dict[tuple[str, str], list] = {}
-    for t, d in copies.values():  # warm-up
+    def use(name: str):
+        """the copy `name`, its switch set (wide: the one loaded copy's blocks)"""
+        if args.switch == "wide":
+            rowgemm.set_wide(name == "AVX-512")
+        return copies[name]
+
+    for name in copies:  # warm-up
+        t, d = use(name)
         run(t, d, prompts[0], GenerateConfig(max_new_tokens=8))
     for _ in range(args.rounds):
         for width in widths:
-            for name, (t, _) in copies.items():
+            for name in copies:
+                t, _ = use(name)
                 ms = verify_step_seconds(t, width, args.context, args.repeats) * 1e3
                 steps.setdefault((width, name), []).append(ms)
         for ids in prompts:
-            for name, (t, d) in copies.items():
+            for name in copies:
+                t, d = use(name)
                 for kind, drafter in (("plain", PlainDrafter()), (args.method, d)):
                     answers.setdefault((name, kind), []).append(run(t, drafter, ids, config))
     first, second = copies

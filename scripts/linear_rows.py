@@ -1,6 +1,7 @@
 """Time a projection against the number of input rows: torch's default (MKL on x86 CPUs),
-oneDNN, MKL's packed GEMM, rowgemm.c (where it builds here) and
-`gumiho.linear.vocab_linear` (which picks among them).
+oneDNN, MKL's packed GEMM, rowgemm.c (where it builds here; where
+its AVX-512 blocks run, also its AVX2 ones alone) and `gumiho.linear.vocab_linear` (which
+picks among them).
 
 Each call reads a weight that a 256 MB sweep has just pushed out of the caches, as in the
 loop, where the target's other weights pass through between two uses of its head. The
@@ -51,6 +52,14 @@ def main() -> int:
     packed = pack_weight(weight) if dtype == torch.bfloat16 else None
     sweep = torch.zeros(256 * 2**20 // 4)
 
+    def narrow(product, *args):
+        """`product(*args)` with rowgemm.c's AVX2 blocks only"""
+        rowgemm.set_wide(False)
+        try:
+            return product(*args)
+        finally:
+            rowgemm.set_wide(True)
+
     def median_ms(fn) -> float:
         fn()
         times = []
@@ -73,6 +82,9 @@ def main() -> int:
         if mkl is not None else None,
         "rowgemm": (lambda x: rowgemm.linear(x, weight))
         if float32 and rowgemm.kernel() is not None else None,
+        # its AVX2 blocks alone, where the AVX-512 ones run by default (the same bits)
+        "rowgemm-avx2": (lambda x: narrow(rowgemm.linear, x, weight))
+        if float32 and rowgemm.kernel() is not None and rowgemm.kernel().can_widen else None,
         "packed" if packed is not None else "vocab_linear":
             lambda x: vocab_linear(x, weight, None, packed),
     }

@@ -73,6 +73,60 @@ def test_a_16_bit_weight_gives_the_float32_product_of_its_values(dtype):
                                rtol=1e-5, atol=1e-4)
 
 
+# where torch finds AVX-512 the blocks must run: a build whose blocks fail rowgemm.py's
+# own check (and so stay off) fails these tests rather than skip them
+needs_wide = pytest.mark.skipif(rowgemm.kernel() is None
+                                or torch.backends.cpu.get_cpu_capability() != "AVX512",
+                                reason="no AVX-512 here (or rowgemm.c does not build)")
+
+
+@needs_wide
+@pytest.mark.host
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_avx512_blocks_give_the_avx2_blocks_bits(dtype):
+    """Rows in pairs, 16 lanes at a time, add what the AVX2 blocks' 8 lanes add in the
+    same order: bit for bit their products for every row count (odd ones leave half a pair
+    empty), column tile, k % 8 tail, bias or none, on one thread and on several, so a
+    machine with AVX-512 decodes what one without it does."""
+    g = torch.Generator().manual_seed(7)
+    threads = torch.get_num_threads()
+    try:
+        for n, k in ((1536, 576), (13, 37), (7, 8), (100, 1001)):
+            weight = torch.randn(n, k, generator=g).to(dtype)
+            bias = torch.randn(n, generator=g)
+            x = torch.randn(rowgemm.MAX_ROWS, k, generator=g)
+            for count in {1, threads}:
+                torch.set_num_threads(count)
+                for rows in (3, 4, 5, 8, 9, 13, 16, 17, 33, 64, rowgemm.MAX_ROWS):
+                    for b in (bias, None):
+                        assert rowgemm.set_wide(False) is False
+                        narrow = rowgemm.linear(x[:rows], weight, b)
+                        assert rowgemm.set_wide(True) is True
+                        assert torch.equal(rowgemm.linear(x[:rows], weight, b), narrow)
+    finally:
+        torch.set_num_threads(threads)
+        rowgemm.set_wide(True)
+
+
+@needs_wide
+@pytest.mark.host
+def test_gumiho_rowgemm512_0_keeps_the_avx2_blocks(monkeypatch):
+    """$GUMIHO_ROWGEMM512=0 (to compare, or when chasing a problem): the AVX2 blocks only,
+    and measured costs are cached apart (the kernels' identity says which ran)."""
+    wide = rowgemm.identity()
+    assert wide.endswith("-avx512")
+    monkeypatch.setenv("GUMIHO_ROWGEMM512", "0")
+    try:
+        rowgemm.kernel.cache_clear()
+        assert rowgemm.kernel() is not None and not rowgemm.kernel().wide
+        assert rowgemm.set_wide(True) is False
+        assert rowgemm.identity() == wide.removesuffix("-avx512")
+    finally:
+        monkeypatch.delenv("GUMIHO_ROWGEMM512")
+        rowgemm.kernel.cache_clear()
+    assert rowgemm.kernel().wide and rowgemm.identity() == wide
+
+
 @needs_rowgemm
 @pytest.mark.host
 def test_only_exactly_16_bit_weights_are_narrowed():
