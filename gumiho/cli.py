@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "allocation": "gumiho.ge_data.allocation",
     "train": "gumiho.train",
     "export": "gumiho.export",
+    "env": "gumiho.env",
 }
 
 

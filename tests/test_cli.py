@@ -1,6 +1,7 @@
 """The command line and bad input: one-line errors that say what to do."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -60,3 +61,32 @@ def test_cli_json_end_to_end(smollm2):
     with torch.inference_mode():
         ref = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     assert result["token_ids"] == ref[0, len(ids):].tolist()[: result["new_tokens"]]
+
+
+def test_env_says_which_paths_run_here(capsys, monkeypatch):
+    """`gumiho env`: versions, the kernels as rowgemm.py and rowamx.py find them, the demo's
+    default here, the switches set; a bad switch is reported, not raised."""
+    from gumiho import env, rowamx, rowgemm
+    from gumiho.cli import main as cli
+    from gumiho.demo import exact_bf16_here
+
+    monkeypatch.setenv("GUMIHO_FUSED", "0")
+    assert cli(["env", "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["torch"] == torch.__version__
+    kernels = facts["kernels"]
+    assert kernels["rowgemm"] == (rowgemm.kernel() is not None)
+    assert kernels["rowgemm_avx512_blocks"] == bool(rowgemm.kernel() and rowgemm.kernel().wide)
+    assert kernels["rowamx"] == (rowamx.kernel() is not None)
+    assert kernels["fused_decoder"] is False and facts["switches"]["GUMIHO_FUSED"] == "0"
+    assert facts["switches"] == {k: os.environ[k] for k in env.SWITCHES if k in os.environ}
+    assert facts["default"]["demo_on_cpu"].startswith(
+        "bfloat16" if exact_bf16_here(torch.device("cpu")) else "float32")
+    assert (facts["cuda"] is None) == (not torch.cuda.is_available())
+
+    monkeypatch.setenv("GUMIHO_DEVICE", "tpu")
+    assert env.main([]) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out
+    assert "default device and dtype: error: unknown device 'tpu'" in out
+    assert "GUMIHO_DEVICE=tpu" in out and "GUMIHO_FUSED=0" in out
