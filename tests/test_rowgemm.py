@@ -2,6 +2,8 @@
 (whatever rows, tiles and threads come with it), only where it is asked for, and nothing
 changed where it cannot be built."""
 
+import os
+
 import pytest
 import torch
 
@@ -76,8 +78,10 @@ def test_a_16_bit_weight_gives_the_float32_product_of_its_values(dtype):
 # where torch finds AVX-512 the blocks must run: a build whose blocks fail rowgemm.py's
 # own check (and so stay off) fails these tests rather than skip them
 needs_wide = pytest.mark.skipif(rowgemm.kernel() is None
-                                or torch.backends.cpu.get_cpu_capability() != "AVX512",
-                                reason="no AVX-512 here (or rowgemm.c does not build)")
+                                or torch.backends.cpu.get_cpu_capability() != "AVX512"
+                                or os.environ.get("GUMIHO_ROWGEMM512") == "0",
+                                reason="no AVX-512 here (or rowgemm.c does not build, or "
+                                "GUMIHO_ROWGEMM512=0)")
 
 
 @needs_wide
