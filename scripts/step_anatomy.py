@@ -21,6 +21,7 @@ import collections
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,6 +34,7 @@ from gumiho.config import TreeConfig  # noqa: E402
 from gumiho.demo import PROMPT, shipped_drafter  # noqa: E402
 from gumiho.drafters import load_drafter  # noqa: E402
 from gumiho.engine import GenerateConfig, run  # noqa: E402
+from gumiho.serial_drafter import SerialDrafter  # noqa: E402
 from gumiho.target import load_target  # noqa: E402
 
 
@@ -53,8 +55,10 @@ class Timed:
         return getattr(self.function, attribute)
 
 
-def time_kernels(seconds: dict) -> None:
-    """From now on rowgemm's and rowamx's kernels (those built here) time themselves."""
+@contextmanager
+def kernels_timed(seconds: dict):
+    """Inside it rowgemm's and rowamx's kernels (those built here) time themselves."""
+    kernels = rowgemm.kernel, rowamx.kernel
     gemm, amx = rowgemm.kernel(), rowamx.kernel()
     if gemm is not None:
         timed = Timed(gemm, "products", seconds)
@@ -63,6 +67,10 @@ def time_kernels(seconds: dict) -> None:
     if amx is not None:
         timed_amx = Timed(amx, "products", seconds)
         rowamx.kernel = lambda: timed_amx
+    try:
+        yield
+    finally:
+        rowgemm.kernel, rowamx.kernel = kernels
 
 
 class Count(TorchDispatchMode):
@@ -88,7 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target("smollm2", device="cpu", dtype=args.dtype,
                          attn_implementation="sdpa_invariant")
     seconds = collections.defaultdict(float)
-    time_kernels(seconds)
+    with kernels_timed(seconds):
+        steps(target, args, seconds)
+    proposals(target, args.total_tokens)
+    return 0
+
+
+def steps(target, args: argparse.Namespace, seconds: dict) -> None:
+    """The verify steps' table."""
     print(f"SmolLM2 {args.dtype}, sdpa_invariant, context {args.context}, "
           f"{args.repeats} steps a width (ms a step)")
     print("| tree tokens | step | products (C) | attention (C) | the rest |\n|---|---|---|---|---|")
@@ -107,33 +122,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {width} | {wall:.1f} (median {statistics.median(walls) * 1e3:.1f}) | "
               f"{products:.1f} | {attention:.1f} | {wall - products - attention:.1f} |")
 
-    tree = TreeConfig.for_method("gumiho", total_tokens=args.total_tokens, depth=2, lookup=10,
+
+def proposals(target, total_tokens: int) -> None:
+    """The drafter's proposals: their time and torch operations."""
+    tree = TreeConfig.for_method("gumiho", total_tokens=total_tokens, depth=2, lookup=10,
                                  lookup_first=True)
     drafter = load_drafter("gumiho", target, str(shipped_drafter("gumiho")), tree=tree)
     inner = drafter
-    while not hasattr(type(inner), "propose") or type(inner).__name__ != "SerialDrafter":
+    while not isinstance(inner, SerialDrafter):  # under the lookup wrapper
         inner = inner.inner
-    counts, proposals = collections.Counter(), []
+    counts, times = collections.Counter(), []
     plain_propose = inner.propose
 
     def counted():
         start = time.perf_counter()
         with Count(counts):
             tree = plain_propose()
-        proposals.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
         return tree
 
     ids = target.chat_ids(PROMPT)
     run(target, drafter, ids, GenerateConfig(max_new_tokens=16))  # warm-up
     inner.propose = counted
     result = run(target, drafter, ids, GenerateConfig(max_new_tokens=96))
-    n = len(proposals)
-    print(f"\nthe drafter's proposals ({args.total_tokens} tokens to depth 2, lookup 10, the "
+    n = len(times)
+    print(f"\nthe drafter's proposals ({total_tokens} tokens to depth 2, lookup 10, the "
           f"demo's prompt, 96 tokens): {n} of {result.cycles} cycles, median "
-          f"{statistics.median(proposals) * 1e3:.1f} ms (counted: slower than uncounted), "
+          f"{statistics.median(times) * 1e3:.1f} ms (counted: slower than uncounted), "
           f"{sum(counts.values()) / n:.0f} torch operations each; the most frequent:")
     print(", ".join(f"{name} {count / n:.0f}" for name, count in counts.most_common(12)))
-    return 0
 
 
 if __name__ == "__main__":

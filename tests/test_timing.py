@@ -108,3 +108,34 @@ def test_tree_building_is_timed_where_a_captured_engine_ignores_the_floors(tiny_
     assert static.one_step and tree_build_s(tiny_target, static, ids, "static", repeats=2) > 0
     eager = load_drafter("gumiho", tiny_target, "random", tree=tree, engine="eager")
     assert not eager.one_step and tree_build_s(tiny_target, eager, ids, "eager") is None
+
+
+def test_step_anatomy_splits_a_step_and_counts_a_proposal(capsys):
+    """scripts/step_anatomy.py (a CPU tool: its target loads on the CPU on any machine) runs
+    end to end on SmolLM2, its parts add up to the step, and the kernels it timed are the
+    modules' own again afterwards."""
+    import importlib.util
+    from pathlib import Path
+
+    from gumiho import rowamx, rowgemm
+
+    path = Path(__file__).parents[1] / "scripts" / "step_anatomy.py"
+    spec = importlib.util.spec_from_file_location("step_anatomy", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    kernels = rowgemm.kernel, rowamx.kernel
+    assert script.main(["--dtype", "float32", "--widths", "1,5", "--repeats", "1",
+                        "--total-tokens", "4"]) == 0
+    assert (rowgemm.kernel, rowamx.kernel) == kernels
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| 1 ")
+            or line.startswith("| 5 ")]
+    assert len(rows) == 2
+    for row in rows:
+        step = float(row[2].split()[0])
+        products, attention, rest = (float(x) for x in row[3:6])
+        assert products >= 0 and attention >= 0 and rest > 0
+        assert products + attention + rest == pytest.approx(step, abs=0.11)
+        if rowgemm.kernel() is not None:
+            assert products > 0 and attention > 0
+    assert "torch operations each" in out
