@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -78,7 +77,7 @@ def report() -> dict:
                 "torch_capability": torch.backends.cpu.get_cpu_capability(),
                 "amx_tiles": rowamx.amx_cpu()},
         "kernels": {
-            "compiler": shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc"),
+            "compiler": rowgemm.compiler(),
             "rowgemm": gemm is not None,
             "rowgemm_avx512_blocks": bool(gemm is not None and gemm.wide),
             "rowamx": amx is not None,

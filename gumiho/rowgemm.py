@@ -157,18 +157,24 @@ def _library() -> tuple[str, list[str], Path] | None:
     return found
 
 
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC (default cc), else gcc; None if
+    neither is found."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
 def library(name: str, sources: list[Path], flags: tuple[str, ...] = ()
             ) -> tuple[str, list[str], Path] | None:
     """(compiler, flags, path) for library `name` of `sources` (rowkernels.h beside them),
     compiled with FLAGS, `flags` and torch's OpenMP: the path carries a hash of all of them,
     so a changed source or flag builds anew (`built`). None without a C compiler."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         return None
     flags = [*flags, *openmp_flags()]
     key = hashlib.sha1(repr([[f.read_bytes() for f in (*sources, HEADER)], FLAGS, flags,
-                             compiler]).encode())
-    return compiler, flags, cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
+                             cc]).encode())
+    return cc, flags, cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
 
 
 def identity() -> str | None:
