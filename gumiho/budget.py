@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from gumiho import rowamx, rowgemm
+from gumiho import rowamx, rowgemm, rowlayer
 from gumiho.config import TreeConfig
 from gumiho.engine import GenerateConfig, TargetRunner, prefill, run, verify_tree
 from gumiho.linear import PackedLinear
@@ -247,9 +247,12 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # the fastest round each; 10: the proposals likewise; 11: with fused.py); whether the
     # target's layers are packed ($GUMIHO_PACK), whether rowgemm (with its AVX-512 blocks)
     # and rowamx built here ($GUMIHO_ROWGEMM, $GUMIHO_ROWGEMM512, $GUMIHO_ROWAMX) and
-    # whether fused.py runs the target's decoder ($GUMIHO_FUSED) change them
+    # whether fused.py runs the target's decoder ($GUMIHO_FUSED), and rowlayer.c its steps
+    # ($GUMIHO_ROWLAYER), change them
     packed = any(type(m) is PackedLinear for m in target.model.modules())
-    key = json.dumps([11, target._fused is not None, target.name, method, str(draft_path), stamp,
+    fused = target._fused
+    steps = None if fused is None else "rowlayer" if fused.rows is not None else "fused"
+    key = json.dumps([11, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, rowgemm.identity(), rowamx.identity(),
                       target.config._attn_implementation], default=str)

@@ -42,6 +42,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from gumiho.linear import PackedLinear
+from gumiho.rowlayer import SDPA, RowLayers
 
 # The concatenated q/k/v and gate/up weights are copies: a target joins them only while the
 # copies stay small (SmolLM2: ~140 MB in bf16), a larger one calls its projections apart.
@@ -154,6 +155,9 @@ class FusedDecoder:
         layers = decoder.layers[: decoder.config.num_hidden_layers]
         self.layers = LlamaLayers(layers, decoder.rotary_emb, configured_attention,
                                   join=LlamaLayers.join_bytes(layers) <= JOIN_LIMIT_BYTES)
+        # steps of up to 80 tokens in one C call where the row kernels run (rowlayer.py)
+        self.rows = RowLayers.of(self.layers, decoder.norm, decoder.embed_tokens.weight.dtype,
+                                 sdpa=decoder.config._attn_implementation in SDPA)
 
     @classmethod
     def of(cls, model: nn.Module) -> FusedDecoder | None:
@@ -167,16 +171,23 @@ class FusedDecoder:
             return None
         return cls(decoder)
 
-    def __call__(self, input_ids: Tensor, position_ids: Tensor, cache,
-                 attention_mask: Tensor) -> Tensor:
+    def __call__(self, input_ids: Tensor, position_ids: Tensor, cache, mask: Tensor,
+                 decoder_masks: Callable[[Tensor], object]) -> Tensor:
         """`LlamaModel(...).last_hidden_state` for input_ids, position_ids (1, K) on top of
-        `cache` (our KVCache's HF cache: its capacity sizes the rotary table) under a 4D
-        mask as the decoder takes it (`Target._decoder_masks`): (1, K, H)."""
+        `cache` (our KVCache's HF cache: its capacity sizes the rotary table) under our
+        (M, 1, K, visible) bool mask (`KVCache.attention_mask`), which `decoder_masks`
+        (`Target._decoder_masks`) turns into what the decoder's attention takes: (1, K, H).
+        Steps rowlayer.c takes run there (`rows`), the rest here."""
         h = self.decoder.embed_tokens(input_ids)
         keys = getattr(cache.layers[0], "keys", None) if hasattr(cache, "layers") else None
         if keys is not None:
             self.layers.reserve(keys.shape[-2], h)
-        return rms_norm(self.decoder.norm, self.layers(h, position_ids, attention_mask, cache))
+        if self.rows is not None and mask.shape[0] == 1:
+            out = self.rows(h, position_ids, cache, mask)
+            if out is not None:
+                return out
+        return rms_norm(self.decoder.norm,
+                        self.layers(h, position_ids, decoder_masks(mask), cache))
 
 
 def rms_norm(norm: nn.Module, h: Tensor) -> Tensor:

@@ -1,7 +1,7 @@
-/* What rowgemm.c and rowattention.c share: the one order in which eight FMA lanes are
- * added (pairwise), part of what makes every result independent of what is computed with
- * it, and the loads that widen 16-bit operands (weights, cached keys and values) to
- * float32 exactly as they are read. */
+/* What rowgemm.c, rowattention.c and rowlayer.c share: the one order in which eight FMA
+ * lanes are added (pairwise), part of what makes every result independent of what is
+ * computed with it, the loads that widen 16-bit operands (weights, cached keys and values)
+ * to float32 exactly as they are read, and an exp of eight values each on its own. */
 #ifndef GUMIHO_ROWKERNELS_H
 #define GUMIHO_ROWKERNELS_H
 #include <immintrin.h>
@@ -48,6 +48,28 @@ static inline float lanes(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* exp of eight values (<= 0 in rowattention.c: score - max; rowlayer.c's SiLU keeps them
+   below 88), each computed on its own, so a value gets the same bits wherever it sits: x = n ln 2 + r, |r| <= ln 2 / 2, exp(r) by a degree-7
+   polynomial (Cephes' expf coefficients, ~1 ulp), times 2^n. Below -87.3 (exp < 1.2e-38,
+   against a top score's 1) it returns exp(-87.3). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                               _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 #endif

@@ -146,11 +146,12 @@ class Target:
         last token only (1, V): a prompt needs no more, and the whole prompt's would cost a
         vocabulary-sized product per token (as Hugging Face `generate` avoids too).
         """
-        if attention_mask is not None:
-            attention_mask = self._decoder_masks(attention_mask)
         if self._fused is not None and attention_mask is not None and cache is not None:
-            features = self._fused(input_ids, position_ids, cache, attention_mask)[0]
+            features = self._fused(input_ids, position_ids, cache, attention_mask,
+                                   self._decoder_masks)[0]
         else:
+            if attention_mask is not None:
+                attention_mask = self._decoder_masks(attention_mask)
             features = self.model.get_decoder()(
                 input_ids=input_ids,
                 position_ids=position_ids,

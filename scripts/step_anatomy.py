@@ -1,6 +1,7 @@
-"""Where a CPU step's time goes: the target's verify step by width, split into our C
-kernels' products, their attention and the rest (Python, torch's own operations), and a
-drafter's proposal counted in torch calls.
+"""Where a CPU step's time goes: the target's verify step by width as it runs (rowlayer.c's
+one call a step where it builds) and through fused.py's torch calls, the latter split into
+our C kernels' products, their attention and the rest (Python, torch's own operations), and
+a drafter's proposal counted in torch calls.
 
     python scripts/step_anatomy.py [--dtype bfloat16|float32] [--widths 1,6,16,64]
                                    [--context 128] [--repeats 10] [--total-tokens 12]
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target("smollm2", device="cpu", dtype=args.dtype,
                          attn_implementation="sdpa_invariant")
     seconds = collections.defaultdict(float)
+    assert target._fused is not None  # made now: rowlayer.c takes the kernels' own addresses
     with kernels_timed(seconds):
         steps(target, args, seconds)
     proposals(target, args.total_tokens)
@@ -103,24 +105,43 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def steps(target, args: argparse.Namespace, seconds: dict) -> None:
-    """The verify steps' table."""
+    """The verify steps' table: the step as it runs (rowlayer.c's one call where it builds),
+    then fused.py's torch calls split into the C kernels and the rest."""
+    fused = target._fused
+    rows = None if fused is None else fused.rows
     print(f"SmolLM2 {args.dtype}, sdpa_invariant, context {args.context}, "
           f"{args.repeats} steps a width (ms a step)")
-    print("| tree tokens | step | products (C) | attention (C) | the rest |\n|---|---|---|---|---|")
+    print("| tree tokens | step (rowlayer.c) | step (fused.py) | products (C) | attention (C) "
+          "| the rest |\n|---|---|---|---|---|---|")
     for width in (int(w) for w in args.widths.split(",")):
         step = verify_step(target, width, args.context)
-        for _ in range(3):
-            step()
-        seconds.clear()
-        walls = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            step()
-            walls.append(time.perf_counter() - start)
-        wall = sum(walls) / args.repeats * 1e3
+        whole = mean_ms(step, args.repeats) if rows is not None else None
+        if rows is not None:
+            fused.rows = None  # fused.py's calls, which the kernels' timers see
+        try:
+            wall, median = mean_ms(step, args.repeats, median=True, before=seconds.clear)
+        finally:
+            if rows is not None:
+                fused.rows = rows
         products, attention = (seconds[k] / args.repeats * 1e3 for k in ("products", "attention"))
-        print(f"| {width} | {wall:.1f} (median {statistics.median(walls) * 1e3:.1f}) | "
-              f"{products:.1f} | {attention:.1f} | {wall - products - attention:.1f} |")
+        shown = "-" if whole is None else f"{whole:.1f}"
+        print(f"| {width} | {shown} | {wall:.1f} (median {median:.1f}) | {products:.1f} | "
+              f"{attention:.1f} | {wall - products - attention:.1f} |")
+
+
+def mean_ms(step, repeats: int, median: bool = False, before=lambda: None):
+    """The mean ms of `repeats` calls of step after three warm-ups and `before()` (and the
+    median)."""
+    for _ in range(3):
+        step()
+    before()
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - start)
+    mean = sum(walls) / repeats * 1e3
+    return (mean, statistics.median(walls) * 1e3) if median else mean
 
 
 def proposals(target, total_tokens: int) -> None:

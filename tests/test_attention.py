@@ -189,6 +189,7 @@ def test_a_folding_target_decodes_like_plain(reference, monkeypatch, engine):
 
     monkeypatch.setattr(attention, "folds", lambda query: True)
     monkeypatch.setattr(attention, "folded_sdpa", counted)
+    monkeypatch.setenv("GUMIHO_ROWLAYER", "0")  # torch's attention, not rowattention.c's
     smollm2 = load_target("smollm2", device=str(DEVICE))
     ids, unfolded = reference
     config = GenerateConfig(max_new_tokens=len(unfolded.token_ids), engine=engine)

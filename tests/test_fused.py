@@ -2,7 +2,8 @@
 decoder's outputs bit for bit (prompts, decode steps, tree verifies; float32, bf16 and
 float16; each attention implementation; q/k/v joined or apart, with biases), and is used
 only where that was shown: Llama decoders on the CPU, not after `unpack`, not with
-GUMIHO_FUSED=0."""
+GUMIHO_FUSED=0. Its steps here are its torch calls (rowlayer.c's, which run steps of up
+to 80 rows where they build, round in two places on their own: tests/test_rowlayer.py)."""
 
 import pytest
 import torch
@@ -19,6 +20,13 @@ from conftest import DEVICE
 from drafters_for_tests import random_tree
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the fused decoder is CPU-only")
+
+
+@pytest.fixture(autouse=True)
+def _torch_calls(monkeypatch):
+    """fused.py's own calls, not rowlayer.c's steps (tests/test_rowlayer.py), in every
+    target these tests load."""
+    monkeypatch.setenv("GUMIHO_ROWLAYER", "0")
 
 
 def outputs(target, prompt: list[int], trees) -> list[torch.Tensor]:
