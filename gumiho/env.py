@@ -1,12 +1,12 @@
 """`gumiho env`: what this machine runs, for a bug report or a speed question.
 
 Speed on a CPU depends on which of our paths run here (the C kernels, their AVX-512 or AMX
-variants, the fused Llama decoder, packed layers) and on the switches that turn them off;
-on a GPU, on the device and the CUDA build. This prints them, with the versions and the
-demo's default on this machine, in about ten seconds on a 2-core CPU and without loading a
-model (the kernels are built and checked as they would be at first use). `--json` prints
-the same as one JSON object. The idea is vLLM's `collect_env` and transformers' `env`
-command, for our own paths.
+variants, rowlayer.c's decoder steps, the fused Llama decoder, packed layers) and on the
+switches that turn them off; on a GPU, on the device and the CUDA build. This prints them,
+with the versions and the demo's default on this machine, in about ten seconds on a 2-core
+CPU and without loading a model (the kernels are built and checked as they would be at
+first use). `--json` prints the same as one JSON object. The idea is vLLM's `collect_env`
+and transformers' `env` command, for our own paths.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gumiho import rowamx, rowgemm
+from gumiho import rowamx, rowgemm, rowlayer
 from gumiho.demo import exact_bf16_here
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors
 from gumiho.paths import cache_dir
@@ -32,6 +32,7 @@ SWITCHES = {  # what each turns off or sets (the README's Design table says more
     "GUMIHO_ROWGEMM512": "0: rowgemm.c's AVX2 blocks only",
     "GUMIHO_ROWAMX": "0: rowamx.c off (oneDNN's bf16 products)",
     "GUMIHO_FUSED": "0: transformers' decoder for Llama targets on the CPU",
+    "GUMIHO_ROWLAYER": "0: fused.py's torch calls for steps rowlayer.c would take",
     "GUMIHO_PACK": "0: CPU layers not packed",
     "GUMIHO_DEVICE": "the default device",
     "GUMIHO_DTYPE": "the default dtype",
@@ -82,6 +83,7 @@ def report() -> dict:
             "rowgemm_avx512_blocks": bool(gemm is not None and gemm.wide),
             "rowamx": amx is not None,
             "fused_decoder": os.environ.get("GUMIHO_FUSED", "1") != "0",
+            "rowlayer": rowlayer.enabled(),
             "packed_layers": os.environ.get("GUMIHO_PACK", "1") != "0",
             "folder": str(cache_dir() / "kernels"),
         },
@@ -126,6 +128,8 @@ def text(facts: dict) -> str:
         + (f", AVX-512 blocks: {_yes(kernels['rowgemm_avx512_blocks'])}"
            if kernels["rowgemm"] else ""),
         f"rowamx.c (bf16 products on AMX tiles): {_yes(kernels['rowamx'])}",
+        f"rowlayer.c (Llama decoder steps of up to 80 tokens in one C call, targets' and "
+        f"drafters'): {_yes(kernels['rowlayer'])}",
         f"fused Llama decoder on the CPU: {_yes(kernels['fused_decoder'])}; packed CPU "
         f"layers: {_yes(kernels['packed_layers'])}",
         f"default device and dtype: {default['device']}"

@@ -15,13 +15,17 @@
  * bit for bit what the same tokens get in one-row steps, as with the kernels it calls.
  *
  * Activations are float32 (F32) or bfloat16 (BF16) values; hidden, head and intermediate
- * sizes multiples of 16 (rowlayer.py checks). Single-threaded: the products and the
- * attention use the threads. Needs AVX2, FMA and F16C (rowkernels.h). */
+ * sizes multiples of 16 (rowlayer.py checks). The loops run on one thread for a few rows
+ * (the products and the attention use the threads) and split by rows from PARALLEL_ROWS
+ * on; a row's arithmetic is the same on any thread. Needs AVX2, FMA and F16C
+ * (rowkernels.h). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "rowkernels.h"
+
+#define PARALLEL_ROWS 8  /* from this many rows the loops between products take both threads */
 
 typedef void (*amx_fn)(const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y,
                        int M, int K, int N);
@@ -58,7 +62,9 @@ struct stack {
 
 /* eight float32 values rounded to bfloat16 as torch rounds (to nearest even, a NaN to the
    quiet 0x7fc0), in the upper halves of 32-bit lanes */
-static inline __m256i bf16_bits(__m256 v) {
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE __m256i bf16_bits(__m256 v) {
     __m256i u = _mm256_castps_si256(v);
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
@@ -70,11 +76,11 @@ static inline __m256i bf16_bits(__m256 v) {
 }
 
 /* v as the activations hold it: rounded to bfloat16 (and widened back), or as it is */
-static inline __m256 rnd8(__m256 v, int kind) {
+INLINE __m256 rnd8(__m256 v, int kind) {
     return kind == BF16 ? _mm256_castsi256_ps(bf16_bits(v)) : v;
 }
 
-static inline void store8(void *p, size_t i, __m256 v, int kind) {
+INLINE void store8(void *p, size_t i, __m256 v, int kind) {
     if (kind == F32) {
         _mm256_storeu_ps((float *)p + i, v);
         return;
@@ -86,8 +92,9 @@ static inline void store8(void *p, size_t i, __m256 v, int kind) {
 
 /* out = RMSNorm(x) * w for `rows` rows of n: x / sqrt(mean(x^2) + eps), rounded to the
    activations, then times the weight (transformers' LlamaRMSNorm) */
-static void norm(const void *x, const void *w, void *out, int rows, int n, float eps,
+INLINE void norm(const void *x, const void *w, void *out, int rows, int n, float eps,
                  int kind) {
+    #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
         size_t row = (size_t)r * n;
         __m256 acc = _mm256_setzero_ps();
@@ -104,15 +111,18 @@ static void norm(const void *x, const void *w, void *out, int rows, int n, float
     }
 }
 
-/* h += d, each sum rounded to the activations */
-static void add(void *h, const void *d, size_t n, int kind) {
-    for (size_t i = 0; i < n; i += 8)
-        store8(h, i, _mm256_add_ps(load8(h, i, kind), load8(d, i, kind)), kind);
+/* h += d for `rows` rows of n, each sum rounded to the activations */
+INLINE void add(void *h, const void *d, int rows, int n, int kind) {
+    #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int r = 0; r < rows; r++)
+        for (size_t i = (size_t)r * n; i < (size_t)(r + 1) * n; i += 8)
+            store8(h, i, _mm256_add_ps(load8(h, i, kind), load8(d, i, kind)), kind);
 }
 
 /* out = SiLU(gate) * up per row of gu (gate, up side by side, n each): SiLU(g) =
    g / (1 + exp(-g)), rounded, then the product, rounded */
-static void gate(const void *gu, void *out, int rows, int n, int kind) {
+INLINE void gate(const void *gu, void *out, int rows, int n, int kind) {
+    #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
         size_t in = (size_t)r * 2 * n, at = (size_t)r * n;
         for (int i = 0; i < n; i += 8) {
@@ -129,7 +139,7 @@ static void gate(const void *gu, void *out, int rows, int n, int kind) {
 /* The rotary turn of one head's d values at `x` (as the activations), into `out` (float32
    or the activations, `okind`): x cos + (x2, x1) sin, sin's first half negated, each
    product and the sum rounded to the activations */
-static inline void turn(const void *x, size_t at, const void *cos, const void *sin,
+INLINE void turn(const void *x, size_t at, const void *cos, const void *sin,
                         size_t row, int d, void *out, size_t to, int kind, int okind) {
     int half = d / 2;
     for (int i = 0; i < half; i += 8) {
@@ -144,14 +154,14 @@ static inline void turn(const void *x, size_t at, const void *cos, const void *s
     }
 }
 
-static void copy_row(const void *x, size_t at, void *out, size_t to, int d, int kind) {
+INLINE void copy_row(const void *x, size_t at, void *out, size_t to, int d, int kind) {
     size_t size = kind == F32 ? 4 : 2;
     memcpy((char *)out + to * size, (const char *)x + at * size, (size_t)d * size);
 }
 
-static void product(const struct stack *s, const struct product *p, const void *x, void *y,
-                    int rows, int k, int n) {
-    if (s->kind == BF16)
+INLINE void product(const struct stack *s, const struct product *p, const void *x, void *y,
+                    int rows, int k, int n, int kind) {
+    if (kind == BF16)
         ((amx_fn)s->amx)(x, p->w, p->b, y, rows, k, n);
     else
         ((gemm_fn)s->gemm)(x, p->w, p->b, y, rows, k, n, p->kind);
@@ -163,11 +173,10 @@ static void product(const struct stack *s, const struct product *p, const void *
    tensor: a recorded step reads it when it runs), each row attending over slots 0..visible - 1
    where mask (rows x visible, nonzero = seen) says. Returns 0; -1 where a row sees no key;
    -2 for a position past the rotary table or slots past the cache; -3 out of memory. */
-int rowlayer(const struct stack *s, void *h, int rows, const int64_t *positions,
-             const int64_t *first, int visible, const unsigned char *mask) {
-    int64_t start = *first;
+INLINE int layers(const struct stack *s, void *h, int rows, const int64_t *positions,
+                  int64_t start, int visible, const unsigned char *mask, int kind) {
     int H = s->hidden, D = s->dim, NQ = s->heads, G = s->kv_heads, I = s->inter;
-    int kind = s->kind, width = (NQ + 2 * G) * D;
+    int width = (NQ + 2 * G) * D;
     size_t size = kind == F32 ? 4 : 2;
     if (start < 0 || start + rows > s->capacity || visible > s->capacity) return -2;
     for (int r = 0; r < rows; r++)
@@ -185,7 +194,8 @@ int rowlayer(const struct stack *s, void *h, int rows, const int64_t *positions,
             norm(h, L->norm1, x, rows, H, s->eps, kind);
         else  /* no input norm (a drafter's first layer) */
             memcpy(x, h, (size_t)rows * H * size);
-        product(s, &L->qkv, x, qkv, rows, H, width);
+        product(s, &L->qkv, x, qkv, rows, H, width, kind);
+        #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
         for (int r = 0; r < rows; r++) {
             size_t row = (size_t)positions[r] * D, in = (size_t)r * width;
             for (int j = 0; j < NQ; j++)  /* queries: float32 for the attention */
@@ -210,13 +220,13 @@ int rowlayer(const struct stack *s, void *h, int rows, const int64_t *positions,
                 store8(heads, i, _mm256_loadu_ps(att + i), BF16);
             attended = heads;
         }
-        product(s, &L->o, attended, o, rows, NQ * D, H);
-        add(h, o, (size_t)rows * H, kind);
+        product(s, &L->o, attended, o, rows, NQ * D, H, kind);
+        add(h, o, rows, H, kind);
         norm(h, L->norm2, x, rows, H, s->eps, kind);
-        product(s, &L->gate_up, x, gu, rows, H, 2 * I);
+        product(s, &L->gate_up, x, gu, rows, H, 2 * I, kind);
         gate(gu, m, rows, I, kind);
-        product(s, &L->down, m, o, rows, I, H);
-        add(h, o, (size_t)rows * H, kind);
+        product(s, &L->down, m, o, rows, I, H, kind);
+        add(h, o, rows, H, kind);
     }
     if (status == 0 && s->final_norm) {
         norm(h, s->final_norm, x, rows, H, s->eps, kind);
@@ -224,4 +234,11 @@ int rowlayer(const struct stack *s, void *h, int rows, const int64_t *positions,
     }
     free(x), free(qkv), free(o), free(gu), free(m), free(heads), free(q), free(att);
     return status;
+}
+
+int rowlayer(const struct stack *s, void *h, int rows, const int64_t *positions,
+             const int64_t *first, int visible, const unsigned char *mask) {
+    /* one copy of the loops per dtype, its branches on the dtype folded away */
+    if (s->kind == BF16) return layers(s, h, rows, positions, *first, visible, mask, BF16);
+    return layers(s, h, rows, positions, *first, visible, mask, F32);
 }

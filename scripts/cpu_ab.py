@@ -2,7 +2,7 @@
 verify steps by width, then whole greedy answers, plain and with a drafter, with the
 row-invariant attention both sides.
 
-    python scripts/cpu_ab.py [--switch rowamx|fused|wide] [--dtype bfloat16|float32]
+    python scripts/cpu_ab.py [--switch rowamx|fused|wide|rowlayer] [--dtype bfloat16|float32]
                              [--widths 1,8,16,64] [--rounds 3] [--new-tokens 96]
                              [--method gumiho] [--total-tokens 8] [--depth 2]
                              [--lookup 10] [--prompts 4]
@@ -10,7 +10,10 @@ row-invariant attention both sides.
 --switch rowamx (bf16 on an AMX CPU): rowamx.c's products against oneDNN's (rowamx.py);
 --switch fused: the target's decoder computed by fused.py against transformers' own
 (`GUMIHO_FUSED=0`), the same bits; --switch wide (float32 on an AVX-512 CPU): rowgemm.c's
-AVX-512 blocks against its AVX2 ones (`GUMIHO_ROWGEMM512=0`), the same bits. Loads SmolLM2
+AVX-512 blocks against its AVX2 ones (`GUMIHO_ROWGEMM512=0`), the same bits; --switch
+rowlayer: the target's and the drafter's steps in one rowlayer.c call against fused.py's
+torch calls (`GUMIHO_ROWLAYER=0`; two roundings of their own, so the answers may part at
+near-ties, each copy's plain and speculative ones still equal). Loads SmolLM2
 and the shipped drafter twice, once as `load_target` leaves them and once with the path
 switched off (wide: once, the blocks switched before each use). Per round: each width's
 verify step on each copy in turn, then each prompt answered plainly and by the method on
@@ -21,6 +24,7 @@ its own plain decoding, and whether every answer of each copy equals its plain d
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from contextlib import contextmanager
@@ -36,6 +40,21 @@ from gumiho.drafters import PlainDrafter, load_drafter  # noqa: E402
 from gumiho.engine import GenerateConfig, run  # noqa: E402
 from gumiho.evaluation.benchmarks import load_questions  # noqa: E402
 from gumiho.target import load_target  # noqa: E402
+
+
+@contextmanager
+def rowlayer_off():
+    """rowlayer.c's steps off while a target and drafter load (their decoders then make
+    fused.py's torch calls)."""
+    saved = os.environ.get("GUMIHO_ROWLAYER")
+    os.environ["GUMIHO_ROWLAYER"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["GUMIHO_ROWLAYER"]
+        else:
+            os.environ["GUMIHO_ROWLAYER"] = saved
 
 
 @contextmanager
@@ -56,6 +75,7 @@ def loaded(method: str, tree: TreeConfig, dtype: str, fused: bool = True):
     target = load_target("smollm2", device="cpu", dtype=dtype,
                          attn_implementation="sdpa_invariant")
     target._packed_head  # noqa: B018 - prepared now, under the caller's switch
+    target._fused  # noqa: B018 - the same
     if not fused:
         target.__dict__["_fused"] = None  # the cached property, settled to "none"
     return target, load_drafter(method, target, str(shipped_drafter(method)), tree=tree)
@@ -63,7 +83,8 @@ def loaded(method: str, tree: TreeConfig, dtype: str, fused: bool = True):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--switch", choices=("rowamx", "fused", "wide"), default="rowamx")
+    parser.add_argument("--switch", choices=("rowamx", "fused", "wide", "rowlayer"),
+                        default="rowamx")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--widths", default="1,8,16,64")
     parser.add_argument("--rounds", type=int, default=3)
@@ -90,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         copies = {"rowamx": loaded(args.method, tree, args.dtype)}
         with rowamx_off():
             copies["oneDNN"] = loaded(args.method, tree, args.dtype)
+    elif args.switch == "rowlayer":
+        copies = {"rowlayer": loaded(args.method, tree, args.dtype)}
+        with rowlayer_off():
+            copies["fused.py"] = loaded(args.method, tree, args.dtype)
+        if copies["rowlayer"][0]._fused.rows is None:
+            raise SystemExit("error: rowlayer.c does not run here (GUMIHO_ROWLAYER=0?)")
     elif args.switch == "wide":
         copies = dict.fromkeys(("AVX-512", "AVX2"), loaded(args.method, tree, args.dtype))
     else:

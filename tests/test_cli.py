@@ -71,6 +71,7 @@ def test_env_says_which_paths_run_here(capsys, monkeypatch):
     from gumiho.demo import exact_bf16_here
 
     monkeypatch.setenv("GUMIHO_FUSED", "0")
+    monkeypatch.setenv("GUMIHO_ROWLAYER", "0")
     assert cli(["env", "--json"]) == 0
     facts = json.loads(capsys.readouterr().out)
     assert facts["torch"] == torch.__version__
@@ -79,6 +80,7 @@ def test_env_says_which_paths_run_here(capsys, monkeypatch):
     assert kernels["rowgemm_avx512_blocks"] == bool(rowgemm.kernel() and rowgemm.kernel().wide)
     assert kernels["rowamx"] == (rowamx.kernel() is not None)
     assert kernels["fused_decoder"] is False and facts["switches"]["GUMIHO_FUSED"] == "0"
+    assert kernels["rowlayer"] is False
     assert facts["switches"] == {k: os.environ[k] for k in env.SWITCHES if k in os.environ}
     assert facts["default"]["demo_on_cpu"].startswith(
         "bfloat16" if exact_bf16_here(torch.device("cpu")) else "float32")
