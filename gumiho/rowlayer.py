@@ -188,7 +188,7 @@ class RowLayers:
         rows = h.shape[1]
         kv = getattr(getattr(cache, "layers", [None])[0], "cache", None)
         if (not 1 <= rows <= MAX_ROWS or h.shape[0] != 1 or h.dtype != self.dtype
-                or h.device.type != "cpu"
+                or h.shape[-1] != self.hidden or h.device.type != "cpu"
                 or position_ids.dtype != torch.long or position_ids.numel() != rows
                 or kv is None or kv.window is not None or kv.storage.dtype != self.dtype
                 or kv.storage.shape != self.storage_shape(kv.capacity)
