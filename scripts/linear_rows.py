@@ -12,7 +12,8 @@ median of `--repeats` calls is printed in milliseconds. The figures behind linea
     python scripts/linear_rows.py --outputs 1536 --inputs 576    # a layer (rowgemm.py)
 
 With --dtype bfloat16 the last column is the weight reordered once (`linear.pack_weight`,
-what a bf16 CPU target's layers and heads use) instead of `vocab_linear`:
+what a bf16 CPU target's layers and heads use) instead of `vocab_linear`, and rowgemm's the
+float32 product of the bf16 weight's values rounded once to bf16:
 
     python scripts/linear_rows.py --dtype bfloat16 --outputs 1536 --inputs 576  # a layer
 
@@ -80,8 +81,10 @@ def main() -> int:
         if ONEDNN_LINEAR is not None else None,
         "mkl-packed": (lambda x: MKL_LINEAR(x, mkl, weight, None, x.shape[0]))
         if mkl is not None else None,
-        "rowgemm": (lambda x: rowgemm.linear(x, weight))
-        if float32 and rowgemm.kernel() is not None else None,
+        # bf16: the float32 product of the bf16 values, rounded once (rowlayer.c's bf16
+        # products where rowamx.c does not run)
+        "rowgemm": (lambda x: rowgemm.linear(x.float(), weight).to(dtype))
+        if rowgemm.kernel() is not None else None,
         # its AVX2 blocks alone, where the AVX-512 ones run by default (the same bits)
         "rowgemm-avx2": (lambda x: narrow(rowgemm.linear, x, weight))
         if float32 and rowgemm.kernel() is not None and rowgemm.kernel().can_widen else None,
