@@ -1,26 +1,29 @@
-"""A Llama target's decoder steps of 1 to MAX_ROWS tokens in one C call (rowlayer.c): the
-layers' products and attention by the row kernels (rowamx.c for bf16 on AMX tiles,
-rowgemm.c for float32, rowattention.c), everything between them (RMSNorm, the rotary
+"""A Llama decoder's steps of 1 to MAX_ROWS tokens in one C call (rowlayer.c), for a
+target's decoder (fused.py's `FusedDecoder`) and a drafter's serial layers (`FusedSerial`)
+on the CPU: the layers' products and attention by the row kernels (rowamx.c for bf16 on AMX
+tiles, rowgemm.c for float32, rowattention.c), everything between them (RMSNorm, the rotary
 turn, the KV cache's writes, SiLU and the gate, the residual additions) in plain loops.
 
 fused.py's `LlamaLayers` makes the same calls from Python: about 1,000 torch operations a
 SmolLM2 step, each ~5-10 us of dispatch, where the step's products take ~10 ms on a 2-core
 CPU, so a plain step spent about half its time between its kernels (scripts/
-step_anatomy.py). Here that part costs tens of microseconds.
+step_anatomy.py). Here that part costs tens of microseconds: plain decoding runs about
+twice as fast (docs/cpu_costs.md, "A decoder step in one C call").
 
 The bits: every operation is transformers' LlamaDecoderLayer's, rounded where torch rounds,
 except the order of RMSNorm's sum of squares and SiLU's exp (rowlayer.c), which differ from
 torch's by about an ulp before rounding. So the features are not bit for bit fused.py's
-(float32: ~1e-6 relative; bf16: a value now and then on the neighbouring bf16), but every
-row is its own: a tree verify gives each token bit for bit what one-token steps give it,
-so speculative decoding stays exactly plain decoding (both run these steps). It runs only
-where the rest of the step was already the row kernels': the row-invariant attention
-(`sdpa_invariant`), a bf16 target with rowamx.c or a float32 one with rowgemm.c, q/k/v and
-gate/up joined (fused.py), the rotary embedding tabulated, our KV cache; prefills longer
-than MAX_ROWS tokens keep fused.py's path (as their products keep the libraries').
+(float32: ~1e-6 relative; bf16: a value now and then on the neighbouring bf16, carried
+on), but every row is its own: a tree verify gives each token bit for bit what one-token
+steps give it, so speculative decoding stays exactly plain decoding (both run these
+steps). The attention is rowattention.c's for every sdpa flavour (`SDPA`: torch's sdpa to
+float rounding); eager attention keeps fused.py's calls. It also needs a bf16 model with
+rowamx.c or a float32 one with rowgemm.c (16-bit weights too), q/k/v and gate/up joined
+(fused.py), the rotary embedding tabulated and our KV cache; prompts longer than MAX_ROWS
+tokens keep fused.py's calls (as their products keep the libraries').
 
 Compiled once per machine beside the other kernels (rowgemm.py); $GUMIHO_ROWLAYER=0 keeps
-fused.py's torch calls (to compare).
+fused.py's torch calls (to compare, or when chasing a problem).
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ def _address(function) -> int:
 
 class RowLayers:
     """fused.py's `LlamaLayers` (and the decoder's final norm) as one rowlayer.c call a step,
-    for a step `takes` accepts. Made by `of`, which says where it applies."""
+    for the steps it takes (`__call__` answers None for the rest). Made by `of`, which says
+    where it applies."""
 
     def __init__(self, layers, final_norm, dtype: torch.dtype):
         self.layers, self.dtype, self.kind = layers, dtype, KINDS[dtype]
@@ -136,10 +140,16 @@ class RowLayers:
         return tensor.data_ptr()
 
     def _product(self, linear) -> Product:
-        prepared = linear.tiles if self.kind == KINDS[torch.bfloat16] else linear.rows
+        """A packed layer's prepared weight (rowamx.c's tiles in bf16, rowgemm.c's weight in
+        float32, stored as its `kind`) and float32 bias, as rowlayer.c's `struct product`."""
         if self.kind == KINDS[torch.bfloat16]:
-            return Product(prepared.tiles.data_ptr(), prepared._fixed[1], 0, 0)
-        return Product(prepared.weight.data_ptr(), prepared._fixed[1], prepared.kind, 0)
+            prepared = linear.tiles
+            weight, kind = prepared.tiles, 0
+        else:
+            prepared = linear.rows
+            weight, kind = prepared.weight, prepared.kind
+        bias = None if prepared.bias is None else prepared.bias.data_ptr()
+        return Product(weight.data_ptr(), bias, kind, 0)
 
     @classmethod
     def of(cls, layers, final_norm, dtype: torch.dtype, sdpa: bool) -> RowLayers | None:
