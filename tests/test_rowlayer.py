@@ -192,3 +192,26 @@ def test_bad_steps_raise_instead_of_writing_past_the_cache():
     cache.rewind(15)  # two rows from slot 15 of 16
     with pytest.raises(ValueError, match="past the rotary table or the cache"):
         fused.rows(h, torch.tensor([[0, 1]]), cache.hf, seen)
+
+
+def test_nothing_changes_where_it_cannot_be_built(monkeypatch, tmp_path):
+    """A build that fails (here: the compiler refuses rowlayer.c) leaves no library behind,
+    and decoders keep fused.py's calls: `enabled` is False and no decoder gets steps."""
+    from gumiho import rowgemm
+
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    build = rowgemm.build
+
+    def refusing(compiler, flags, out, sources=rowgemm.SOURCES):
+        if rowlayer.SOURCE in sources:
+            raise OSError("cc: rowlayer.c refused")
+        return build(compiler, flags, out, sources)
+
+    monkeypatch.setattr(rowgemm, "build", refusing)
+    try:
+        rowlayer.kernel.cache_clear()
+        assert rowlayer.kernel() is None and not rowlayer.enabled()
+        assert not list(tmp_path.rglob("rowlayer-*.so"))
+        assert tiny(attn_implementation="sdpa")._fused.rows is None
+    finally:
+        rowlayer.kernel.cache_clear()
