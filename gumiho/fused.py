@@ -182,7 +182,7 @@ class FusedDecoder:
         keys = getattr(cache.layers[0], "keys", None) if hasattr(cache, "layers") else None
         if keys is not None:
             self.layers.reserve(keys.shape[-2], h)
-        if self.rows is not None and mask.shape[0] == 1:
+        if self.rows is not None:  # (it takes one kind of layer's mask: M = 1)
             out = self.rows(h, position_ids, cache, mask)
             if out is not None:
                 return out

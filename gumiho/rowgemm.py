@@ -369,11 +369,17 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: fl
     return out
 
 
+def visible_rows(mask: Tensor, rows: int) -> Tensor:
+    """A (1, 1, rows|1, K) bool mask as rowattention.c reads it: (rows, K) bytes, nonzero =
+    visible (rowlayer.py passes the same)."""
+    return mask[0, 0].expand(rows, mask.shape[-1]).contiguous().view(torch.uint8)
+
+
 def _attend(function, query: Tensor, key: Tensor, value: Tensor, mask: Tensor,
             scale: float) -> Tensor | None:
     _, heads, rows, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    visible = mask[0, 0].expand(rows, length).contiguous().view(torch.uint8)
+    visible = visible_rows(mask, rows)
     wide = query.float()  # (a few rows) the kernel's queries are float32; strides kept
     out = torch.empty(1, rows, heads, dim, device=query.device)
     status = function(wide.data_ptr(), wide.stride(1), wide.stride(2),

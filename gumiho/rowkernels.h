@@ -51,9 +51,10 @@ static inline float lanes(__m256 v) {
 }
 
 /* exp of eight values (<= 0 in rowattention.c: score - max; rowlayer.c's SiLU keeps them
-   below 88), each computed on its own, so a value gets the same bits wherever it sits: x = n ln 2 + r, |r| <= ln 2 / 2, exp(r) by a degree-7
-   polynomial (Cephes' expf coefficients, ~1 ulp), times 2^n. Below -87.3 (exp < 1.2e-38,
-   against a top score's 1) it returns exp(-87.3). */
+   below 88), each computed on its own, so a value gets the same bits wherever it sits:
+   x = n ln 2 + r, |r| <= ln 2 / 2, exp(r) by a degree-7 polynomial (Cephes' expf
+   coefficients, ~1 ulp), times 2^n. Below -87.3 (exp < 1.2e-38, against a top score's 1)
+   it returns exp(-87.3). */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
     __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),

@@ -170,9 +170,10 @@ INLINE void product(const struct stack *s, const struct product *p, const void *
 /* The layers on h (rows x hidden, as the activations, updated in place; with the final
    norm where the stack has one) for tokens at `positions`, their keys and values written
    to cache slots start.. start + rows - 1 (start read from `first`, the cache's position
-   tensor: a recorded step reads it when it runs), each row attending over slots 0..visible - 1
-   where mask (rows x visible, nonzero = seen) says. Returns 0; -1 where a row sees no key;
-   -2 for a position past the rotary table or slots past the cache; -3 out of memory. */
+   tensor: a recorded step reads it when it runs), each row attending over slots
+   0..visible - 1 where mask (rows x visible, nonzero = seen) says. Returns 0; -1 where a
+   row sees no key; -2 for a position past the rotary table or slots past the cache; -3 out
+   of memory. */
 INLINE int layers(const struct stack *s, void *h, int rows, const int64_t *positions,
                   int64_t start, int visible, const unsigned char *mask, int kind) {
     int H = s->hidden, D = s->dim, NQ = s->heads, G = s->kv_heads, I = s->inter;
@@ -183,13 +184,16 @@ INLINE int layers(const struct stack *s, void *h, int rows, const int64_t *posit
         if (positions[r] < 0 || positions[r] >= s->table) return -2;
     char *x = malloc((size_t)rows * H * size), *qkv = malloc((size_t)rows * width * size),
          *o = malloc((size_t)rows * H * size), *gu = malloc((size_t)rows * 2 * I * size),
-         *m = malloc((size_t)rows * I * size), *heads = malloc((size_t)rows * NQ * D * size);
+         *m = malloc((size_t)rows * I * size);
+    /* the attention's rows: float32, and rounded to bf16 for the o product (BF16 only) */
     float *q = malloc(sizeof(float) * rows * NQ * D), *att = malloc(sizeof(float) * rows * NQ * D);
-    int status = x && qkv && o && gu && m && heads && q && att ? 0 : -3;
+    char *heads = kind == BF16 ? malloc((size_t)rows * NQ * D * 2) : NULL;
+    int status = x && qkv && o && gu && m && q && att && (heads || kind != BF16) ? 0 : -3;
     size_t plane = (size_t)G * s->capacity * D;  /* one layer's keys (or values) */
     for (int l = 0; l < s->layers && status == 0; l++) {
         const struct layer *L = &s->layer[l];
-        char *keys = (char *)s->cache + (size_t)l * 2 * plane * size, *values = keys + plane * size;
+        char *keys = (char *)s->cache + (size_t)l * 2 * plane * size;
+        char *values = keys + plane * size;
         if (L->norm1)
             norm(h, L->norm1, x, rows, H, s->eps, kind);
         else  /* no input norm (a drafter's first layer) */

@@ -217,7 +217,7 @@ class RowLayers:
             stack.cos, stack.sin = self.layers.cos.data_ptr(), self.layers.sin.data_ptr()
             stack.table = self.layers.cos.shape[0]
         stack.cache, stack.capacity = kv.storage.data_ptr(), kv.capacity
-        mask = attention_mask[0, 0].expand(rows, visible).contiguous().view(torch.uint8)
+        mask = rowgemm.visible_rows(attention_mask, rows)
         positions = position_ids.reshape(-1).contiguous()
         out = h.reshape(rows, -1).clone()
         status = kernel()(ctypes.byref(stack), out.data_ptr(), rows, positions.data_ptr(),

@@ -18,6 +18,7 @@ from gumiho.tree import DraftTree
 
 from conftest import DEVICE
 from drafters_for_tests import random_tree
+from test_fused import outputs, trees_for  # the same prompt, decode step and trees
 
 pytestmark = [pytest.mark.skipif(DEVICE.type != "cpu", reason="rowlayer.c is the CPU's"),
               pytest.mark.skipif(not rowlayer.enabled(), reason="rowlayer.c does not run here")]
@@ -44,16 +45,6 @@ def counted(monkeypatch, target) -> list[int]:
     return wrapper.calls
 
 
-def outputs(target, prompt: list[int], trees) -> list[torch.Tensor]:
-    """Features and logits of a prompt, a decode step and each tree on one cache."""
-    cache = KVCache.for_model(target.model, 256)
-    got = list(prefill(target, cache, torch.tensor([prompt])))
-    for tree in trees:
-        got += verify_tree(target, cache, tree)
-        cache.commit(1)
-    return got
-
-
 def with_and_without(target, prompt, trees):
     """`outputs` through rowlayer.c, then through fused.py's torch calls."""
     fused = target._fused
@@ -65,11 +56,6 @@ def with_and_without(target, prompt, trees):
     finally:
         fused.rows = rows
     return ours, theirs
-
-
-def trees_for(vocab: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return [random_tree(torch.tensor(7), n, vocab, g) for n in (1, 5, 12, 30)]
 
 
 def test_float32_steps_are_fused_pys_to_float_rounding():
