@@ -50,7 +50,7 @@ from gumiho.tree import DraftTree
 
 log = logging.getLogger("gumiho")
 
-CANDIDATE_WIDTHS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
+CANDIDATE_WIDTHS = (3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CALIBRATION_PROMPTS = (
     "Explain in a few sentences why the sky is blue.",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -167,12 +167,13 @@ def token_range(target: Target) -> tuple[int, int]:
 def candidate_shapes(method: str, reference: TreeConfig,
                      widths: tuple[int, ...] = CANDIDATE_WIDTHS) -> list[Shape]:
     """Sizes up to the reference's; for the dynamic trees also every depth (from the
-    method's `auto_min_depth`) and chains."""
+    method's `auto_min_depth`, or the reference's own where it asks for less) and chains."""
     sizes = sorted({w for w in widths if w <= reference.total_tokens}
                    | {reference.total_tokens})
     low = method_spec(method).auto_min_depth
     if low is None:  # a static tree keeps its depth
         return [Shape(w, reference.depth) for w in sizes]
+    low = min(low, reference.depth)  # `--depth 1` with auto: that depth's shapes
     depths = range(low, reference.depth + 1)
     return [Shape(w, d) for w in sizes for d in depths if w - 1 >= d] + \
         [Shape(d + 1, d, chain=True) for d in depths]
@@ -244,15 +245,16 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # the first item versions what the costs measure (5: wide verifies' logits via oneDNN;
     # 6: bf16 CPU projections packed, MLP heads without weight copies; 7: float32 ones
     # packed for MKL; 8: float32 ones through rowgemm.c; 9: verify widths timed in turns,
-    # the fastest round each; 10: the proposals likewise; 11: with fused.py); whether the
-    # target's layers are packed ($GUMIHO_PACK), whether rowgemm (with its AVX-512 blocks)
-    # and rowamx built here ($GUMIHO_ROWGEMM, $GUMIHO_ROWGEMM512, $GUMIHO_ROWAMX) and
-    # whether fused.py runs the target's decoder ($GUMIHO_FUSED), and rowlayer.c its steps
-    # ($GUMIHO_ROWLAYER), change them
+    # the fastest round each; 10: the proposals likewise; 11: with fused.py; 12: 3 tokens
+    # and, for Gumiho, depth 1 among the candidates); whether the target's layers are
+    # packed ($GUMIHO_PACK), whether rowgemm (with its AVX-512 blocks) and rowamx built here
+    # ($GUMIHO_ROWGEMM, $GUMIHO_ROWGEMM512, $GUMIHO_ROWAMX) and whether fused.py runs the
+    # target's decoder ($GUMIHO_FUSED), and rowlayer.c its steps ($GUMIHO_ROWLAYER), change
+    # them
     packed = any(type(m) is PackedLinear for m in target.model.modules())
     fused = target._fused
     steps = None if fused is None else "rowlayer" if fused.rows is not None else "fused"
-    key = json.dumps([11, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
+    key = json.dumps([12, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, rowgemm.identity(), rowamx.identity(),
                       target.config._attn_implementation], default=str)
@@ -316,7 +318,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # shared machine a burst of load once moved one width's median enough to change the pick
     verify = fastest_interleaved(
         {w: verify_step(target, w, 128, engine)
-         for w in sorted({1, *(s.total_tokens for s in shapes)})}, target.device, 7)
+         for w in sorted({1, *(s.total_tokens for s in shapes)})}, target.device, 21)
     ids = target.chat_ids(CALIBRATION_PROMPTS[0]) if target.tokenizer else list(range(8, 40))
     # the shapes' proposals in turns too, the fastest round each
     calls = {shape: draft_step(target, drafter.model, method, shape.tree(reference), engine,
@@ -324,7 +326,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     own = Shape(reference.total_tokens, reference.depth)  # the calibration's shape
     if own not in calls:
         calls[own] = draft_step(target, drafter.model, method, reference, engine, ids)
-    cost = fastest_interleaved(calls, target.device, 5)
+    cost = fastest_interleaved(calls, target.device, 11)
     if not fixed["draft_catchup"]:
         # Captured engines record a cycle's drafting, catch-up included, as one step
         # (serial_drafter.py), so the profile has no catch-up phase: its share is the drafting

@@ -64,7 +64,7 @@ SPECS = (
                            "lookup", "lookup_first", "draft_gate", "min_confidence",
                            "extend_confidence", "serial_levels"),
                model_type="gumiho", architecture="GumihoLlamaForCausalLM", head_keys="mlp",
-               auto_min_depth=2),
+               auto_min_depth=1),
     MethodSpec("eagle2", shape={"num_hidden_layers": 1, "num_mlp_heads": 0},
                tree={"total_tokens": 60, "top_k": 10, "depth": 6, "fta": "off"},
                tree_flags=("total_tokens", "top_k", "depth", "lookup", "lookup_first",

@@ -118,8 +118,8 @@ def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypat
     assert 0 < fixed["draft_catchup"] < fixed["draft"]
     shapes = report["shapes"]
     assert {(r["total_tokens"], r["depth"], r["chain"]) for r in shapes.values()} == \
-        {(w, d, False) for w in (4, 8) for d in range(2, 5) if w - 1 >= d} | \
-        {(d + 1, d, True) for d in range(2, 5)}
+        {(w, d, False) for w in (4, 8) for d in range(1, 5) if w - 1 >= d} | \
+        {(d + 1, d, True) for d in range(1, 5)}
     best = max(shapes.values(), key=lambda row: row["tokens_per_s"])
     chosen = budget.Shape(best["total_tokens"], best["depth"], best["chain"]).tree(tree)
     assert report["tree"]["total_tokens"] == chosen.total_tokens
@@ -134,6 +134,16 @@ def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypat
 
     label = method_label({"method": "gumiho", "draft": "random", "auto_tree": report})
     assert label == f"gumiho (random, auto tree {chosen.total_tokens})"
+
+
+@pytest.mark.host
+def test_auto_below_the_methods_shallowest_depth_tries_the_reference_depth():
+    """`--total-tokens auto --depth 1` for Gumiho (whose auto tries depths from 2): the
+    shapes of the asked depth, not none (it was an internal error in max())."""
+    reference = TreeConfig.for_method("gumiho", total_tokens=6, top_k=3, depth=1)
+    shapes = budget.candidate_shapes("gumiho", reference, widths=(4, 6))
+    assert set(shapes) == {budget.Shape(4, 1), budget.Shape(6, 1),
+                           budget.Shape(2, 1, chain=True)}
 
 
 @pytest.mark.host
