@@ -137,9 +137,14 @@ def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypat
 
 
 @pytest.mark.host
-def test_auto_below_the_methods_shallowest_depth_tries_the_reference_depth():
-    """`--total-tokens auto --depth 1` for Gumiho (whose auto tries depths from 2): the
-    shapes of the asked depth, not none (it was an internal error in max())."""
+def test_auto_below_the_methods_shallowest_depth_tries_the_reference_depth(monkeypatch):
+    """`--total-tokens auto --depth 1` for a method whose auto tries depths from 2 (Gumiho's
+    did until 2026-11-29): the shapes of the asked depth, not none (it was an internal error
+    in max())."""
+    from gumiho.methods import method_spec
+
+    monkeypatch.setattr(budget, "method_spec",
+                        lambda name: replace(method_spec(name), auto_min_depth=2))
     reference = TreeConfig.for_method("gumiho", total_tokens=6, top_k=3, depth=1)
     shapes = budget.candidate_shapes("gumiho", reference, widths=(4, 6))
     assert set(shapes) == {budget.Shape(4, 1), budget.Shape(6, 1),
