@@ -246,7 +246,8 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # 6: bf16 CPU projections packed, MLP heads without weight copies; 7: float32 ones
     # packed for MKL; 8: float32 ones through rowgemm.c; 9: verify widths timed in turns,
     # the fastest round each; 10: the proposals likewise; 11: with fused.py; 12: 3 tokens
-    # and, for Gumiho, depth 1 among the candidates); whether the target's layers are
+    # and, for Gumiho, depth 1 among the candidates; 13: a depth-1 tree's fixed shape,
+    # greedy acceptance on the host on a CPU); whether the target's layers are
     # packed ($GUMIHO_PACK), whether rowgemm (with its AVX-512 blocks) and rowamx built here
     # ($GUMIHO_ROWGEMM, $GUMIHO_ROWGEMM512, $GUMIHO_ROWAMX) and whether fused.py runs the
     # target's decoder ($GUMIHO_FUSED), and rowlayer.c its steps ($GUMIHO_ROWLAYER), change
@@ -254,7 +255,7 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     packed = any(type(m) is PackedLinear for m in target.model.modules())
     fused = target._fused
     steps = None if fused is None else "rowlayer" if fused.rows is not None else "fused"
-    key = json.dumps([12, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
+    key = json.dumps([13, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, rowgemm.identity(), rowamx.identity(),
                       target.config._attn_implementation], default=str)

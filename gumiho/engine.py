@@ -20,17 +20,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from gumiho import rowgemm
 from gumiho.drafter_api import Drafter
 from gumiho.errors import GumihoError, check_positive_int
 from gumiho.fta import official_for_sampling
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.profiling import PhaseTimer
-from gumiho.sampling import Acceptance, accept, match_picks, matched, sample_tokens
+from gumiho.sampling import Acceptance, accept, match_on_host, match_picks, matched, sample_tokens
 from gumiho.target import Target
 from gumiho.tree import DraftTree
 
 MIN_TEMPERATURE = 1e-4
+HOST_MATCH = True  # greedy acceptance in Python on the eager CPU loop (False: match_picks)
 
 
 @dataclass(frozen=True)
@@ -294,6 +296,9 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]),
                         prompt_ids[1:] + [first])
     yield [first]
+    # Greedy acceptance: inside the verify's (recorded) step on a device, so that a cycle
+    # syncs once; eagerly on a CPU, in Python over the tree's host copy (match_on_host)
+    host_match = runner.engine == "eager" and target.device.type == "cpu" and HOST_MATCH
     while True:
         with timer("draft"):
             tree = drafter.propose()
@@ -301,11 +306,19 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
                 tree = official_for_sampling(tree)  # the released order at T > 0 (fta.py)
         if config.temperature == 0 and tree.spliced_paths is None and \
                 tree.spliced_attend is None:
-            with timer("verify"):  # and greedy acceptance, in one step
-                features, result = verify_greedy(target, cache, tree, width,
-                                                 runner.step_for(width, greedy=True))
-            with timer("accept_commit"):
-                commit_accepted(cache, drafter, tree, features, result)
+            if host_match:
+                with timer("verify"):
+                    features, logits = verify_tree(target, cache, tree, width,
+                                                   runner.step_for(width))
+                with timer("accept_commit"):
+                    result = match_on_host(tree, rowgemm.argmax(logits).tolist())
+                    commit_accepted(cache, drafter, tree, features, result)
+            else:
+                with timer("verify"):  # and greedy acceptance, in one step
+                    features, result = verify_greedy(target, cache, tree, width,
+                                                     runner.step_for(width, greedy=True))
+                with timer("accept_commit"):
+                    commit_accepted(cache, drafter, tree, features, result)
         else:
             with timer("verify"):
                 features, logits = verify_tree(target, cache, tree, width,

@@ -200,3 +200,47 @@ void rowgemm(const float *x, const void *w, const float *b, float *y, int M, int
         if (n0 < n1) span(x, w, b, y, M, K, N, n0, n1, kind);
     }
 }
+
+/* The index of each row's largest value, as torch.argmax(x, -1) gives it: the first NaN
+ * where a row has one, else the first index of its maximum (-0.0 and 0.0 equal). x (M, N)
+ * float32, float16 or bfloat16 (`kind`), contiguous; out (M) int64. torch's own CPU argmax
+ * reduces ~3 ns a value (0.13-0.26 ms over a 49,152-token vocabulary, every decode step);
+ * this reads each value twice in eight lanes: the maximum, then its first position. */
+static long argmax_row(const void *x, long N, int kind) {
+    __m256 top = _mm256_set1_ps(-__builtin_inff()), nan = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= N; i += 8) {
+        __m256 v = load8(x, (size_t)i, kind);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        top = _mm256_max_ps(top, v);
+    }
+    float m = -__builtin_inff();
+    int found_nan = _mm256_movemask_ps(nan) != 0;
+    for (; i < N; i++) {
+        float v = load1(x, (size_t)i, kind);
+        if (v != v) found_nan = 1;
+        else if (v > m) m = v;
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (int l = 0; l < 8; l++) if (lanes[l] > m) m = lanes[l];
+    if (found_nan) {
+        for (long j = 0; j < N; j++) {
+            float v = load1(x, (size_t)j, kind);
+            if (v != v) return j;
+        }
+    }
+    __m256 want = _mm256_set1_ps(m);
+    for (i = 0; i + 8 <= N; i += 8) {
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(load8(x, (size_t)i, kind), want, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz((unsigned)hit);
+    }
+    for (; i < N; i++)
+        if (load1(x, (size_t)i, kind) == m) return i;
+    return 0;  /* N == 0 (torch refuses an empty argmax before it gets here) */
+}
+
+void rowargmax(const void *x, int64_t *out, long M, long N, int kind) {
+    size_t size = kind == F32 ? 4 : 2;
+    for (long r = 0; r < M; r++) out[r] = argmax_row((const char *)x + (size_t)r * N * size, N, kind);
+}

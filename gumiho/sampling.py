@@ -101,6 +101,36 @@ def match_picks(tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor, d
     return packed, order, bonus
 
 
+def match_on_host(tree: DraftTree, picks: list[int]) -> Acceptance:
+    """`match_picks`' rule walked in Python over the tree's host copy: for the eager
+    engine on a CPU, where reading a tensor costs no device sync but each of match_picks'
+    ~30 operations costs 10-20 us once the target's step has evicted the dispatcher's code
+    from the caches (a small tree's whole acceptance is a few lists here). The same nodes,
+    bonus and tokens as `accept_matching` (tests/test_sampling.py)."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    dead = tree.dead.tolist() if tree.dead is not None else None
+    reach, depth, seen = [True], [0], set()
+    best = 0
+    for i in range(1, len(tokens)):
+        parent, token = parents[i], tokens[i]
+        first = (parent, token) not in seen  # an earlier sibling with this token wins
+        seen.add((parent, token))
+        reach.append(reach[parent] and first and token == picks[parent]
+                     and not (dead and dead[i]))
+        depth.append(depth[parent] + 1)
+        if reach[i] and depth[i] > depth[best]:  # the deepest, the first of equals
+            best = i
+    path = [best]
+    while path[-1]:
+        path.append(parents[path[-1]])
+    path.reverse()
+    bonus = picks[best]
+    return Acceptance(torch.tensor(path, device=tree.tokens.device),
+                      torch.tensor(bonus, device=tree.tokens.device),
+                      [tokens[j] for j in path[1:]] + [bonus],
+                      path == list(range(len(path))))
+
+
 def first_of_siblings(tokens: Tensor, parents: Tensor) -> Tensor:
     """(K,) bool: false for a node whose token an earlier sibling already carries."""
     k = tokens.shape[0]

@@ -21,7 +21,7 @@ from gumiho.methods import method_spec
 from gumiho.modeling import DraftHead
 from gumiho.modeling.drafter import FusedSerial
 from gumiho.profiling import PhaseTimer
-from gumiho.tree import LOGPROB_FLOOR, DraftTree, Pool, expand_level, select_tree
+from gumiho.tree import LOGPROB_FLOOR, DraftTree, Pool, Star, expand_level, select_tree
 
 
 class SerialDrafter:
@@ -85,12 +85,20 @@ class SerialDrafter:
         self.extend_floor = math.log(extend) if extend > 0 and eager else None
         # no FTA and no floors: a cycle's drafting is one recorded step (`_cycle_fn`)
         self.one_step = tree.fta == "off" and self.floor is None and self.extend_floor is None
+        # a depth-1 tree is the root's best children: its shape is made once (tree.Star;
+        # with `star_trees` False the next `begin` selects it as deeper trees are, the
+        # same tree: scripts/cpu_ab.py --switch lean, the tests)
+        self.star_trees, self.star = True, None
         self.cache: KVCache | None = None
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)  # the loop's, to profile
 
     def begin(self, target, capacity: int) -> None:
         if getattr(self, "head_target", None) is not target:  # once per target
             self.head, self.head_target = DraftHead.for_model(target, self.model), target
+        if not (self.draft_depth == 1 and self.star_trees):
+            self.star = None
+        elif self.star is None or self.star.inf.device != target.device:
+            self.star = Star(self.beam, target.device)
         self.pending: list[tuple[Tensor, Tensor]] = []
         self.state: tuple[Tensor, ...] | None = None  # root, out1, level 1: drafted from
         self.cache, new = reuse_or_allocate(  # + the uncommitted entries of levels 2..
@@ -263,6 +271,8 @@ class SerialDrafter:
     def _draft_fn(self, root, out1, values, indices, start):
         """The tree from a drafting state: levels, heads, then the best W - 1 nodes
         (DraftTree fields and priority)."""
+        if self.star is not None:  # depth 1: the level is the tree
+            return self.star.tree(root, values, indices)
         serial, heads = self._levels(out1, values, indices, start)
         return self._tree_fn(root, serial.tokens, serial.parents, serial.scores,
                              serial.depths, *heads)

@@ -207,6 +207,30 @@ def select_tree(root: Tensor, pool: Pool, budget: int, max_depth: int | None = N
     return replace(tree, priority=priority), chosen
 
 
+class Star:
+    """`select_tree` for a pool that is one level (a depth-1 tree, `--depth 1`): every node
+    is a child of the root and all of them fit the budget, so the tree's parents, depths
+    and mask are the same every cycle and are made once (`device`, `size` children); a
+    cycle makes the tokens and the priority (2 kernels, where the general selection makes
+    ~30, each ~10-20 us on a CPU after the target's sweep has evicted the dispatcher's code).
+    `tree(root, scores, tokens)` equals `select_tree(root, Pool(tokens, -1, scores, 1),
+    size)` field for field (tests/test_tree_build.py)."""
+
+    def __init__(self, size: int, device: torch.device):
+        at = torch.arange(size + 1, device=device)
+        self.parents = torch.where(at > 0, 0, -1)
+        self.depths = (at > 0).long()
+        self.mask = (at[:, None] == at[None, :]) | (at[None, :] == 0)
+        self.inf = torch.full((1,), float("inf"), device=device)
+
+    def tree(self, root: Tensor, scores: Tensor, tokens: Tensor) -> tuple[Tensor, ...]:
+        """The tree's fields and priority (tokens, parents, depths, mask, priority) for the
+        root (1,) and its children's scores and tokens (size,), best first."""
+        # the selection's key: a node's score less 1e-6 per level (select_tree)
+        return (torch.cat([root.view(1), tokens]), self.parents, self.depths, self.mask,
+                torch.cat([self.inf, scores - 1e-6]))
+
+
 def tree_from_pool(root: Tensor, pool: Pool, chosen: Tensor, max_depth: int | None = None
                    ) -> DraftTree:
     """A DraftTree of the root plus pool nodes `chosen` (sorted, ancestor-closed)."""

@@ -2,7 +2,8 @@
 verify steps by width, then whole greedy answers, plain and with a drafter, with the
 row-invariant attention both sides.
 
-    python scripts/cpu_ab.py [--switch rowamx|fused|wide|rowlayer] [--dtype bfloat16|float32]
+    python scripts/cpu_ab.py [--switch rowamx|fused|wide|rowlayer|lean]
+                             [--dtype bfloat16|float32]
                              [--widths 1,8,16,64] [--rounds 3] [--new-tokens 96]
                              [--method gumiho] [--total-tokens 8] [--depth 2]
                              [--lookup 10] [--prompts 4]
@@ -13,12 +14,17 @@ row-invariant attention both sides.
 AVX-512 blocks against its AVX2 ones (`GUMIHO_ROWGEMM512=0`), the same bits; --switch
 rowlayer: the target's and the drafter's steps in one rowlayer.c call against fused.py's
 torch calls (`GUMIHO_ROWLAYER=0`; two roundings of their own, so the answers may part at
-near-ties, each copy's plain and speculative ones still equal). Loads SmolLM2
+near-ties, each copy's plain and speculative ones still equal); --switch lean: the eager
+CPU cycle's small-tree paths (a depth-1 tree's fixed shape, tree.Star; greedy acceptance
+in Python, sampling.match_on_host; rowgemm.c's argmax) against the general selection,
+match_picks and torch's argmax (`engine.HOST_MATCH`, `SerialDrafter.star_trees`), the same
+trees and tokens. Loads SmolLM2
 and the shipped drafter twice, once as `load_target` leaves them and once with the path
-switched off (wide: once, the blocks switched before each use). Per round: each width's
+switched off (wide and lean: once, switched before each use). Per round: each width's
 verify step on each copy in turn, then each prompt answered plainly and by the method on
 each copy in turn. Prints the median step per width, each copy's tokens/s and speedup over
-its own plain decoding, and whether every answer of each copy equals its plain decoding's.
+its own plain decoding, whether every answer of each copy equals its plain decoding's, and
+the median plain step and cycle after the prefill (robust to a burst of load).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
+from gumiho import engine as loop  # noqa: E402
 from gumiho import rowamx, rowgemm  # noqa: E402
 from gumiho.budget import verify_step_seconds  # noqa: E402
 from gumiho.config import TreeConfig  # noqa: E402
@@ -83,7 +90,7 @@ def loaded(method: str, tree: TreeConfig, dtype: str, fused: bool = True):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--switch", choices=("rowamx", "fused", "wide", "rowlayer"),
+    parser.add_argument("--switch", choices=("rowamx", "fused", "wide", "rowlayer", "lean"),
                         default="rowamx")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--widths", default="1,8,16,64")
@@ -119,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("error: rowlayer.c does not run here (GUMIHO_ROWLAYER=0?)")
     elif args.switch == "wide":
         copies = dict.fromkeys(("AVX-512", "AVX2"), loaded(args.method, tree, args.dtype))
+    elif args.switch == "lean":  # one copy, switched before each use (as wide)
+        copies = dict.fromkeys(("lean", "general"), loaded(args.method, tree, args.dtype))
+        serial = copies["lean"][1]
+        while hasattr(serial, "inner"):  # a lookup chain or a gate around it
+            serial = serial.inner
     else:
         copies = {"fused": loaded(args.method, tree, args.dtype),
                   "transformers": loaded(args.method, tree, args.dtype, fused=False)}
@@ -135,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         """the copy `name`, its switch set (wide: the one loaded copy's blocks)"""
         if args.switch == "wide":
             rowgemm.set_wide(name == "AVX-512")
+        elif args.switch == "lean":  # a generation's `begin` makes the star or drops it
+            loop.HOST_MATCH = serial.star_trees = name == "lean"
         return copies[name]
 
     for name in copies:  # warm-up
@@ -146,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                 t, _ = use(name)
                 ms = verify_step_seconds(t, width, args.context, args.repeats) * 1e3
                 steps.setdefault((width, name), []).append(ms)
-        for ids in prompts:
-            for name in copies:
+        for i, ids in enumerate(prompts):
+            order = list(copies)[i % 2:] + list(copies)[:i % 2]  # each copy first in turn
+            for name in order:
                 t, d = use(name)
                 for kind, drafter in (("plain", PlainDrafter()), (args.method, d)):
                     answers.setdefault((name, kind), []).append(run(t, drafter, ids, config))
@@ -160,15 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(prompts)} prompts x {args.rounds} rounds, {args.new_tokens} new tokens, "
           f"{args.method} at {args.total_tokens} tokens, depth {args.depth}, lookup "
           f"{args.lookup}")
-    print(f"| {args.switch} | plain tokens/s | method tokens/s | speedup | tau | identical |\n"
-          "|---|---|---|---|---|---|")
+    print(f"| {args.switch} | plain tokens/s | method tokens/s | speedup | tau | identical | "
+          "plain step ms | cycle ms |\n|---|---|---|---|---|---|---|---|")
     for name in copies:
         plain, fast = answers[(name, "plain")], answers[(name, args.method)]
         rate = [sum(r.new_tokens for r in rs) / sum(r.wall_s for r in rs) for rs in (plain, fast)]
         tau = sum(r.new_tokens for r in fast) / sum(r.cycles for r in fast)
         same = sum(p.token_ids == f.token_ids for p, f in zip(plain, fast, strict=True))
+        # the median cycle after the prefill: robust to a burst of load on a shared machine
+        step, cycle = (statistics.median(c for r in rs for c in r.cycle_s[1:]) * 1e3
+                       for rs in (plain, fast))
         print(f"| {name} | {rate[0]:.1f} | {rate[1]:.1f} | {rate[1] / rate[0]:.2f}x | "
-              f"{tau:.2f} | {same}/{len(fast)} |")
+              f"{tau:.2f} | {same}/{len(fast)} | {step:.2f} | {cycle:.2f} |")
     return 0
 
 

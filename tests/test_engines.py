@@ -8,12 +8,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from gumiho import engine as loop
 from gumiho.config import TreeConfig
+from gumiho.demo import shipped_drafter
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, run
 from gumiho.errors import GumihoError
 from gumiho.graphs import StaticStep, resolve_engine
-from gumiho.sampling import accept_greedy
+from gumiho.sampling import accept_greedy, accept_matching, match_on_host
 from gumiho.tree import DraftTree
 
 from conftest import REFERENCE_TOKENS as N
@@ -214,3 +216,42 @@ def test_sync_free_tree_and_accept_match_the_checked_path(seed):
     # as long as the longest matching root-to-leaf path (the path-based rule)
     along_paths, _ = accept_greedy(replace(fast, spliced_paths=tree.paths), logits)
     assert len(nodes) == along_paths.shape[0]
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("seed", range(24))
+def test_greedy_matching_on_the_host_is_match_picks(seed):
+    """The eager CPU loop's acceptance in Python (`match_on_host`) takes the nodes, bonus
+    and tokens `match_picks` takes: trees with repeated sibling tokens (matched at the
+    first only), dead slots, ties of depth (the first in node order wins)."""
+    rng = torch.Generator().manual_seed(seed)
+    size = int(torch.randint(1, 30, (), generator=rng))
+    tree = random_tree(torch.tensor([2]), size, 3, rng)  # 3 tokens: many repeats
+    if seed % 2:
+        tree = replace(tree, dead=torch.rand(size, generator=rng) < 0.2)
+    picks = torch.randint(0, 3, (size,), generator=rng)
+    host, device = match_on_host(tree, picks.tolist()), accept_matching(tree, picks)
+    assert torch.equal(host.nodes, device.nodes) and int(host.bonus) == int(device.bonus)
+    assert host.nodes.dtype == device.nodes.dtype and host.bonus.shape == device.bonus.shape
+    assert (host.tokens, host.contiguous) == (device.tokens, device.contiguous)
+
+
+@pytest.mark.parametrize("method", ["gumiho", "eagle2"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_depth_1_trees_keep_plain_output_on_the_lean_cycle(smollm2, reference, monkeypatch,
+                                                           method, size):
+    """A depth-1 tree on the eager loop: its fixed shape (tree.Star) and, on a CPU, the
+    acceptance in Python and rowgemm's argmax, against the general selection and
+    match_picks: the same accepts cycle by cycle, plain decoding's tokens."""
+    ids, plain = reference
+    tree = TreeConfig.for_method(method, total_tokens=size, depth=1)
+    runs = {}
+    for lean in (True, False):
+        monkeypatch.setattr(loop, "HOST_MATCH", lean)
+        drafter = load_drafter(method, smollm2, str(shipped_drafter(method)), tree=tree)
+        drafter.star_trees = lean
+        runs[lean] = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=N))
+        assert (drafter.star is not None) == lean
+    assert runs[True].token_ids == runs[False].token_ids == plain.token_ids
+    assert runs[True].accept_lengths == runs[False].accept_lengths
+    assert max(runs[True].accept_lengths) == 2  # a depth-1 tree accepts at most one draft

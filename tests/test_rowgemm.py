@@ -203,6 +203,28 @@ def test_only_small_no_grad_float32_cpu_products_are_taken():
         assert not rowgemm.takes(torch.randn(4, 16, device="cuda"), weight.cuda())
 
 
+@needs_rowgemm
+@pytest.mark.host
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 49152), (3, 49152), (5, 7), (2, 1), (4, 33), (1, 8)])
+def test_argmax_is_torchs_argmax(dtype, shape):
+    """rowargmax picks what torch.argmax picks: the first of equal maxima (ties, -0.0 and
+    0.0), the first NaN, infinities, a row of -inf, lengths off the eight lanes."""
+    g = torch.Generator().manual_seed(shape[1] + shape[0])
+    x = torch.randn(*shape, generator=g).to(dtype)
+    m, n = shape
+    nan, zeros, ties, inf = x.clone(), torch.zeros_like(x), (x * 2).round(), x.clone()
+    nan[:, n // 2], nan[:, -1] = float("nan"), float("nan")
+    zeros[:, n // 3] = -0.0
+    inf[:, 0], inf[:, -1] = float("inf"), float("inf")
+    minus_inf = torch.full_like(x, float("-inf"))
+    for case in (x, nan, zeros, ties, inf, minus_inf):
+        got = rowgemm.argmax(case)
+        assert got.dtype == torch.long and torch.equal(got, case.argmax(-1))
+    strided = torch.randn(n, m, generator=g).to(dtype).T  # not contiguous: torch's own
+    assert torch.equal(rowgemm.argmax(strided), strided.argmax(-1))
+
+
 @pytest.mark.host
 def test_nothing_changes_where_it_cannot_be_built(monkeypatch, tmp_path):
     """No compiler, a failing build, or $GUMIHO_ROWGEMM=0: no kernel, torch's products run
@@ -213,6 +235,8 @@ def test_nothing_changes_where_it_cannot_be_built(monkeypatch, tmp_path):
         monkeypatch.setenv("GUMIHO_ROWGEMM", "0")
         assert rowgemm.kernel() is None
         assert not rowgemm.takes(torch.randn(2, 8), torch.randn(4, 8))
+        logits = torch.randn(2, 9)
+        assert torch.equal(rowgemm.argmax(logits), logits.argmax(-1))
         rowgemm.kernel.cache_clear()
         monkeypatch.delenv("GUMIHO_ROWGEMM")
         monkeypatch.setenv("CC", "false")  # a "compiler" that fails

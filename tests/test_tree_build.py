@@ -11,7 +11,7 @@ from gumiho.fta import complete_paths, exact_fta_tree, splice_official
 from gumiho.hostsync import LaunchCounter
 from gumiho.kv_cache import KVCache
 from gumiho.sampling import accept_greedy
-from gumiho.tree import DraftTree, Pool, expand_level, select_tree, static_tree
+from gumiho.tree import DraftTree, Pool, Star, expand_level, select_tree, static_tree
 
 
 def random_pool(seed, levels=4, width=6, vocab=50):
@@ -46,6 +46,23 @@ def test_select_tree_takes_best_scores_ancestor_closed(budget):
 
 
 @pytest.mark.host
+@pytest.mark.host
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
+def test_a_depth_1_star_is_the_selected_tree(size):
+    """tree.Star's fixed fields and its two kernels give what the selection from a one-level
+    pool gives, field for field (ties among the scores included)."""
+    g = torch.Generator().manual_seed(size)
+    scores = (torch.randn(size, generator=g) * 2).round().sort(descending=True).values
+    tokens = torch.randint(0, 1000, (size,), generator=g)
+    root = torch.tensor([7])
+    pool = Pool(tokens, torch.full_like(tokens, -1), scores, torch.ones_like(tokens))
+    tree, _ = select_tree(root[0], pool, size, max_depth=1)
+    star = Star(size, torch.device("cpu")).tree(root, scores, tokens)
+    for got, want in zip(star, (tree.tokens, tree.parents, tree.depths, tree.mask,
+                                tree.priority), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_static_tree_shape():
     parents, depths, ranks = static_tree(63, 4, [0.6, 0.4, 0.3, 0.25])
     tree = DraftTree.from_parents(torch.zeros(64, dtype=torch.long), parents)
