@@ -140,7 +140,8 @@ def accept_by_size(trees: list[DraftTree], drafts: list[list[int]], widths: list
 
 def verify_step(target: Target, width: int, context: int, engine: str = "eager"):
     """A call of one target step over a `width`-node tree (a balanced binary tree) on top of
-    `context` committed tokens, through `engine`'s (captured) step, ready to time."""
+    `context` committed tokens, through `engine`'s (captured) step, and the target's greedy
+    pick at every node (as a verify in the loop makes it), ready to time."""
     device = target.device
     runner = TargetRunner(target, engine)
     cache = runner.cache_for(context + width + 1)
@@ -149,7 +150,8 @@ def verify_step(target: Target, width: int, context: int, engine: str = "eager")
     prefill(target, cache, prompt)
     parents = torch.cat([torch.tensor([-1]), torch.arange(width - 1) // 2]).to(device)
     tree = DraftTree.from_parents(torch.randint(low, high, (width,), device=device), parents)
-    return lambda: verify_tree(target, cache, tree, step=runner.step_for(None))
+    return lambda: rowgemm.argmax(verify_tree(target, cache, tree,
+                                              step=runner.step_for(None))[1])
 
 
 def verify_step_seconds(target: Target, width: int, context: int, repeats: int,

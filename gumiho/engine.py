@@ -307,11 +307,12 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         if config.temperature == 0 and tree.spliced_paths is None and \
                 tree.spliced_attend is None:
             if host_match:
-                with timer("verify"):
+                with timer("verify"):  # and the target's picks, as on a device
                     features, logits = verify_tree(target, cache, tree, width,
                                                    runner.step_for(width))
+                    picks = rowgemm.argmax(logits).tolist()
                 with timer("accept_commit"):
-                    result = match_on_host(tree, rowgemm.argmax(logits).tolist())
+                    result = match_on_host(tree, picks)
                     commit_accepted(cache, drafter, tree, features, result)
             else:
                 with timer("verify"):  # and greedy acceptance, in one step

@@ -242,5 +242,6 @@ static long argmax_row(const void *x, long N, int kind) {
 
 void rowargmax(const void *x, int64_t *out, long M, long N, int kind) {
     size_t size = kind == F32 ? 4 : 2;
+    #pragma omp parallel for if (M > 1)  /* a verify's rows split over the threads */
     for (long r = 0; r < M; r++) out[r] = argmax_row((const char *)x + (size_t)r * N * size, N, kind);
 }
