@@ -172,7 +172,8 @@ def greedy_tree_forward(target: Target, cache: KVCache, width: int | None, token
     only): features and match_picks' outputs. dead: the tree's, if it has one."""
     features, logits = tree_forward(target, cache, width, tokens, depths, mask, start)
     dead_nodes = dead[0] if dead else torch.zeros_like(tokens, dtype=torch.bool)
-    return features, *match_picks(tokens, parents, depths, mask, dead_nodes, logits.argmax(-1))
+    return features, *match_picks(tokens, parents, depths, mask, dead_nodes,
+                                  rowgemm.argmax(logits))
 
 
 class TargetRunner:

@@ -280,9 +280,11 @@ def argmax(x: Tensor) -> Tensor:
     """`x.argmax(-1)` for 2-D logits, rowgemm.c's `rowargmax` on a contiguous float32,
     float16 or bfloat16 CPU tensor (~25x torch's own over a 49,152-token vocabulary: every
     greedy step's pick), torch's elsewhere. The same indices (tests/test_rowgemm.py)."""
-    function = kernel()
-    if (function is None or x.device.type != "cpu" or x.dim() != 2 or x.dtype not in KINDS
+    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype not in KINDS
             or not x.is_contiguous() or x.shape[1] == 0 or torch.compiler.is_compiling()):
+        return x.argmax(-1)
+    function = kernel()
+    if function is None:
         return x.argmax(-1)
     out = torch.empty(x.shape[0], dtype=torch.long, device="cpu")
     function.argmax(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], KINDS[x.dtype])

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from gumiho import rowgemm
 from gumiho.tree import DraftTree
 
 
@@ -45,7 +46,7 @@ def accept_greedy(tree: DraftTree, logits: Tensor) -> tuple[Tensor, Tensor]:
 
 def accept_greedy_tokens(tree: DraftTree, logits: Tensor) -> Acceptance:
     """`accept_greedy`, plus the emitted tokens (accepted drafts, then the bonus) on the host."""
-    picks = logits.argmax(-1)  # (K,)
+    picks = rowgemm.argmax(logits)  # (K,); torch's where rowgemm.c does not run
     if tree.spliced_paths is not None:  # the official FTA: follow its spliced paths
         return _accept_along_paths(tree, picks)
     return accept_matching(tree, picks)
@@ -160,7 +161,7 @@ def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator
     """One token per row of logits (..., V): the argmax at T == 0, else a sample from
     softmax(logits / T). `generator` lives on the logits' device (no transfer, no sync)."""
     if temperature == 0:
-        return logits.argmax(-1)
+        return rowgemm.argmax(logits) if logits.dim() == 2 else logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, -1)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
