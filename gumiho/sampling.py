@@ -104,10 +104,10 @@ def match_picks(tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor, d
 
 def match_on_host(tree: DraftTree, picks: list[int]) -> Acceptance:
     """`match_picks`' rule walked in Python over the tree's host copy: for the eager
-    engine on a CPU, where reading a tensor costs no device sync but each of match_picks'
-    ~30 operations costs 10-20 us once the target's step has evicted the dispatcher's code
-    from the caches (a small tree's whole acceptance is a few lists here). The same nodes,
-    bonus and tokens as `accept_matching` (tests/test_sampling.py)."""
+    engine on a CPU, where reading a tensor costs no device sync and match_picks' ~30
+    operations (made so that a GPU's recorded verify accepts without a sync) cost more than
+    a small tree's walk. The same nodes, bonus and tokens as `accept_matching`
+    (tests/test_engines.py)."""
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     dead = tree.dead.tolist() if tree.dead is not None else None
     reach, depth, seen = [True], [0], set()

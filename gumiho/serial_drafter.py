@@ -99,6 +99,7 @@ class SerialDrafter:
             self.star = None
         elif self.star is None or self.star.inf.device != target.device:
             self.star = Star(self.beam, target.device)
+            self._stars = {self.beam: self.star}  # and smaller ones, under a floor
         self.pending: list[tuple[Tensor, Tensor]] = []
         self.state: tuple[Tensor, ...] | None = None  # root, out1, level 1: drafted from
         self.cache, new = reuse_or_allocate(  # + the uncommitted entries of levels 2..
@@ -297,6 +298,15 @@ class SerialDrafter:
         if self.pending:  # else: propose again from the same state
             self._catch_up()
         root, out1, values, indices = self.state
+        if self.star is not None and not self.one_step and self.tree.fta == "off":
+            # depth 1 under --min-confidence: the drafts that reach it (a prefix, best first)
+            kept = values.shape[0] if self.floor is None else int((values >= self.floor).sum())
+            if not kept:
+                return DraftTree.chain(root)  # no draft is likely enough: a plain step
+            if kept not in self._stars:
+                self._stars[kept] = Star(kept, values.device)
+            fields = self._stars[kept].tree(root, values[:kept], indices[:kept])
+            return DraftTree(*fields[:4], priority=fields[4])
         self.cache.reserve((self.serial_depth - 1) * self.beam)
         start = self.cache.write_position()
         if self.one_step:

@@ -212,7 +212,7 @@ class Star:
     is a child of the root and all of them fit the budget, so the tree's parents, depths
     and mask are the same every cycle and are made once (`device`, `size` children); a
     cycle makes the tokens and the priority (2 kernels, where the general selection makes
-    ~30, each ~10-20 us on a CPU after the target's sweep has evicted the dispatcher's code).
+    ~35: on a CPU's eager loop each is a few microseconds of the cycle).
     `tree(root, scores, tokens)` equals `select_tree(root, Pool(tokens, -1, scores, 1),
     size)` field for field (tests/test_tree_build.py)."""
 

@@ -6,7 +6,7 @@ row-invariant attention both sides.
                              [--dtype bfloat16|float32]
                              [--widths 1,8,16,64] [--rounds 3] [--new-tokens 96]
                              [--method gumiho] [--total-tokens 8] [--depth 2]
-                             [--lookup 10] [--prompts 4]
+                             [--lookup 10] [--min-confidence 0] [--prompts 4]
 
 --switch rowamx (bf16 on an AMX CPU): rowamx.c's products against oneDNN's (rowamx.py);
 --switch fused: the target's decoder computed by fused.py against transformers' own
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total-tokens", type=int, default=8)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--lookup", type=int, default=10)
+    parser.add_argument("--min-confidence", type=float, default=0.0,
+                        help="the drafts' confidence floor (the float32 demo's: 0.1)")
     parser.add_argument("--prompts", type=int, default=4,
                         help="the demo's prompt and the first MT-Bench questions, this many")
     args = parser.parse_args(argv)
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                          "float32 on a CPU with AVX-512 (and not GUMIHO_ROWGEMM512=0)")
     tree = TreeConfig.for_method(args.method, total_tokens=args.total_tokens,
                                  depth=args.depth, lookup=args.lookup,
-                                 lookup_first=bool(args.lookup))
+                                 lookup_first=bool(args.lookup),
+                                 min_confidence=args.min_confidence)
     if args.switch == "rowamx":
         copies = {"rowamx": loaded(args.method, tree, args.dtype)}
         with rowamx_off():

@@ -237,14 +237,14 @@ def test_greedy_matching_on_the_host_is_match_picks(seed):
 
 
 @pytest.mark.parametrize("method", ["gumiho", "eagle2"])
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size,floor", [(2, 0.0), (4, 0.0), (4, 0.1)])
 def test_depth_1_trees_keep_plain_output_on_the_lean_cycle(smollm2, reference, monkeypatch,
-                                                           method, size):
-    """A depth-1 tree on the eager loop: its fixed shape (tree.Star) and, on a CPU, the
-    acceptance in Python and rowgemm's argmax, against the general selection and
+                                                           method, size, floor):
+    """A depth-1 tree on the eager loop (under a confidence floor too): its fixed shape
+    (tree.Star) and, on a CPU, the acceptance in Python, against the general selection and
     match_picks: the same accepts cycle by cycle, plain decoding's tokens."""
     ids, plain = reference
-    tree = TreeConfig.for_method(method, total_tokens=size, depth=1)
+    tree = TreeConfig.for_method(method, total_tokens=size, depth=1, min_confidence=floor)
     runs = {}
     for lean in (True, False):
         monkeypatch.setattr(loop, "HOST_MATCH", lean)
@@ -255,3 +255,9 @@ def test_depth_1_trees_keep_plain_output_on_the_lean_cycle(smollm2, reference, m
     assert runs[True].token_ids == runs[False].token_ids == plain.token_ids
     assert runs[True].accept_lengths == runs[False].accept_lengths
     assert max(runs[True].accept_lengths) == 2  # a depth-1 tree accepts at most one draft
+    if not floor:  # the star inside the recorded drafting step too (floors: eager only)
+        drafter = load_drafter(method, smollm2, str(shipped_drafter(method)), tree=tree,
+                               engine="static")
+        recorded = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=N, engine="static"))
+        assert drafter.star is not None
+        assert recorded.accept_lengths == runs[True].accept_lengths
