@@ -223,7 +223,7 @@ def test_sync_free_tree_and_accept_match_the_checked_path(seed):
 def test_greedy_matching_on_the_host_is_match_picks(seed):
     """The eager CPU loop's acceptance in Python (`match_on_host`) takes the nodes, bonus
     and tokens `match_picks` takes: trees with repeated sibling tokens (matched at the
-    first only), dead slots, ties of depth (the first in node order wins)."""
+    first only, so the reachable nodes are one path) and dead slots."""
     rng = torch.Generator().manual_seed(seed)
     size = int(torch.randint(1, 30, (), generator=rng))
     tree = random_tree(torch.tensor([2]), size, 3, rng)  # 3 tokens: many repeats
