@@ -93,9 +93,9 @@
 # top-1 (0.765 / 0.669 -> 0.789 / 0.718) and left tau at 2.89
 # (docs/results/campaign/self_text_cpu_finetune.md). The suite on CUDA again beside them
 # (clean expected since e9613a4: issue 11's "the whole suite runs on a GPU"; since session
-# 43 it also puts a depth-1 tree's fixed shape, tree.Star, inside captured drafting steps:
-# test_depth_1_trees_keep_plain_output_on_the_lean_cycle, whose rows run on the CUDA
-# device; `budget.verify_step` there now times each width with the pick's argmax).
+# 43 it also puts a depth-1 tree's fixed shape, tree.Star, inside CUDA graphs:
+# test_depth_1_trees_keep_plain_output_on_the_lean_cycle runs the graphs engine there;
+# `budget.verify_step` now times each width with the pick's argmax).
 #   1  .stage/1 (receive, ~45 s with the start)
 #   2  .stage/3 (receive the drafters, ~5 s)
 #   3  .stage/2 (~560 s): REGEN_SPLITS=held_out bash scripts/gpu_lease.sh selfdistill

@@ -255,9 +255,11 @@ def test_depth_1_trees_keep_plain_output_on_the_lean_cycle(smollm2, reference, m
     assert runs[True].token_ids == runs[False].token_ids == plain.token_ids
     assert runs[True].accept_lengths == runs[False].accept_lengths
     assert max(runs[True].accept_lengths) == 2  # a depth-1 tree accepts at most one draft
-    if not floor:  # the star inside the recorded drafting step too (floors: eager only)
+    # the star inside the recorded drafting step too (floors: eager only), captured on a GPU
+    engines = ("static", "graphs") if smollm2.device.type == "cuda" else ("static",)
+    for engine in engines if not floor else ():
         drafter = load_drafter(method, smollm2, str(shipped_drafter(method)), tree=tree,
-                               engine="static")
-        recorded = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=N, engine="static"))
+                               engine=engine)
+        recorded = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=N, engine=engine))
         assert drafter.star is not None
         assert recorded.accept_lengths == runs[True].accept_lengths
