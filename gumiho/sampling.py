@@ -161,7 +161,7 @@ def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator
     """One token per row of logits (..., V): the argmax at T == 0, else a sample from
     softmax(logits / T). `generator` lives on the logits' device (no transfer, no sync)."""
     if temperature == 0:
-        return rowgemm.argmax(logits) if logits.dim() == 2 else logits.argmax(-1)
+        return rowgemm.argmax(logits)  # torch's for other shapes and devices
     probs = torch.softmax(logits.float() / temperature, -1)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])

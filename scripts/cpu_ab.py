@@ -16,9 +16,9 @@ rowlayer: the target's and the drafter's steps in one rowlayer.c call against fu
 torch calls (`GUMIHO_ROWLAYER=0`; two roundings of their own, so the answers may part at
 near-ties, each copy's plain and speculative ones still equal); --switch lean: the eager
 CPU cycle's small-tree paths (a depth-1 tree's fixed shape, tree.Star; greedy acceptance
-in Python, sampling.match_on_host; rowgemm.c's argmax) against the general selection,
-match_picks and torch's argmax (`engine.HOST_MATCH`, `SerialDrafter.star_trees`), the same
-trees and tokens. Loads SmolLM2
+in Python, sampling.match_on_host) against the general selection and match_picks
+(`engine.HOST_MATCH`, `SerialDrafter.star_trees`; both sides pick with rowgemm.c's argmax
+since aa2d97a), the same trees and tokens. Loads SmolLM2
 and the shipped drafter twice, once as `load_target` leaves them and once with the path
 switched off (wide and lean: once, switched before each use). Per round: each width's
 verify step on each copy in turn, then each prompt answered plainly and by the method on

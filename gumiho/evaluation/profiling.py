@@ -55,12 +55,12 @@ def launches_per_cycle(target: Target, drafter, ids: list[int], engine: str,
 def tree_build_s(target: Target, drafter, ids: list[int], engine: str, repeats: int = 20
                  ) -> float | None:
     """Seconds of building one tree alone (the MLP levels, the selection, the ancestor
-    mask: `SerialDrafter._tree_fn`; at depth 1 `tree.Star.tree`) as a step of `engine`, on
-    the inputs of a real cycle: inside the one recorded drafting step it is not a phase the
-    profile can time. The inputs come from an eager run of the same network and tree; a
-    recorded step's replay is timed without its input copies. None for drafters without one
-    (Medusa's tree is fixed) and for the FTA modes and floors, which build their trees on
-    the host."""
+    mask: `SerialDrafter._tree_fn`; at depth 1 `_draft_fn`, i.e. `tree.Star.tree`) as a
+    step of `engine`, on the inputs of a real cycle: inside the one recorded drafting step
+    it is not a phase the profile can time. The inputs come from an eager run of the same
+    network and tree; a recorded step's replay is timed without its input copies. None for
+    drafters without one (Medusa's tree is fixed) and for the FTA modes and floors, which
+    build their trees on the host."""
     from gumiho.graphs import StaticStep
     from gumiho.profiling import timed
     from gumiho.serial_drafter import SerialDrafter
@@ -72,12 +72,11 @@ def tree_build_s(target: Target, drafter, ids: list[int], engine: str, repeats: 
     # captured engines ignore the floors (they change a tree's size): so does the stand-in
     tree = replace(drafter.tree, min_confidence=0.0, extend_confidence=0.0)
     eager = SerialDrafter(drafter.model, tree, engine="eager")
-    run(target, eager, ids, GenerateConfig(max_new_tokens=1))  # makes a depth-1 tree's Star
-    # a depth-1 tree is its level's tokens under fixed fields (tree.Star), deeper ones a
-    # selection from the pool
-    owner, name = (eager.star, "tree") if eager.star is not None else (eager, "_tree_fn")
-    calls, build = [], getattr(owner, name)
-    setattr(owner, name, lambda *inputs: calls.append(inputs) or build(*inputs))
+    # a depth-1 tree is its level's tokens under fixed fields (`_draft_fn` goes straight to
+    # tree.Star), deeper ones a selection from the pool
+    name = "_draft_fn" if eager.draft_depth == 1 else "_tree_fn"
+    calls, build = [], getattr(eager, name)
+    setattr(eager, name, lambda *inputs: calls.append(inputs) or build(*inputs))
     run(target, eager, ids, GenerateConfig(max_new_tokens=8))
     step = StaticStep(build, engine)
     step(*calls[-1])  # records it
