@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gumiho import rowamx, rowgemm, rowlayer
+from gumiho import kernels, rowamx, rowgemm, rowlayer
 from gumiho.demo import exact_bf16_here
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors
 from gumiho.paths import cache_dir
@@ -78,7 +78,7 @@ def report() -> dict:
                 "torch_capability": torch.backends.cpu.get_cpu_capability(),
                 "amx_tiles": rowamx.amx_cpu()},
         "kernels": {
-            "compiler": rowgemm.compiler(),
+            "compiler": kernels.compiler(),
             "rowgemm": gemm is not None,
             "rowgemm_avx512_blocks": bool(gemm is not None and gemm.wide),
             "rowamx": amx is not None,

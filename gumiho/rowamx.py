@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gumiho import rowgemm
+from gumiho import kernels, rowgemm
 
 log = logging.getLogger("gumiho")
 
@@ -55,7 +55,7 @@ def _library() -> tuple[str, list[str], Path] | None:
     """(compiler, flags, the built library's path) where the kernel can run here."""
     if os.environ.get("GUMIHO_ROWAMX", "1") == "0" or not amx_cpu():
         return None
-    return rowgemm.library("rowamx", [SOURCE], FLAGS)
+    return kernels.library("rowamx", [SOURCE], FLAGS)
 
 
 def identity() -> str | None:
@@ -67,7 +67,7 @@ def identity() -> str | None:
 @functools.cache
 def kernel():
     """The compiled product (a ctypes function), or None where it cannot run here."""
-    lib = rowgemm.built(_library(), [SOURCE], "bf16 CPU products stay oneDNN's")
+    lib = kernels.built(_library(), [SOURCE], "bf16 CPU products stay oneDNN's")
     if lib is None:
         return None
     if lib.rowamx_init() != 0:  # Linux withholds the tile state (an old kernel)

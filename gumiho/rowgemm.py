@@ -44,63 +44,32 @@ and visible keys in slot order, so a tree node gets what its token gets decoded 
 the same keys. A bfloat16 or float16 cache is read in place and widened like a 16-bit
 weight, the attention computed in float32 and rounded once to the cache's dtype.
 
-The C sources are compiled once per machine with the system's C compiler into the cache
-folder (paths.cache_dir, about a second) and loaded with ctypes; its threads are torch's
-OpenMP runtime (one pool, sized by torch.set_num_threads). Without a compiler, AVX2 and FMA,
-or on another architecture, nothing changes: torch's products run. $GUMIHO_ROWGEMM=0 turns
-it off (to compare, or when chasing a problem).
+The C sources are compiled once per machine and loaded with ctypes (kernels.py); its
+threads are torch's OpenMP runtime (one pool, sized by torch.set_num_threads). Without a
+compiler, AVX2 and FMA, or on another architecture, nothing changes: torch's products run.
+$GUMIHO_ROWGEMM=0 turns it off (to compare, or when chasing a problem).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from gumiho.paths import cache_dir
+from gumiho import kernels
 
 log = logging.getLogger("gumiho")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("rowgemm.c", "rowattention.c")]
-HEADER = Path(__file__).with_name("rowkernels.h")  # what both include
 MAX_ROWS = 80  # a 64-token verify plus an 11-token lookup chain; torch is as fast past 64
-# no contraction of plain C arithmetic into FMAs: the kernels' explicit FMAs are the only
-# ones, so two code paths that sum alike round alike (rowattention.c's dot and dots)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]
 # how a weight is stored (rowgemm.c's enum): 16-bit ones are widened as they are read
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-LIBS = ["-lm"]
-
-
-def openmp_flags() -> list[str]:
-    """Link torch's own OpenMP runtime where the wheel ships one (so both share one pool);
-    without it the kernel runs on one thread rather than start a second pool."""
-    lib = Path(torch.__file__).parent / "lib"
-    if not (lib / "libgomp.so.1").exists():
-        return []
-    return ["-fopenmp", f"-L{lib}", f"-Wl,-rpath,{lib}"]
-
-
-def build(compiler: str, flags: list[str], out: Path, sources: list[Path] = SOURCES
-           ) -> None:
-    """Compile the kernels (`sources`: rowgemm.c and rowattention.c, rowkernels.h beside
-    them) to `out`, atomically (concurrent processes may race to it)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        built = Path(tmp) / out.name
-        subprocess.run([compiler, *FLAGS, *flags, *map(str, sources), "-o", str(built), *LIBS],
-                       check=True, capture_output=True, timeout=120)
-        os.replace(built, out)
 
 
 def _works(function, attend) -> bool:
@@ -151,30 +120,10 @@ def _library() -> tuple[str, list[str], Path] | None:
     if platform.machine().lower() not in ("x86_64", "amd64") or \
             torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
-    found = library("rowgemm", SOURCES)
+    found = kernels.library("rowgemm", SOURCES)
     if found is None:
         log.info("no C compiler: float32 CPU products stay torch's (rowgemm.py)")
     return found
-
-
-def compiler() -> str | None:
-    """The C compiler the kernels are built with: $CC (default cc), else gcc; None if
-    neither is found."""
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-
-
-def library(name: str, sources: list[Path], flags: tuple[str, ...] = ()
-            ) -> tuple[str, list[str], Path] | None:
-    """(compiler, flags, path) for library `name` of `sources` (rowkernels.h beside them),
-    compiled with FLAGS, `flags` and torch's OpenMP: the path carries a hash of all of them,
-    so a changed source or flag builds anew (`built`). None without a C compiler."""
-    cc = compiler()
-    if cc is None:
-        return None
-    flags = [*flags, *openmp_flags()]
-    key = hashlib.sha1(repr([[f.read_bytes() for f in (*sources, HEADER)], FLAGS, flags,
-                             cc]).encode())
-    return cc, flags, cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
 
 
 def identity() -> str | None:
@@ -184,24 +133,6 @@ def identity() -> str | None:
     if function is None:
         return None
     return _library()[2].stem + ("-avx512" if function.wide else "")
-
-
-def built(library: tuple[str, list[str], Path] | None, sources: list[Path], instead: str
-          ) -> ctypes.CDLL | None:
-    """The shared library of `sources`, built at `library`'s path with its compiler and flags
-    (`_library()`'s triple) where it is not there yet, and loaded; None where `library` is
-    None or the build or load fails (logged at info: `instead` says what runs instead)."""
-    if library is None:
-        return None
-    compiler, flags, path = library
-    try:
-        if not path.exists():
-            build(compiler, flags, path, sources)
-        return ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.info("%s not built (%s): %s", path.stem.split("-")[0],
-                 str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc, instead)
-        return None
 
 
 def _bind(library: ctypes.CDLL):
@@ -221,7 +152,7 @@ def _bind(library: ctypes.CDLL):
 def kernel():
     """The compiled product (a ctypes function; `.attention` the attention), or None where
     the kernels cannot run here."""
-    library = built(_library(), SOURCES, "float32 CPU products stay torch's")
+    library = kernels.built(_library(), SOURCES, "float32 CPU products stay torch's")
     if library is None:
         return None
     function, attend = _bind(library)

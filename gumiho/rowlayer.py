@@ -22,7 +22,7 @@ rowamx.c or a float32 one with rowgemm.c (16-bit weights too), q/k/v and gate/up
 (fused.py), the rotary embedding tabulated and our KV cache; prompts longer than MAX_ROWS
 tokens keep fused.py's calls (as their products keep the libraries').
 
-Compiled once per machine beside the other kernels (rowgemm.py); $GUMIHO_ROWLAYER=0 keeps
+Compiled once per machine beside the other kernels (kernels.py); $GUMIHO_ROWLAYER=0 keeps
 fused.py's torch calls (to compare, or when chasing a problem).
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from gumiho import rowamx, rowgemm
+from gumiho import kernels, rowamx, rowgemm
 from gumiho.attention import SDPA_GQA, SDPA_INVARIANT
 
 SOURCE = Path(__file__).with_name("rowlayer.c")
@@ -71,7 +71,7 @@ class Stack(ctypes.Structure):
 
 
 def _library():
-    return rowgemm.library("rowlayer", [SOURCE]) if rowgemm.kernel() is not None else None
+    return kernels.library("rowlayer", [SOURCE]) if rowgemm.kernel() is not None else None
 
 
 def enabled() -> bool:
@@ -88,7 +88,7 @@ def identity() -> str | None:
 def kernel():
     """The compiled step (a ctypes function), or None where it cannot be built here (no
     rowgemm.c kernels, no compiler)."""
-    lib = rowgemm.built(_library(), [SOURCE], "decoder steps stay fused.py's")
+    lib = kernels.built(_library(), [SOURCE], "decoder steps stay fused.py's")
     if lib is None:
         return None
     function = lib.rowlayer

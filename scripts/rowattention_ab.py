@@ -21,19 +21,19 @@ from pathlib import Path
 
 import torch
 
-from gumiho import rowgemm
+from gumiho import kernels, rowgemm
 
 HERE = Path(__file__).resolve().parent.parent / "gumiho"
 FILES = ("rowgemm.c", "rowattention.c", "rowkernels.h")
 
 
 def build(sources: Path, out: Path):
-    """The attention function of the C sources in `sources`, compiled as rowgemm.py does."""
+    """The attention function of the C sources in `sources`, compiled as kernels.py does."""
     here = rowgemm._library()
     if here is None:
         raise SystemExit("error: rowgemm's kernels do not build here (rowgemm.py)")
     compiler, flags, _ = here
-    rowgemm.build(compiler, flags, out, [sources / name for name in FILES[:2]])
+    kernels.build(compiler, flags, out, [sources / name for name in FILES[:2]])
     return rowgemm._bind(ctypes.CDLL(str(out)))[1]
 
 

@@ -7,7 +7,7 @@ bf16 verify as wide as the reference tree is one-token decoding, bit for bit."""
 import pytest
 import torch
 
-from gumiho import linear, rowamx
+from gumiho import kernels, linear, rowamx
 from gumiho.config import TreeConfig
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, run
@@ -116,7 +116,7 @@ def test_nothing_changes_where_it_cannot_run(monkeypatch, tmp_path):
         rowamx.kernel.cache_clear()
         monkeypatch.setattr(rowamx, "amx_cpu", lambda: True)
         monkeypatch.setenv("CC", "false")
-        monkeypatch.setattr(rowamx.rowgemm.shutil, "which",
+        monkeypatch.setattr(kernels.shutil, "which",
                             lambda name: "/bin/false" if name == "false" else None)
         assert rowamx.kernel() is None
         assert not list(tmp_path.rglob("*.so"))

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from gumiho import linear, rowamx, rowgemm
+from gumiho import kernels, linear, rowamx, rowgemm
 from gumiho.demo import shipped_drafter
 from gumiho.drafters import PlainDrafter, load_drafter
 from gumiho.engine import GenerateConfig, run
@@ -240,7 +240,7 @@ def test_nothing_changes_where_it_cannot_be_built(monkeypatch, tmp_path):
         rowgemm.kernel.cache_clear()
         monkeypatch.delenv("GUMIHO_ROWGEMM")
         monkeypatch.setenv("CC", "false")  # a "compiler" that fails
-        monkeypatch.setattr(rowgemm.shutil, "which",
+        monkeypatch.setattr(kernels.shutil, "which",
                             lambda name: "/bin/false" if name == "false" else None)
         assert rowgemm.kernel() is None
         assert not list(tmp_path.rglob("*.so"))
@@ -254,7 +254,7 @@ def test_nothing_changes_where_it_cannot_be_built(monkeypatch, tmp_path):
 @pytest.mark.host
 @pytest.mark.parametrize("module", [rowgemm, rowamx], ids=["rowgemm", "rowamx"])
 def test_a_built_kernel_is_reused_from_the_cache(monkeypatch, tmp_path, module):
-    """Both kernel libraries are built and loaded by `rowgemm.built`."""
+    """Both kernel libraries are built and loaded by `kernels.built`."""
     if module.kernel() is None:
         pytest.skip(f"{module.__name__} does not run here")
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
@@ -266,7 +266,7 @@ def test_a_built_kernel_is_reused_from_the_cache(monkeypatch, tmp_path, module):
         assert len(built) == 1 and not list(tmp_path.rglob("tmp*"))
         stamp = built[0].stat().st_mtime_ns
         module.kernel.cache_clear()
-        monkeypatch.setattr(rowgemm, "build", lambda *a: pytest.fail("built twice"))
+        monkeypatch.setattr(kernels, "build", lambda *a: pytest.fail("built twice"))
         assert module.kernel() is not None and built[0].stat().st_mtime_ns == stamp
     finally:
         module.kernel.cache_clear()

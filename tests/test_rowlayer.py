@@ -183,17 +183,17 @@ def test_bad_steps_raise_instead_of_writing_past_the_cache():
 def test_nothing_changes_where_it_cannot_be_built(monkeypatch, tmp_path):
     """A build that fails (here: the compiler refuses rowlayer.c) leaves no library behind,
     and decoders keep fused.py's calls: `enabled` is False and no decoder gets steps."""
-    from gumiho import rowgemm
+    from gumiho import kernels
 
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
-    build = rowgemm.build
+    build = kernels.build
 
-    def refusing(compiler, flags, out, sources=rowgemm.SOURCES):
+    def refusing(compiler, flags, out, sources):
         if rowlayer.SOURCE in sources:
             raise OSError("cc: rowlayer.c refused")
         return build(compiler, flags, out, sources)
 
-    monkeypatch.setattr(rowgemm, "build", refusing)
+    monkeypatch.setattr(kernels, "build", refusing)
     try:
         rowlayer.kernel.cache_clear()
         assert rowlayer.kernel() is None and not rowlayer.enabled()
