@@ -1,0 +1,50 @@
+"""kernels.py: a library's path names everything it is built from, so a changed source or
+flag builds anew and an unchanged one is reused; a source that does not compile leaves no
+library behind and loads as None."""
+
+import ctypes
+import platform
+
+import pytest
+
+from gumiho import kernels
+
+pytestmark = pytest.mark.skipif(
+    kernels.compiler() is None or platform.machine().lower() not in ("x86_64", "amd64"),
+    reason="no C compiler, or not an x86 CPU (the kernels' flags are x86's)")
+
+SOURCE = "int twice(int x) { return 2 * x; }\n"
+
+
+def test_the_path_follows_sources_and_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "twice.c"
+    source.write_text(SOURCE)
+    first = kernels.library("twice", [source])
+    assert first is not None and first[2].parent == tmp_path / "cache" / "kernels"
+    assert kernels.library("twice", [source]) == first  # the same inputs, the same path
+    assert kernels.library("twice", [source], ("-DX=1",))[2] != first[2]  # another flag
+    source.write_text(SOURCE + "int thrice(int x) { return 3 * x; }\n")
+    assert kernels.library("twice", [source])[2] != first[2]  # another source
+
+
+def test_a_library_is_built_once_and_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "twice.c"
+    source.write_text(SOURCE)
+    found = kernels.library("twice", [source])
+    lib = kernels.built(found, [source], "nothing")
+    assert lib is not None and lib.twice(ctypes.c_int(21)) == 42
+    assert found[2].exists() and not list(found[2].parent.glob("tmp*"))
+    monkeypatch.setattr(kernels, "build", lambda *a: pytest.fail("built twice"))
+    assert kernels.built(found, [source], "nothing").twice(4) == 8
+
+
+def test_a_source_that_does_not_compile_loads_as_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "broken.c"
+    source.write_text("int broken( {\n")
+    found = kernels.library("broken", [source])
+    assert kernels.built(found, [source], "nothing") is None
+    assert not list((tmp_path / "cache").rglob("*.so"))
+    assert kernels.built(None, [source], "nothing") is None  # no compiler: nothing to build
