@@ -74,14 +74,14 @@ def build(compiler: str, flags: list[str], out: Path, sources: list[Path]) -> No
         os.replace(made, out)
 
 
-def built(library: tuple[str, list[str], Path] | None, sources: list[Path], instead: str
+def built(found: tuple[str, list[str], Path] | None, sources: list[Path], instead: str
           ) -> ctypes.CDLL | None:
-    """The shared library of `sources`, built at `library`'s path with its compiler and flags
-    (`library()`'s triple) where it is not there yet, and loaded; None where `library` is
-    None or the build or load fails (logged at info: `instead` says what runs instead)."""
-    if library is None:
+    """The shared library of `sources`, built at `found`'s path with its compiler and flags
+    (`library()`'s triple) where it is not there yet, and loaded; None where `found` is None
+    or the build or load fails (logged at info: `instead` says what runs instead)."""
+    if found is None:
         return None
-    cc, flags, path = library
+    cc, flags, path = found
     try:
         if not path.exists():
             build(cc, flags, path, sources)
