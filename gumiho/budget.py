@@ -385,7 +385,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
                         "fta")},
               "method": method, "draft": str(draft), "device": str(target.device),
               "engine": engine, "plain_step_s": verify[1], "break_even": gate,
-              "cycles": len(trees),
+              "cycles": len(trees), "chosen": winner,
               "fixed_s": fixed, "shapes": rows}
     if path is not None:
         try:
@@ -394,3 +394,19 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
         except OSError as exc:  # e.g. GUMIHO_CACHE names a file: measure again next time
             log.warning("could not cache the tree size in %s (%s)", path.parent, exc.strerror)
     return report
+
+
+def chosen_row(report: dict) -> tuple[str, dict]:
+    """The name and row of the shape that `choose_tree` chose: the fastest finalist by its
+    whole cycles, which need not be the model's best row. (Reports cached before they named
+    it are matched by the chosen tree's size.)"""
+    shapes = report["shapes"]
+    if report.get("chosen") in shapes:
+        return report["chosen"], shapes[report["chosen"]]
+    tree = report["tree"]
+    chain = tree["top_k"] == 1 and tree["mlp_topk"] == 1 and tree["pruning"] == 1
+    for name, row in shapes.items():
+        if (row["total_tokens"], row["depth"], row["chain"]) == \
+                (tree["total_tokens"], tree["depth"], chain):
+            return name, row
+    raise KeyError(f"no shape in the report matches its chosen tree {tree}")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from gumiho.attention import SDPA_INVARIANT, invariant_here
+from gumiho.budget import chosen_row
 from gumiho.config import DEMO_EXTEND, DEMO_FLOOR, DEMO_LOOKUP
 from gumiho.drafters import PlainDrafter
 from gumiho.engine import GenerateConfig, run
@@ -135,11 +136,13 @@ def main(argv: list[str] | None = None) -> int:
                                     extend_confidence=args.extend_confidence)
     target, drafter, tree = gen.target, gen.drafter, gen.drafter.tree
     if gen.auto_report:
-        best = max(gen.auto_report["shapes"].values(), key=lambda row: row["tokens_per_s"])
+        _, best = chosen_row(gen.auto_report)
         kind = f"a chain of depth {best['depth']}" if best["chain"] else \
             f"{best['total_tokens']} tokens down to depth {best['depth']}"
+        # its whole cycles were timed against plain steps: accepted tokens / cycle in steps
+        speedup = best["accept"] / gen.auto_report["break_even"]
         print(f"(tree shape chosen for {target.device}: {kind}; expected "
-              f"{best['accept']:.2f} tokens per cycle, {best['speedup']:.2f}x plain)")
+              f"{best['accept']:.2f} tokens per cycle, {speedup:.2f}x plain)")
     ids = gen.prompt_ids(args.prompt)
     config = GenerateConfig(max_new_tokens=args.max_new_tokens, engine=gen.engine)
     run(target, drafter, ids, GenerateConfig(max_new_tokens=8, engine=gen.engine))  # warm-up

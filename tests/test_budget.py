@@ -132,6 +132,9 @@ def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypat
     chosen = budget.Shape(best["total_tokens"], best["depth"], best["chain"]).tree(tree)
     assert report["tree"]["total_tokens"] == chosen.total_tokens
     assert report["tree"]["depth"] == chosen.depth
+    assert budget.chosen_row(report)[1] is best  # named in the report (the demo prints it)
+    old = {key: value for key, value in report.items() if key != "chosen"}  # cached earlier
+    assert budget.chosen_row(old)[1]["total_tokens"] == chosen.total_tokens
     # the chosen shape's whole cycle in plain steps, measured: a value for --draft-gate,
     # which auto leaves to the caller
     assert report["break_even"] > 0 and "draft_gate" not in report["tree"]

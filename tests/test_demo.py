@@ -72,3 +72,22 @@ def test_demo_runs_exact_bf16_on_an_amx_cpu(smollm2, capsys, monkeypatch, amx):
     assert demo.main(["--max-new-tokens", "4", "--total-tokens", "4", "--dtype", "float32",
                       "--rounds", "1"]) == 0
     assert "in float32:" in capsys.readouterr().out
+
+
+def test_demo_names_the_tree_auto_chose(smollm2, capsys, monkeypatch):
+    """auto races the model's best few shapes and keeps the fastest by whole cycles; the demo
+    describes that one (it once printed the model's best, which the race had passed over)."""
+    from gumiho import generate
+
+    rows = {"8/2": {"total_tokens": 8, "depth": 2, "chain": False, "accept": 2.0,
+                    "tokens_per_s": 80.0, "speedup": 1.2, "measured_tokens_per_s": 70.0},
+            "4/1": {"total_tokens": 4, "depth": 1, "chain": False, "accept": 1.6,
+                    "tokens_per_s": 75.0, "speedup": 1.1, "measured_tokens_per_s": 85.0}}
+    report = {"tree": {"total_tokens": 4, "depth": 1, "top_k": 14, "mlp_topk": 35,
+                       "pruning": 35, "fta": "off"}, "break_even": 1.25, "chosen": "4/1",
+              "shapes": rows}
+    monkeypatch.setattr(generate, "choose_tree", lambda *args, **kwargs: report)
+    assert demo.main(["--max-new-tokens", "8", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "4 tokens down to depth 1; expected 1.60 tokens per cycle, 1.28x plain" in out, out
+    assert "4-token tree of depth 1" in out
