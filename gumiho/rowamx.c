@@ -132,3 +132,49 @@ void rowamx(const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y, i
     }
     free(copy);
 }
+
+/* Attention scores on AMX tiles for rowattention.c (bf16 keys): for the keys at slots
+   j0..j1-1 of one kv group (key j's D values at k + j * kj, D a multiple of 32) and n <= 16
+   query columns qt, bf16, laid out as tile rows of pairs ((D / 2, n, 2): row r of block b
+   holds values 32 b + 2 r, + 1 of each column), s[c * ss + j] = sum_d k[j][d] qt[c][d] in
+   float32: each column's scores in slot order. A tile product computes each of its
+   elements from that element's key and column alone, over the blocks of d in order, so a
+   score is the same whatever else is computed with it: a row of a verify gets the scores
+   it gets alone. Keys 16 at a time as one tile's rows, read in place (the last few as a
+   tile of that many rows), their scores turned to columns on the way out. */
+void rowamx_scores(const uint16_t *k, long kj, const uint16_t *qt, int n, int D, float *s,
+                   long ss, int j0, int j1) {
+    int KB = D / 32;
+    float sums[16 * 16] __attribute__((aligned(64)));  /* (keys, columns) */
+    for (int j = j0; j < j1; j += 16) {
+        int rows = j1 - j < 16 ? j1 - j : 16;
+        if (j == j0 || rows < 16) {  /* tiles 0: scores, 1: keys (rows of 32 values), 2: q */
+            struct config c;
+            memset(&c, 0, sizeof c);
+            c.palette = 1;
+            c.rows[0] = c.rows[1] = rows;
+            c.rows[2] = 16;
+            c.colsb[0] = c.colsb[2] = 4 * n;
+            c.colsb[1] = 64;
+            _tile_loadconfig(&c);
+        }
+        _tile_zero(0);
+        for (int b = 0; b < KB; b++) {
+            _tile_loadd(1, k + (size_t)j * kj + b * 32, kj * 2);
+            _tile_loadd(2, qt + (size_t)b * 32 * n, 4 * n);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sums, 64);
+        __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8,
+                                                             7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+        __mmask16 keep = (__mmask16)((1u << rows) - 1);
+        for (int c = 0; c < n; c++)  /* column c's scores of these keys */
+            _mm512_mask_storeu_ps(s + (size_t)c * ss + j, keep,
+                                  _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep,
+                                                           _mm512_add_epi32(across,
+                                                               _mm512_set1_epi32(c)),
+                                                           sums, 4));
+    }
+    _tile_release();
+}

@@ -79,6 +79,7 @@ def kernel():
     if not _works(function):
         log.warning("rowamx gave wrong products here; oneDNN's run instead")
         return None
+    function.scores = ctypes.cast(lib.rowamx_scores, ctypes.c_void_p)  # rowattention.c's
     return function
 
 

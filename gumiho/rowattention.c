@@ -12,7 +12,9 @@
  * the same token gets as a one-token decode step over the same keys: with row-invariant
  * products (rowgemm.c) a float32 verify gives exactly sequential decoding's hidden states.
  * Threads take rows and heads (OpenMP, torch's runtime where rowgemm.py finds it). Needs
- * AVX2 and FMA. */
+ * AVX2 and FMA. With rowamx.c's `rowamx_scores` handed over (rowattention_scores: an AMX
+ * CPU), a bf16 cache's scores are computed first, all rows and heads against all keys on
+ * AMX tiles, each score from its key and query alone; then each row as above. */
 #include <math.h>
 #include <stdlib.h>
 #include "rowkernels.h"
@@ -162,6 +164,69 @@ static inline __attribute__((always_inline)) void heads(
         }
 }
 
+/* Scores computed before the heads run (`scored`: the group's (K, columns) scores, a row's
+   head `c` in its column c): the visible ones gathered in slot order, then as `heads`. */
+static inline __attribute__((always_inline)) void scored_heads(
+        const float *const *scored, float *const *o, const void *vg, long vj,
+        const int *seen, int n, float *const *p, int D, float scale, int HB, int kind) {
+    for (int h = 0; h < HB; h++)
+        for (int i = 0; i < n; i++) p[h][i] = scored[h][seen[i]];
+    float sums[4];
+    for (int h = 0; h < HB; h++) sums[h] = weights(p[h], n, scale);
+    int d = HB == 3 ? weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 3, kind)
+                    : weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 4, kind);
+    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 2, kind);
+    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 1, kind);
+    for (; d < D; d++)
+        for (int h = 0; h < HB; h++) {
+            float a = 0.0f;
+            for (int i = 0; i < n; i++) a += p[h][i] * load1(vg, (size_t)seen[i] * vj + d, kind);
+            o[h][d] = a / sums[h];
+        }
+}
+
+/* rowamx.c's `rowamx_scores` where the process has it (rowamx.py hands it over once, before
+   any bf16 attention runs: rowgemm.py), else NULL: bf16 keys' scores on AMX tiles. */
+typedef void (*scores_fn)(const uint16_t *k, long kj, const uint16_t *qt, int n, int D,
+                          float *s, long ss, int j0, int j1);
+static scores_fn amx_scores = NULL;
+
+int rowattention_scores(void *fn) {
+    amx_scores = (scores_fn)fn;
+    return amx_scores != NULL;
+}
+
+#define KEYS_PER_TASK 128  /* a scoring task's keys (8 tiles) */
+#define MAX_TILED_DIM 256  /* the largest head size scored on tiles */
+
+/* The scores of every query column of every kv group against keys 0..K-1 on AMX tiles,
+   into s (G, per * Q, K), column h * Q + r for head h of the group and row r; the queries
+   rounded to bf16 (exact for a bf16 model's, which hold bf16 values). Inside the caller's
+   parallel region: the tasks are shared, and end in a barrier. */
+static void score_all(const float *q, long qh, long qr, const void *k, long kh, long kj,
+                      float *s, int Q, int H, int G, int K, int D, uint16_t *qt) {
+    int per = H / G, columns = per * Q, passes = (columns + 15) / 16;
+    int chunks = (K + KEYS_PER_TASK - 1) / KEYS_PER_TASK;
+    int tasks = G * passes * chunks;
+    #pragma omp for schedule(static)
+    for (int task = 0; task < tasks; task++) {
+        int g = task / (passes * chunks), pass = task / chunks % passes, chunk = task % chunks;
+        int c0 = pass * 16, n = columns - c0 < 16 ? columns - c0 : 16;
+        for (int c = 0; c < n; c++) {  /* column c0 + c: head (c0 + c) / Q, row (c0 + c) % Q */
+            const float *x = q + (size_t)(g * per + (c0 + c) / Q) * qh + (size_t)((c0 + c) % Q) * qr;
+            for (int d = 0; d < D; d++) {
+                union { float f; uint32_t u; } v = { x[d] };
+                uint32_t r = v.u + 0x7fff + ((v.u >> 16) & 1);  /* to nearest even */
+                qt[(size_t)(d / 32) * 32 * n + (size_t)(d % 32 / 2) * 2 * n + 2 * c + d % 2] =
+                    (uint16_t)(r >> 16);
+            }
+        }
+        int j0 = chunk * KEYS_PER_TASK, j1 = j0 + KEYS_PER_TASK < K ? j0 + KEYS_PER_TASK : K;
+        amx_scores((const uint16_t *)k + (size_t)g * kh, kj, qt, n, D,
+                   s + ((size_t)g * columns + c0) * K, K, j0, j1);
+    }
+}
+
 #define HEAD(T, B) case T * 4 + B: \
     heads(qs, o, kg, kj, vg, vj, seen, n, p, D, scale, B, T); break;
 #define HEADS(T) HEAD(T, 1) HEAD(T, 2) HEAD(T, 3)
@@ -178,14 +243,21 @@ int rowattention(const float *q, long qh, long qr, const void *k, long kh, long 
     size_t size = kind == F32 ? 4 : 2;
     int failed = 0, per = H / G, block = Q > 1 ? 3 : 1;
     int blocks = (per + block - 1) / block;  /* per kv group */
+    /* bf16 keys with AMX tiles here: every score first, on the tiles (score_all) */
+    int tiled = kind == BF16 && amx_scores && D % 32 == 0 && D <= MAX_TILED_DIM && K > 0;
+    float *scored = tiled ? malloc(sizeof(float) * (size_t)G * K * per * Q) : NULL;
+    if (tiled && !scored) return -1;  /* (never the other path: its scores round otherwise) */
     #pragma omp parallel
     {
         float *scratch = malloc(sizeof(float) * (size_t)(K > 0 ? K : 1) * (size_t)block);
         int *seen = malloc(sizeof(int) * (size_t)(K > 0 ? K : 1));
+        uint16_t qt[MAX_TILED_DIM * 16];  /* a scoring task's queries, as tile rows */
         if (!scratch || !seen) {
             #pragma omp atomic write
             failed = 1;
         }
+        if (scored)  /* every thread: its tasks end in a barrier */
+            score_all(q, qh, qr, k, kh, kj, scored, Q, H, G, K, D, qt);
         int listed = -1, n = 0;  /* the row whose visible keys `seen` holds, and how many */
         #pragma omp for schedule(static)
         for (int task = 0; task < Q * G * blocks; task++) {
@@ -214,6 +286,18 @@ int rowattention(const float *q, long qh, long qr, const void *k, long kh, long 
             }
             const void *kg = (const char *)k + (size_t)g * kh * size,
                        *vg = (const char *)v + (size_t)g * vh * size;
+            if (scored) {  /* bf16 (the barrier after score_all: every score is there) */
+                const float *sc[3];  /* each head's scores (its column: head, then row) */
+                for (int h = 0; h < HB; h++)
+                    sc[h] = scored + ((size_t)g * per * Q + (size_t)(first + h) * Q + r) * K;
+                if (HB == 3)
+                    scored_heads(sc, o, vg, vj, seen, n, p, D, scale, 3, BF16);
+                else if (HB == 2)
+                    scored_heads(sc, o, vg, vj, seen, n, p, D, scale, 2, BF16);
+                else
+                    scored_heads(sc, o, vg, vj, seen, n, p, D, scale, 1, BF16);
+                continue;
+            }
             switch (kind * 4 + HB) {  /* each a copy of `heads` for its constants */
                 HEADS(F32) HEADS(F16) HEADS(BF16)
             }
@@ -221,5 +305,6 @@ int rowattention(const float *q, long qh, long qr, const void *k, long kh, long 
         free(scratch);
         free(seen);
     }
+    free(scored);
     return failed ? -1 : 0;
 }

@@ -2,11 +2,12 @@
 verify steps by width, then whole greedy answers, plain and with a drafter, with the
 row-invariant attention both sides.
 
-    python scripts/cpu_ab.py [--switch rowamx|fused|wide|rowlayer|lean]
+    python scripts/cpu_ab.py [--switch rowamx|fused|wide|rowlayer|lean|tiles]
                              [--dtype bfloat16|float32]
                              [--widths 1,8,16,64] [--rounds 3] [--new-tokens 96]
                              [--method gumiho] [--total-tokens 8] [--depth 2]
                              [--lookup 10] [--min-confidence 0] [--prompts 4]
+                             [--bench mt_bench] [--steps-only]
 
 --switch rowamx (bf16 on an AMX CPU): rowamx.c's products against oneDNN's (rowamx.py);
 --switch fused: the target's decoder computed by fused.py against transformers' own
@@ -18,13 +19,18 @@ near-ties, each copy's plain and speculative ones still equal); --switch lean: t
 CPU cycle's small-tree paths (a depth-1 tree's fixed shape, tree.Star; greedy acceptance
 in Python, sampling.match_on_host) against the general selection and match_picks
 (`engine.HOST_MATCH`, `SerialDrafter.star_trees`; both sides pick with rowgemm.c's argmax
-since aa2d97a), the same trees and tokens. Loads SmolLM2
-and the shipped drafter twice, once as `load_target` leaves them and once with the path
-switched off (wide and lean: once, switched before each use). Per round: each width's
-verify step on each copy in turn, then each prompt answered plainly and by the method on
-each copy in turn. Prints the median step per width, each copy's tokens/s and speedup over
-its own plain decoding, whether every answer of each copy equals its plain decoding's, and
-the median plain step and cycle after the prefill (robust to a burst of load).
+since aa2d97a), the same trees and tokens; --switch tiles (bf16 on an AMX CPU):
+rowattention.c's scores on AMX tiles (rowamx.c) against its FMAs (`GUMIHO_ROWATTN_AMX=0`;
+they round otherwise, so the answers may part at near-ties, each side's plain and
+speculative ones still equal). Loads SmolLM2 and the shipped drafter twice, once as
+`load_target` leaves them and once with the path switched off (wide, lean and tiles: once,
+switched before each use). The prompts: the demo's and the first questions of --bench
+(mt_bench; cnndm_like for long ones). Per round: each width's verify step on the copies
+alternated call by call (--repeats each), then each prompt answered plainly and by the
+method on each copy in turn (--steps-only: no answers). Prints the median step per width,
+each copy's tokens/s and speedup over its own plain decoding, whether every answer of each
+copy equals its plain decoding's, and the median plain step and cycle after the prefill
+(robust to a burst of load).
 """
 
 from __future__ import annotations
@@ -40,12 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from gumiho import engine as loop  # noqa: E402
 from gumiho import rowamx, rowgemm  # noqa: E402
-from gumiho.budget import verify_step_seconds  # noqa: E402
+from gumiho.budget import verify_step  # noqa: E402
 from gumiho.config import TreeConfig  # noqa: E402
 from gumiho.demo import PROMPT, shipped_drafter  # noqa: E402
 from gumiho.drafters import PlainDrafter, load_drafter  # noqa: E402
 from gumiho.engine import GenerateConfig, run  # noqa: E402
 from gumiho.evaluation.benchmarks import load_questions  # noqa: E402
+from gumiho.profiling import seconds  # noqa: E402
 from gumiho.target import load_target  # noqa: E402
 
 
@@ -90,7 +97,8 @@ def loaded(method: str, tree: TreeConfig, dtype: str, fused: bool = True):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--switch", choices=("rowamx", "fused", "wide", "rowlayer", "lean"),
+    parser.add_argument("--switch", choices=("rowamx", "fused", "wide", "rowlayer", "lean",
+                                             "tiles"),
                         default="rowamx")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--widths", default="1,8,16,64")
@@ -105,11 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-confidence", type=float, default=0.0,
                         help="the drafts' confidence floor (the float32 demo's: 0.1)")
     parser.add_argument("--prompts", type=int, default=4,
-                        help="the demo's prompt and the first MT-Bench questions, this many")
+                        help="the demo's prompt and the first --bench questions, this many")
+    parser.add_argument("--bench", default="mt_bench")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="the verify steps alone, no answers")
     args = parser.parse_args(argv)
     if args.switch == "rowamx" and (rowamx.kernel() is None or args.dtype != "bfloat16"):
         raise SystemExit("error: rowamx.c runs bf16 products on AMX tiles: --dtype bfloat16 "
                          "on a CPU with them (and a compiler that knows them)")
+    if args.switch == "tiles" and (not rowgemm.set_tiled_scores(True)
+                                   or args.dtype != "bfloat16"):
+        raise SystemExit("error: rowattention.c scores bf16 keys on AMX tiles: --dtype "
+                         "bfloat16 on a CPU with them (and not GUMIHO_ROWATTN_AMX=0)")
     if args.switch == "wide" and (not rowgemm.set_wide(True) or args.dtype != "float32"):
         raise SystemExit("error: rowgemm.c's AVX-512 blocks run float32 products: --dtype "
                          "float32 on a CPU with AVX-512 (and not GUMIHO_ROWGEMM512=0)")
@@ -129,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("error: rowlayer.c does not run here (GUMIHO_ROWLAYER=0?)")
     elif args.switch == "wide":
         copies = dict.fromkeys(("AVX-512", "AVX2"), loaded(args.method, tree, args.dtype))
+    elif args.switch == "tiles":
+        copies = dict.fromkeys(("AMX tiles", "FMAs"), loaded(args.method, tree, args.dtype))
     elif args.switch == "lean":  # one copy, switched before each use (as wide)
         copies = dict.fromkeys(("lean", "general"), loaded(args.method, tree, args.dtype))
         serial = copies["lean"][1]
@@ -140,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if copies["fused"][0]._fused is None:
             raise SystemExit("error: fused.py does not run here (GUMIHO_FUSED=0?)")
     target = next(iter(copies.values()))[0]
-    questions = [PROMPT] + [q["turns"][0] for q in load_questions("mt_bench")][:args.prompts - 1]
+    questions = [PROMPT] + [q["turns"][0] for q in load_questions(args.bench)][:args.prompts - 1]
     prompts = [target.chat_ids(q) for q in questions]
     widths = [int(w) for w in args.widths.split(",")]
     config = GenerateConfig(max_new_tokens=args.new_tokens)
@@ -150,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         """the copy `name`, its switch set (wide: the one loaded copy's blocks)"""
         if args.switch == "wide":
             rowgemm.set_wide(name == "AVX-512")
+        elif args.switch == "tiles":
+            rowgemm.set_tiled_scores(name == "AMX tiles")
         elif args.switch == "lean":  # a generation's `begin` makes the star or drops it
             loop.HOST_MATCH = serial.star_trees = name == "lean"
         return copies[name]
@@ -157,12 +176,21 @@ def main(argv: list[str] | None = None) -> int:
     for name in copies:  # warm-up
         t, d = use(name)
         run(t, d, prompts[0], GenerateConfig(max_new_tokens=8))
+    calls = {}
+    for width in widths:  # each copy's step over the same kind of tree (warmed up)
+        for name in copies:
+            t, _ = use(name)
+            calls[width, name] = verify_step(t, width, args.context)
+            calls[width, name]()
     for _ in range(args.rounds):
-        for width in widths:
-            for name in copies:
-                t, _ = use(name)
-                ms = verify_step_seconds(t, width, args.context, args.repeats) * 1e3
-                steps.setdefault((width, name), []).append(ms)
+        for width in widths:  # the copies' steps alternated call by call
+            for _ in range(args.repeats):
+                for name in copies:
+                    t, _ = use(name)
+                    ms = seconds(calls[width, name], t.device) * 1e3
+                    steps.setdefault((width, name), []).append(ms)
+        if args.steps_only:
+            continue
         for i, ids in enumerate(prompts):
             order = list(copies)[i % 2:] + list(copies)[:i % 2]  # each copy first in turn
             for name in order:
@@ -175,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     for width in widths:
         a, b = (statistics.median(steps[(width, n)]) for n in copies)
         print(f"| {width} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
+    if args.steps_only:
+        return 0
     print(f"\n{len(prompts)} prompts x {args.rounds} rounds, {args.new_tokens} new tokens, "
           f"{args.method} at {args.total_tokens} tokens, depth {args.depth}, lookup "
           f"{args.lookup}")

@@ -79,6 +79,8 @@ def test_env_says_which_paths_run_here(capsys, monkeypatch):
     assert kernels["rowgemm"] == (rowgemm.kernel() is not None)
     assert kernels["rowgemm_avx512_blocks"] == bool(rowgemm.kernel() and rowgemm.kernel().wide)
     assert kernels["rowamx"] == (rowamx.kernel() is not None)
+    assert kernels["rowattention_amx_scores"] == bool(rowgemm.kernel()
+                                                      and rowgemm.kernel().tiled)
     assert kernels["fused_decoder"] is False and facts["switches"]["GUMIHO_FUSED"] == "0"
     assert kernels["rowlayer"] is False
     assert facts["switches"] == {k: os.environ[k] for k in env.SWITCHES if k in os.environ}

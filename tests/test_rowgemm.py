@@ -314,7 +314,21 @@ def test_rowattention_is_torchs_attention_and_each_row_its_own(dim):
 def test_rowattention_reads_a_16_bit_cache_as_its_float32_values(dtype):
     """A bfloat16 or float16 cache (a strided view, read in place): the float32 attention
     of the values it holds, rounded once to its dtype, and each row of a tree bit for bit
-    what it gets as a one-row call over the keys it sees (a decode step's view)."""
+    what it gets as a one-row call over the keys it sees (a decode step's view). With bf16
+    scores on AMX tiles (their sums in the tiles' order) the same to rounding, and each row
+    still bit for bit as alone."""
+    tiled = dtype == torch.bfloat16 and rowgemm.kernel().tiled
+    try:
+        _reads_a_16_bit_cache(dtype, tiled)
+        if tiled:  # and the FMAs' scores, which the tiles stand in for
+            rowgemm.set_tiled_scores(False)
+            _reads_a_16_bit_cache(dtype, False)
+    finally:
+        if tiled:
+            assert rowgemm.set_tiled_scores(True)
+
+
+def _reads_a_16_bit_cache(dtype, tiled: bool):
     g = torch.Generator().manual_seed(7)
     cache_k, cache_v = (torch.randn(1, 3, 80, 64, generator=g).to(dtype) for _ in range(2))
     k, v = cache_k[:, :, :70], cache_v[:, :, :70]
@@ -328,12 +342,81 @@ def test_rowattention_reads_a_16_bit_cache_as_its_float32_values(dtype):
     got = rowgemm.attention(q, k, v, mask, 0.125)
     assert got.dtype == dtype
     wide = rowgemm.attention(q.float(), k.float(), v.float(), mask, 0.125)
-    assert torch.equal(got, wide.to(dtype))
+    if tiled:
+        torch.testing.assert_close(got.float(), wide, rtol=2e-2, atol=2e-2)
+    else:
+        assert torch.equal(got, wide.to(dtype))
     for node in range(5):
         seen = mask[0, 0, node].nonzero().flatten()
         alone = rowgemm.attention(q[:, :, node:node + 1], k[:, :, seen], v[:, :, seen],
                                   torch.ones(1, 1, 1, len(seen), dtype=torch.bool), 0.125)
         assert torch.equal(alone[0, 0], got[0, node])
+
+
+@needs_rowgemm
+@pytest.mark.host
+def test_rowattention_scores_on_amx_tiles_wherever_rowamx_runs():
+    """rowamx.c running here means its scores pass rowgemm.py's check and run (a check that
+    failed would leave the FMAs' scores and the test below skipped, so this one says so)."""
+    from gumiho import rowamx
+
+    if rowamx.kernel() is None or os.environ.get("GUMIHO_ROWATTN_AMX") == "0":
+        pytest.skip("no rowamx.c here (or GUMIHO_ROWATTN_AMX=0)")
+    assert rowgemm.kernel().tiled and "-amxscores" in rowgemm.identity()
+
+
+@pytest.mark.skipif(rowgemm.kernel() is None or not rowgemm.kernel().tiled,
+                    reason="no AMX tiles for rowattention.c's scores here")
+@pytest.mark.host
+@pytest.mark.parametrize("heads,groups,dim,rows,length", [
+    (9, 3, 64, 8, 277),   # SmolLM2's heads; 3 chunks of keys, the last tile 5 keys short
+    (9, 3, 64, 1, 16),    # a decode step over one tile of keys
+    (8, 2, 128, 11, 140),  # 44 columns a group: three passes of at most 16
+    (4, 4, 32, 3, 33),    # one head a group, one block of d
+])
+def test_rowattention_scores_on_amx_tiles_keep_each_row_as_alone(heads, groups, dim, rows,
+                                                                    length):
+    """bf16 keys scored on AMX tiles (rowamx_scores): torch's attention to bf16 rounding, the
+    FMAs' scores' result to rounding, and every row of a tree bit for bit what it gets as a
+    one-row call over the keys it sees, in a cache with room to spare (a strided view) and
+    as a decode step's cache of exactly those keys."""
+    g = torch.Generator().manual_seed(dim + rows)
+    cache_k, cache_v = (torch.randn(1, groups, length + 9, dim, generator=g).bfloat16()
+                        for _ in range(2))
+    k, v = cache_k[:, :, :length], cache_v[:, :, :length]
+    q = torch.randn(1, heads, rows, dim, generator=g).bfloat16()
+    prefix = length - rows
+    mask = torch.zeros(1, 1, rows, length, dtype=torch.bool)
+    mask[..., :prefix] = True
+    parents = [-1] + [int(p) for p in torch.randint(0, max(rows - 1, 1), (rows - 1,),
+                                                    generator=g)]
+    for node, parent in enumerate(parents):
+        parent = min(parent, node - 1)
+        mask[0, 0, node, prefix + node] = True
+        if parent >= 0:
+            mask[0, 0, node, prefix:] |= mask[0, 0, parent, prefix:]
+    got = rowgemm.attention(q, k, v, mask, dim ** -0.5)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=dim ** -0.5,
+        enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+    try:
+        rowgemm.set_tiled_scores(False)
+        fmas = rowgemm.attention(q, k, v, mask, dim ** -0.5)
+    finally:
+        assert rowgemm.set_tiled_scores(True)
+    torch.testing.assert_close(got.float(), fmas.float(), rtol=2e-2, atol=2e-2)
+    for node in range(rows):
+        seen = mask[0, 0, node].nonzero().flatten()
+        step_k, step_v = (cache_k.clone(), cache_v.clone())
+        step_k[:, :, :len(seen)], step_v[:, :, :len(seen)] = k[:, :, seen], v[:, :, seen]
+        alone = rowgemm.attention(q[:, :, node:node + 1], step_k, step_v,
+                                  torch.arange(length + 9).view(1, 1, 1, -1) < len(seen),
+                                  dim ** -0.5)
+        assert torch.equal(alone[0, 0], got[0, node]), node
+        step = rowgemm.attention(q[:, :, node:node + 1], k[:, :, seen], v[:, :, seen],
+                                 torch.ones(1, 1, 1, len(seen), dtype=torch.bool), dim ** -0.5)
+        assert torch.equal(step[0, 0], got[0, node]), node
 
 
 @needs_rowgemm
