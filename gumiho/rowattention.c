@@ -129,6 +129,28 @@ static inline float weights(float *ph, int n, float scale) {
     return lanes(total);
 }
 
+/* HB heads' outputs o from their scores p (HB rows, one per head, of the row's n visible
+   keys' q . k, unscaled): softmax weights, then the values weighed, each head divided by
+   its weights' sum */
+static inline __attribute__((always_inline)) void attend_values(
+        float *const *o, const void *vg, long vj, const int *seen, int n, float *const *p,
+        int D, float scale, int HB, int kind) {
+    float sums[4];
+    for (int h = 0; h < HB; h++) sums[h] = weights(p[h], n, scale);
+    /* 32 dims at a time for up to two heads, 24 for three: their accumulators in registers
+       (the order each element sums in is the same for any width) */
+    int d = HB == 3 ? weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 3, kind)
+                    : weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 4, kind);
+    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 2, kind);
+    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 1, kind);
+    for (; d < D; d++)  /* a head size not a multiple of 8 */
+        for (int h = 0; h < HB; h++) {
+            float a = 0.0f;
+            for (int i = 0; i < n; i++) a += p[h][i] * load1(vg, (size_t)seen[i] * vj + d, kind);
+            o[h][d] = a / sums[h];
+        }
+}
+
 /* HB heads of kv group g (qs: their queries, o: their outputs) over one row's visible keys
    (seen[0..n)); p: HB rows of K scratch floats */
 static inline __attribute__((always_inline)) void heads(
@@ -148,41 +170,17 @@ static inline __attribute__((always_inline)) void heads(
         size_t at = (size_t)seen[i] * kj;
         dots(qs, kg, &at, D, HB, 1, p, i, kind);
     }
-    float sums[4];
-    for (int h = 0; h < HB; h++) sums[h] = weights(p[h], n, scale);
-    /* 32 dims at a time for up to two heads, 24 for three: their accumulators in registers
-       (the order each element sums in is the same for any width) */
-    int d = HB == 3 ? weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 3, kind)
-                    : weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 4, kind);
-    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 2, kind);
-    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 1, kind);
-    for (; d < D; d++)  /* a head size not a multiple of 8 */
-        for (int h = 0; h < HB; h++) {
-            float a = 0.0f;
-            for (i = 0; i < n; i++) a += p[h][i] * load1(vg, (size_t)seen[i] * vj + d, kind);
-            o[h][d] = a / sums[h];
-        }
+    attend_values(o, vg, vj, seen, n, p, D, scale, HB, kind);
 }
 
-/* Scores computed before the heads run (`scored`: the group's (K, columns) scores, a row's
-   head `c` in its column c): the visible ones gathered in slot order, then as `heads`. */
+/* `heads` with the scores computed already (`scored`: each head's scores of every key, in
+   slot order, rowamx.c's on AMX tiles): the row's visible ones gathered, then the same */
 static inline __attribute__((always_inline)) void scored_heads(
         const float *const *scored, float *const *o, const void *vg, long vj,
         const int *seen, int n, float *const *p, int D, float scale, int HB, int kind) {
     for (int h = 0; h < HB; h++)
         for (int i = 0; i < n; i++) p[h][i] = scored[h][seen[i]];
-    float sums[4];
-    for (int h = 0; h < HB; h++) sums[h] = weights(p[h], n, scale);
-    int d = HB == 3 ? weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 3, kind)
-                    : weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 4, kind);
-    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 2, kind);
-    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 1, kind);
-    for (; d < D; d++)
-        for (int h = 0; h < HB; h++) {
-            float a = 0.0f;
-            for (int i = 0; i < n; i++) a += p[h][i] * load1(vg, (size_t)seen[i] * vj + d, kind);
-            o[h][d] = a / sums[h];
-        }
+    attend_values(o, vg, vj, seen, n, p, D, scale, HB, kind);
 }
 
 /* rowamx.c's `rowamx_scores` where the process has it (rowamx.py hands it over once, before
@@ -213,7 +211,8 @@ static void score_all(const float *q, long qh, long qr, const void *k, long kh, 
         int g = task / (passes * chunks), pass = task / chunks % passes, chunk = task % chunks;
         int c0 = pass * 16, n = columns - c0 < 16 ? columns - c0 : 16;
         for (int c = 0; c < n; c++) {  /* column c0 + c: head (c0 + c) / Q, row (c0 + c) % Q */
-            const float *x = q + (size_t)(g * per + (c0 + c) / Q) * qh + (size_t)((c0 + c) % Q) * qr;
+            int head = g * per + (c0 + c) / Q, row = (c0 + c) % Q;
+            const float *x = q + (size_t)head * qh + (size_t)row * qr;
             for (int d = 0; d < D; d++) {
                 union { float f; uint32_t u; } v = { x[d] };
                 uint32_t r = v.u + 0x7fff + ((v.u >> 16) & 1);  /* to nearest even */
