@@ -31,7 +31,7 @@ SWITCHES = {  # what each turns off or sets (the README's Design table says more
     "GUMIHO_ROWGEMM": "0: rowgemm.c off (torch's float32 products and attention)",
     "GUMIHO_ROWGEMM512": "0: rowgemm.c's AVX2 blocks only",
     "GUMIHO_ROWAMX": "0: rowamx.c off (oneDNN's bf16 products)",
-    "GUMIHO_ROWATTN_AMX": "0: rowattention.c scores bf16 keys with FMAs, not AMX tiles",
+    "GUMIHO_ROWATTN_AMX": "0: rowattention.c's bf16 attention on FMAs, not AMX tiles",
     "GUMIHO_FUSED": "0: transformers' decoder for Llama targets on the CPU",
     "GUMIHO_ROWLAYER": "0: fused.py's torch calls for steps rowlayer.c would take",
     "GUMIHO_PACK": "0: CPU layers not packed",
@@ -83,7 +83,7 @@ def report() -> dict:
             "rowgemm": gemm is not None,
             "rowgemm_avx512_blocks": bool(gemm is not None and gemm.wide),
             "rowamx": amx is not None,
-            "rowattention_amx_scores": bool(gemm is not None and gemm.tiled),
+            "rowattention_amx_tiles": bool(gemm is not None and gemm.tiled),
             "fused_decoder": os.environ.get("GUMIHO_FUSED", "1") != "0",
             "rowlayer": rowlayer.enabled(),
             "packed_layers": os.environ.get("GUMIHO_PACK", "1") != "0",
@@ -130,7 +130,7 @@ def text(facts: dict) -> str:
         + (f", AVX-512 blocks: {_yes(kernels['rowgemm_avx512_blocks'])}"
            if kernels["rowgemm"] else ""),
         f"rowamx.c (bf16 products on AMX tiles): {_yes(kernels['rowamx'])}"
-        + (f", bf16 attention scores on them: {_yes(kernels['rowattention_amx_scores'])}"
+        + (f", bf16 attention on them: {_yes(kernels['rowattention_amx_tiles'])}"
            if kernels["rowamx"] else ""),
         f"rowlayer.c (Llama decoder steps of up to 80 tokens in one C call, targets' and "
         f"drafters'): {_yes(kernels['rowlayer'])}",

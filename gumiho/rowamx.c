@@ -178,3 +178,76 @@ void rowamx_scores(const uint16_t *k, long kj, const uint16_t *qt, int n, int D,
     }
     _tile_release();
 }
+
+/* The values weighed on AMX tiles for rowattention.c (bf16 values): for HB <= 16 heads of
+   one kv group and one row, acc[h * D + d] = sum_i p[h * np + i] v[seen[i] * vj + d] over the
+   row's n visible keys in slot order, the weights p bf16 (rows of np, n rounded up to 32,
+   zeros past n), D a multiple of 16. Keys 32 at a time as a block of k: per 16 values of d
+   a tile of 16 rows of pairs (keys 2r, 2r + 1 side by side, zeros past n), built from the
+   gathered rows, against the weights' tile; the sums float32, over the blocks in order.
+   A row's result depends only on its own weights and visible values, so a verify's row
+   gets what its token gets alone. Up to 64 values of d a pass (four tiles of sums). */
+void rowamx_values(const uint16_t *v, long vj, const int *seen, int n, const uint16_t *p,
+                   int np, int HB, int D, float *acc) {
+    static const short order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15,
+                                    47};
+    __m512i pairs = _mm512_loadu_si512(order);
+    uint16_t pack[4][16 * 32] __attribute__((aligned(64)));  /* a block's tiles of values */
+    struct config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) {  /* tiles 0-3: sums of 16 values of d each */
+        c.rows[t] = HB;
+        c.colsb[t] = 64;
+    }
+    c.rows[4] = HB, c.colsb[4] = 64;  /* the weights: HB rows of 32 keys */
+    c.rows[5] = 16, c.colsb[5] = 64;  /* values: 16 rows of 16 pairs */
+    _tile_loadconfig(&c);
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        int chunks = D - d0 < 64 ? (D - d0) / 16 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int b = 0; b < np; b += 32) {
+            for (int r = 0; r < 16; r++) {  /* keys b + 2r and b + 2r + 1, zeros past n */
+                int i = b + 2 * r;
+                const uint16_t *x = i < n ? v + (size_t)seen[i] * vj + d0 : NULL;
+                const uint16_t *y = i + 1 < n ? v + (size_t)seen[i + 1] * vj + d0 : NULL;
+                for (int t = 0; t < chunks; t++) {
+                    __m256i a = x ? _mm256_loadu_si256((const __m256i *)(x + 16 * t))
+                                  : _mm256_setzero_si256();
+                    __m256i e = y ? _mm256_loadu_si256((const __m256i *)(y + 16 * t))
+                                  : _mm256_setzero_si256();
+                    _mm512_store_si512(pack[t] + r * 32,
+                                       _mm512_permutex2var_epi16(_mm512_castsi256_si512(a),
+                                                                 pairs,
+                                                                 _mm512_castsi256_si512(e)));
+                }
+            }
+            _tile_loadd(4, p + b, (size_t)np * 2);
+            /* (tile numbers are immediates: one product per tile of sums) */
+            _tile_loadd(5, pack[0], 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (chunks > 1) {
+                _tile_loadd(5, pack[1], 64);
+                _tile_dpbf16ps(1, 4, 5);
+            }
+            if (chunks > 2) {
+                _tile_loadd(5, pack[2], 64);
+                _tile_dpbf16ps(2, 4, 5);
+            }
+            if (chunks > 3) {
+                _tile_loadd(5, pack[3], 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        float *out = acc + d0;
+        _tile_stored(0, out, (size_t)D * 4);
+        if (chunks > 1) _tile_stored(1, out + 16, (size_t)D * 4);
+        if (chunks > 2) _tile_stored(2, out + 32, (size_t)D * 4);
+        if (chunks > 3) _tile_stored(3, out + 48, (size_t)D * 4);
+    }
+    _tile_release();
+}

@@ -79,7 +79,9 @@ def kernel():
     if not _works(function):
         log.warning("rowamx gave wrong products here; oneDNN's run instead")
         return None
-    function.scores = ctypes.cast(lib.rowamx_scores, ctypes.c_void_p)  # rowattention.c's
+    # rowattention.c's scores and values on the tiles (rowgemm.py hands them over)
+    function.tiles = [ctypes.cast(f, ctypes.c_void_p) for f in (lib.rowamx_scores,
+                                                                 lib.rowamx_values)]
     return function
 
 

@@ -12,9 +12,11 @@
  * the same token gets as a one-token decode step over the same keys: with row-invariant
  * products (rowgemm.c) a float32 verify gives exactly sequential decoding's hidden states.
  * Threads take rows and heads (OpenMP, torch's runtime where rowgemm.py finds it). Needs
- * AVX2 and FMA. With rowamx.c's `rowamx_scores` handed over (rowattention_scores: an AMX
- * CPU), a bf16 cache's scores are computed first, all rows and heads against all keys on
- * AMX tiles, each score from its key and query alone; then each row as above. */
+ * AVX2 and FMA. With rowamx.c's `rowamx_scores` and `rowamx_values` handed over
+ * (rowattention_tiles: an AMX CPU), a bf16 cache's attention runs on AMX tiles: the scores
+ * first, all rows and heads against all keys, each from its key and query alone; then each
+ * row's softmax as above, its weights rounded to bf16 and its visible values weighed 32
+ * keys a block in slot order, each row from its own weights and keys alone. */
 #include <math.h>
 #include <stdlib.h>
 #include "rowkernels.h"
@@ -173,25 +175,45 @@ static inline __attribute__((always_inline)) void heads(
     attend_values(o, vg, vj, seen, n, p, D, scale, HB, kind);
 }
 
-/* `heads` with the scores computed already (`scored`: each head's scores of every key, in
-   slot order, rowamx.c's on AMX tiles): the row's visible ones gathered, then the same */
-static inline __attribute__((always_inline)) void scored_heads(
-        const float *const *scored, float *const *o, const void *vg, long vj,
-        const int *seen, int n, float *const *p, int D, float scale, int HB, int kind) {
-    for (int h = 0; h < HB; h++)
-        for (int i = 0; i < n; i++) p[h][i] = scored[h][seen[i]];
-    attend_values(o, vg, vj, seen, n, p, D, scale, HB, kind);
-}
-
-/* rowamx.c's `rowamx_scores` where the process has it (rowamx.py hands it over once, before
-   any bf16 attention runs: rowgemm.py), else NULL: bf16 keys' scores on AMX tiles. */
+/* rowamx.c's `rowamx_scores` and `rowamx_values` where the process has them (rowamx.py
+   hands them over once, before any bf16 attention runs: rowgemm.py), else NULL: a bf16
+   cache's scores and values on AMX tiles. */
 typedef void (*scores_fn)(const uint16_t *k, long kj, const uint16_t *qt, int n, int D,
                           float *s, long ss, int j0, int j1);
+typedef void (*values_fn)(const uint16_t *v, long vj, const int *seen, int n,
+                          const uint16_t *p, int np, int HB, int D, float *acc);
 static scores_fn amx_scores = NULL;
+static values_fn amx_values = NULL;
 
-int rowattention_scores(void *fn) {
-    amx_scores = (scores_fn)fn;
+int rowattention_tiles(void *scores, void *values) {
+    amx_scores = (scores_fn)scores;
+    amx_values = (values_fn)values;
     return amx_scores != NULL;
+}
+
+/* `heads` with the scores computed already (`scored`: each head's scores of every key, in
+   slot order, rowamx.c's on AMX tiles): the row's visible ones gathered, their softmax
+   weights, then the values weighed on the tiles too (the weights rounded to bf16 first,
+   as torch's bf16 attention rounds them; into `pb`, HB rows of n rounded up to 32, and
+   `acc`, HB x D floats), each head divided by its weights' float32 sum. */
+static void scored_heads(const float *const *scored, float *const *o, const void *vg,
+                         long vj, const int *seen, int n, float *const *p, int D,
+                         float scale, int HB, uint16_t *pb, float *acc) {
+    for (int h = 0; h < HB; h++)
+        for (int i = 0; i < n; i++) p[h][i] = scored[h][seen[i]];
+    float sums[4];
+    for (int h = 0; h < HB; h++) sums[h] = weights(p[h], n, scale);
+    int np = (n + 31) / 32 * 32;
+    for (int h = 0; h < HB; h++) {
+        for (int i = 0; i < n; i++) {  /* to nearest even (the weights are finite, >= 0) */
+            union { float f; uint32_t u; } w = { p[h][i] };
+            pb[(size_t)h * np + i] = (uint16_t)((w.u + 0x7fff + ((w.u >> 16) & 1)) >> 16);
+        }
+        for (int i = n; i < np; i++) pb[(size_t)h * np + i] = 0;
+    }
+    amx_values((const uint16_t *)vg, vj, seen, n, pb, np, HB, D, acc);
+    for (int h = 0; h < HB; h++)
+        for (int d = 0; d < D; d++) o[h][d] = acc[(size_t)h * D + d] / sums[h];
 }
 
 #define KEYS_PER_TASK 128  /* a scoring task's keys (8 tiles) */
@@ -243,7 +265,8 @@ int rowattention(const float *q, long qh, long qr, const void *k, long kh, long 
     int failed = 0, per = H / G, block = Q > 1 ? 3 : 1;
     int blocks = (per + block - 1) / block;  /* per kv group */
     /* bf16 keys with AMX tiles here: every score first, on the tiles (score_all) */
-    int tiled = kind == BF16 && amx_scores && D % 32 == 0 && D <= MAX_TILED_DIM && K > 0;
+    int tiled = kind == BF16 && amx_scores && amx_values && D % 32 == 0 &&
+                D <= MAX_TILED_DIM && K > 0;
     float *scored = tiled ? malloc(sizeof(float) * (size_t)G * K * per * Q) : NULL;
     if (tiled && !scored) return -1;  /* (never the other path: its scores round otherwise) */
     #pragma omp parallel
@@ -251,7 +274,9 @@ int rowattention(const float *q, long qh, long qr, const void *k, long kh, long 
         float *scratch = malloc(sizeof(float) * (size_t)(K > 0 ? K : 1) * (size_t)block);
         int *seen = malloc(sizeof(int) * (size_t)(K > 0 ? K : 1));
         uint16_t qt[MAX_TILED_DIM * 16];  /* a scoring task's queries, as tile rows */
-        if (!scratch || !seen) {
+        float acc[3 * MAX_TILED_DIM] __attribute__((aligned(64)));  /* a row's heads' sums */
+        uint16_t *pb = scored ? malloc(sizeof(uint16_t) * 3 * ((size_t)K + 32)) : NULL;
+        if (!scratch || !seen || (scored && !pb)) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -260,7 +285,7 @@ int rowattention(const float *q, long qh, long qr, const void *k, long kh, long 
         int listed = -1, n = 0;  /* the row whose visible keys `seen` holds, and how many */
         #pragma omp for schedule(static)
         for (int task = 0; task < Q * G * blocks; task++) {
-            if (!scratch || !seen) continue;
+            if (!scratch || !seen || (scored && !pb)) continue;
             int r = task / (G * blocks), g = task / blocks % G;
             int first = task % blocks * block;  /* within the group */
             int h0 = g * per + first, HB = per - first < block ? per - first : block;
@@ -289,12 +314,7 @@ int rowattention(const float *q, long qh, long qr, const void *k, long kh, long 
                 const float *sc[3];  /* each head's scores (its column: head, then row) */
                 for (int h = 0; h < HB; h++)
                     sc[h] = scored + ((size_t)g * per * Q + (size_t)(first + h) * Q + r) * K;
-                if (HB == 3)
-                    scored_heads(sc, o, vg, vj, seen, n, p, D, scale, 3, BF16);
-                else if (HB == 2)
-                    scored_heads(sc, o, vg, vj, seen, n, p, D, scale, 2, BF16);
-                else
-                    scored_heads(sc, o, vg, vj, seen, n, p, D, scale, 1, BF16);
+                scored_heads(sc, o, vg, vj, seen, n, p, D, scale, HB, pb, acc);
                 continue;
             }
             switch (kind * 4 + HB) {  /* each a copy of `heads` for its constants */
@@ -303,6 +323,7 @@ int rowattention(const float *q, long qh, long qr, const void *k, long kh, long 
         }
         free(scratch);
         free(seen);
+        free(pb);
     }
     free(scored);
     return failed ? -1 : 0;

@@ -43,12 +43,15 @@ AVX2 blocks.
 and visible keys in slot order, so a tree node gets what its token gets decoded alone over
 the same keys. A bfloat16 or float16 cache is read in place and widened like a 16-bit
 weight, the attention computed in float32 and rounded once to the cache's dtype. Where
-rowamx.c runs (an AMX CPU), a bfloat16 cache's scores (q . k, head sizes a multiple of 32)
-are computed on its tiles instead, every key against every row's query at once, each
-score from its own key and query alone (`_tile_scores` checks that once, before any
-attention runs, and a process keeps one way): a tree verify of 8-64 rows over 800 cached
-tokens runs 1.1-1.2x as fast, a narrow one over a short context as fast as before
-(docs/cpu_costs.md); their sums run in the tiles' order, so the text can part from the
+rowamx.c runs (an AMX CPU), a bfloat16 cache's attention (head sizes a multiple of 32) runs
+on its tiles instead: the scores q . k of every key against every row's queries at once,
+each score from its own key and query alone, and each row's values over its visible keys
+in slot order, 32 keys a block, its softmax weights rounded to bf16 first (as torch's bf16
+attention rounds them) and their float32 sum dividing at the end, each row from its own
+weights and keys alone (`_tiled_attention` checks that once, before any attention runs,
+and a process keeps one way). A tree verify of 4-64 rows over 800 cached tokens runs
+1.1-1.4x as fast, a narrow one over a short context as fast as before
+(docs/cpu_costs.md); the sums run in the tiles' order, so the text can part from the
 FMAs' at a near-tie, plain and speculative decoding alike. $GUMIHO_ROWATTN_AMX=0 keeps the
 FMAs.
 
@@ -140,7 +143,7 @@ def identity() -> str | None:
     function = kernel()
     if function is None:
         return None
-    return _library()[2].stem + ("-amxscores" if function.tiled else "") + \
+    return _library()[2].stem + ("-amxattention" if function.tiled else "") + \
         ("-avx512" if function.wide else "")
 
 
@@ -176,17 +179,18 @@ def kernel():
     function.setter.restype, function.setter.argtypes = ctypes.c_int, [ctypes.c_int]
     function.can_widen = _widen(function)
     function.wide = function.can_widen
-    function.install = library.rowattention_scores
-    function.install.restype, function.install.argtypes = ctypes.c_int, [ctypes.c_void_p]
-    function.tiled = _tile_scores(function)
+    function.install = library.rowattention_tiles
+    function.install.restype, function.install.argtypes = ctypes.c_int, [ctypes.c_void_p] * 2
+    function.tiled = _tiled_attention(function)
     return function
 
 
-def _tile_scores(function) -> bool:
-    """Hand rowattention.c rowamx.c's scores on AMX tiles (bf16 keys, head sizes a multiple
-    of 32), where rowamx.c runs (unless $GUMIHO_ROWATTN_AMX is 0), once they are seen to
-    compute each row as alone and the attention to agree with the float32 kernel's to
-    rounding; whether they run. Done once, before any attention: a process keeps one way."""
+def _tiled_attention(function) -> bool:
+    """Hand rowattention.c rowamx.c's scores and values on AMX tiles (a bf16 cache, head
+    sizes a multiple of 32), where rowamx.c runs (unless $GUMIHO_ROWATTN_AMX is 0), once
+    they are seen to compute each row as alone and to agree with the float32 kernel to
+    bf16 rounding; whether they run. Done once, before any attention: a process keeps one
+    way."""
     if os.environ.get("GUMIHO_ROWATTN_AMX", "1") == "0":
         return False
     from gumiho import rowamx  # (it imports this module)
@@ -195,22 +199,24 @@ def _tile_scores(function) -> bool:
     if product is None:
         return False
     g = torch.Generator().manual_seed(2)
-    # 4 heads a kv group x 5 rows: a pass of 16 columns and one of 4, as a row alone has;
-    # 4 blocks of d, whose sums' order matters (two add alike either way)
+    # 4 heads a kv group x 5 rows: a pass of 16 columns and one of 4, blocks of 3 heads and
+    # of 1, as a row alone has; 4 blocks of d (two sum alike either way); 40-60 visible
+    # keys of 70, so a row's values run over two blocks of keys
     q, k, v = (torch.randn(1, heads, n, 128, generator=g).bfloat16()
-               for heads, n in ((8, 5), (2, 37), (2, 37)))
-    mask = torch.rand(1, 1, 5, 37, generator=g) < 0.8
+               for heads, n in ((8, 5), (2, 70), (2, 70)))
+    mask = torch.rand(1, 1, 5, 70, generator=g) < 0.8
     mask[..., 0] = True
     before = _attend(function.attention, q, k, v, mask, 0.09)
-    function.install(product.scores)
+    function.install(*product.tiles)
     rows = _attend(function.attention, q, k, v, mask, 0.09)
     alone = [_attend(function.attention, q[:, :, r:r + 1], k, v, mask[:, :, r:r + 1], 0.09)
              for r in range(5)]
     if rows is not None and all(torch.equal(rows[0, r], alone[r][0, 0]) for r in range(5)) \
             and torch.allclose(rows.float(), before.float(), rtol=2e-2, atol=2e-2):
         return True
-    log.warning("rowattention's AMX scores were not row-invariant here; AVX2's run")
-    function.install(None)
+    log.warning("rowattention's AMX tiles did not compute each row as alone here; its FMAs "
+                "run")
+    function.install(None, None)
     return False
 
 
@@ -251,7 +257,7 @@ def set_wide(on: bool) -> bool:
     return function.wide
 
 
-def set_tiled_scores(on: bool) -> bool:
+def set_tiled_attention(on: bool) -> bool:
     """Score bf16 attention on AMX tiles (on) or with AVX2's FMAs, to compare the two
     (scripts/cpu_ab.py): their scores round differently, so a process that switches no
     longer decodes one way; whether the tiles now run."""
@@ -259,10 +265,10 @@ def set_tiled_scores(on: bool) -> bool:
     if function is None:
         return False
     if not on:
-        function.install(None)
+        function.install(None, None)
         function.tiled = False
         return False
-    function.tiled = _tile_scores(function)
+    function.tiled = _tiled_attention(function)
     return function.tiled
 
 

@@ -20,7 +20,7 @@ CPU cycle's small-tree paths (a depth-1 tree's fixed shape, tree.Star; greedy ac
 in Python, sampling.match_on_host) against the general selection and match_picks
 (`engine.HOST_MATCH`, `SerialDrafter.star_trees`; both sides pick with rowgemm.c's argmax
 since aa2d97a), the same trees and tokens; --switch tiles (bf16 on an AMX CPU):
-rowattention.c's scores on AMX tiles (rowamx.c) against its FMAs (`GUMIHO_ROWATTN_AMX=0`;
+rowattention.c's bf16 attention on AMX tiles (rowamx.c) against its FMAs (`GUMIHO_ROWATTN_AMX=0`;
 they round otherwise, so the answers may part at near-ties, each side's plain and
 speculative ones still equal). Loads SmolLM2 and the shipped drafter twice, once as
 `load_target` leaves them and once with the path switched off (wide, lean and tiles: once,
@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.switch == "rowamx" and (rowamx.kernel() is None or args.dtype != "bfloat16"):
         raise SystemExit("error: rowamx.c runs bf16 products on AMX tiles: --dtype bfloat16 "
                          "on a CPU with them (and a compiler that knows them)")
-    if args.switch == "tiles" and (not rowgemm.set_tiled_scores(True)
+    if args.switch == "tiles" and (not rowgemm.set_tiled_attention(True)
                                    or args.dtype != "bfloat16"):
-        raise SystemExit("error: rowattention.c scores bf16 keys on AMX tiles: --dtype "
-                         "bfloat16 on a CPU with them (and not GUMIHO_ROWATTN_AMX=0)")
+        raise SystemExit("error: rowattention.c runs a bf16 cache's attention on AMX tiles: "
+                         "--dtype bfloat16 on a CPU with them (and not GUMIHO_ROWATTN_AMX=0)")
     if args.switch == "wide" and (not rowgemm.set_wide(True) or args.dtype != "float32"):
         raise SystemExit("error: rowgemm.c's AVX-512 blocks run float32 products: --dtype "
                          "float32 on a CPU with AVX-512 (and not GUMIHO_ROWGEMM512=0)")
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.switch == "wide":
             rowgemm.set_wide(name == "AVX-512")
         elif args.switch == "tiles":
-            rowgemm.set_tiled_scores(name == "AMX tiles")
+            rowgemm.set_tiled_attention(name == "AMX tiles")
         elif args.switch == "lean":  # a generation's `begin` makes the star or drops it
             loop.HOST_MATCH = serial.star_trees = name == "lean"
         return copies[name]

@@ -79,7 +79,7 @@ def test_env_says_which_paths_run_here(capsys, monkeypatch):
     assert kernels["rowgemm"] == (rowgemm.kernel() is not None)
     assert kernels["rowgemm_avx512_blocks"] == bool(rowgemm.kernel() and rowgemm.kernel().wide)
     assert kernels["rowamx"] == (rowamx.kernel() is not None)
-    assert kernels["rowattention_amx_scores"] == bool(rowgemm.kernel()
+    assert kernels["rowattention_amx_tiles"] == bool(rowgemm.kernel()
                                                       and rowgemm.kernel().tiled)
     assert kernels["fused_decoder"] is False and facts["switches"]["GUMIHO_FUSED"] == "0"
     assert kernels["rowlayer"] is False

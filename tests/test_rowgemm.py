@@ -314,18 +314,18 @@ def test_rowattention_is_torchs_attention_and_each_row_its_own(dim):
 def test_rowattention_reads_a_16_bit_cache_as_its_float32_values(dtype):
     """A bfloat16 or float16 cache (a strided view, read in place): the float32 attention
     of the values it holds, rounded once to its dtype, and each row of a tree bit for bit
-    what it gets as a one-row call over the keys it sees (a decode step's view). With bf16
-    scores on AMX tiles (their sums in the tiles' order) the same to rounding, and each row
-    still bit for bit as alone."""
+    what it gets as a one-row call over the keys it sees (a decode step's view). With a
+    bf16 cache's attention on AMX tiles (sums in the tiles' order, the weights in bf16) the
+    same to rounding, and each row still bit for bit as alone."""
     tiled = dtype == torch.bfloat16 and rowgemm.kernel().tiled
     try:
         _reads_a_16_bit_cache(dtype, tiled)
-        if tiled:  # and the FMAs' scores, which the tiles stand in for
-            rowgemm.set_tiled_scores(False)
+        if tiled:  # and the FMAs, which the tiles stand in for
+            rowgemm.set_tiled_attention(False)
             _reads_a_16_bit_cache(dtype, False)
     finally:
         if tiled:
-            assert rowgemm.set_tiled_scores(True)
+            assert rowgemm.set_tiled_attention(True)
 
 
 def _reads_a_16_bit_cache(dtype, tiled: bool):
@@ -355,18 +355,19 @@ def _reads_a_16_bit_cache(dtype, tiled: bool):
 
 @needs_rowgemm
 @pytest.mark.host
-def test_rowattention_scores_on_amx_tiles_wherever_rowamx_runs():
-    """rowamx.c running here means its scores pass rowgemm.py's check and run (a check that
-    failed would leave the FMAs' scores and the test below skipped, so this one says so)."""
+def test_rowattention_on_amx_tiles_wherever_rowamx_runs():
+    """rowamx.c running here means its attention passes rowgemm.py's check and runs (a
+    check that failed would leave the FMAs and the test below skipped, so this one says
+    so)."""
     from gumiho import rowamx
 
     if rowamx.kernel() is None or os.environ.get("GUMIHO_ROWATTN_AMX") == "0":
         pytest.skip("no rowamx.c here (or GUMIHO_ROWATTN_AMX=0)")
-    assert rowgemm.kernel().tiled and "-amxscores" in rowgemm.identity()
+    assert rowgemm.kernel().tiled and "-amxattention" in rowgemm.identity()
 
 
 @pytest.mark.skipif(rowgemm.kernel() is None or not rowgemm.kernel().tiled,
-                    reason="no AMX tiles for rowattention.c's scores here")
+                    reason="no AMX tiles for rowattention.c here")
 @pytest.mark.host
 @pytest.mark.parametrize("heads,groups,dim,rows,length", [
     (9, 3, 64, 8, 277),   # SmolLM2's heads; 3 chunks of keys, the last tile 5 keys short
@@ -374,12 +375,11 @@ def test_rowattention_scores_on_amx_tiles_wherever_rowamx_runs():
     (8, 2, 128, 11, 140),  # 44 columns a group: three passes of at most 16
     (4, 4, 32, 3, 33),    # one head a group, one block of d
 ])
-def test_rowattention_scores_on_amx_tiles_keep_each_row_as_alone(heads, groups, dim, rows,
-                                                                    length):
-    """bf16 keys scored on AMX tiles (rowamx_scores): torch's attention to bf16 rounding, the
-    FMAs' scores' result to rounding, and every row of a tree bit for bit what it gets as a
-    one-row call over the keys it sees, in a cache with room to spare (a strided view) and
-    as a decode step's cache of exactly those keys."""
+def test_rowattention_on_amx_tiles_keeps_each_row_as_alone(heads, groups, dim, rows, length):
+    """A bf16 cache's attention on AMX tiles (rowamx_scores, rowamx_values): torch's
+    attention to bf16 rounding, the FMAs' to rounding, and every row of a tree bit for bit
+    what it gets as a one-row call over the keys it sees, in a cache with room to spare (a
+    strided view) and as a decode step's cache of exactly those keys."""
     g = torch.Generator().manual_seed(dim + rows)
     cache_k, cache_v = (torch.randn(1, groups, length + 9, dim, generator=g).bfloat16()
                         for _ in range(2))
@@ -401,10 +401,10 @@ def test_rowattention_scores_on_amx_tiles_keep_each_row_as_alone(heads, groups, 
         enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
     try:
-        rowgemm.set_tiled_scores(False)
+        rowgemm.set_tiled_attention(False)
         fmas = rowgemm.attention(q, k, v, mask, dim ** -0.5)
     finally:
-        assert rowgemm.set_tiled_scores(True)
+        assert rowgemm.set_tiled_attention(True)
     torch.testing.assert_close(got.float(), fmas.float(), rtol=2e-2, atol=2e-2)
     for node in range(rows):
         seen = mask[0, 0, node].nonzero().flatten()
