@@ -15,8 +15,8 @@
  * AVX2 and FMA. With rowamx.c's `rowamx_scores` and `rowamx_values` handed over
  * (rowattention_tiles: an AMX CPU), a bf16 cache's attention runs on AMX tiles: the scores
  * first, all rows and heads against all keys, each from its key and query alone; then each
- * row's softmax as above, its weights rounded to bf16 and its visible values weighed 32
- * keys a block in slot order, each row from its own weights and keys alone. */
+ * row's softmax as above, its weights split in two bf16 parts and its visible values
+ * weighed 32 keys a block in slot order, each row from its own weights and keys alone. */
 #include <math.h>
 #include <stdlib.h>
 #include "rowkernels.h"
@@ -193,9 +193,11 @@ int rowattention_tiles(void *scores, void *values) {
 
 /* `heads` with the scores computed already (`scored`: each head's scores of every key, in
    slot order, rowamx.c's on AMX tiles): the row's visible ones gathered, their softmax
-   weights, then the values weighed on the tiles too (the weights rounded to bf16 first,
-   as torch's bf16 attention rounds them; into `pb`, HB rows of n rounded up to 32, and
-   `acc`, HB x D floats), each head divided by its weights' float32 sum. */
+   weights, then the values weighed on the tiles too, each weight as the sum of two bf16
+   values (its bf16 rounding and the rounding of the rest: 16 bits of its 24, where torch's
+   bf16 attention keeps 8) weighed apart and their sums added (into `pb`, 2 HB rows of n
+   rounded up to 32, and `acc`, 2 HB x D floats), each head divided by its weights' float32
+   sum. */
 static void scored_heads(const float *const *scored, float *const *o, const void *vg,
                          long vj, const int *seen, int n, float *const *p, int D,
                          float scale, int HB, uint16_t *pb, float *acc) {
@@ -205,15 +207,20 @@ static void scored_heads(const float *const *scored, float *const *o, const void
     for (int h = 0; h < HB; h++) sums[h] = weights(p[h], n, scale);
     int np = (n + 31) / 32 * 32;
     for (int h = 0; h < HB; h++) {
+        uint16_t *high = pb + (size_t)h * np, *low = pb + (size_t)(HB + h) * np;
         for (int i = 0; i < n; i++) {  /* to nearest even (the weights are finite, >= 0) */
-            union { float f; uint32_t u; } w = { p[h][i] };
-            pb[(size_t)h * np + i] = (uint16_t)((w.u + 0x7fff + ((w.u >> 16) & 1)) >> 16);
+            union { float f; uint32_t u; } w = { p[h][i] }, rest;
+            high[i] = (uint16_t)((w.u + 0x7fff + ((w.u >> 16) & 1)) >> 16);
+            union { uint32_t u; float f; } top = { (uint32_t)high[i] << 16 };
+            rest.f = w.f - top.f;  /* exact: the bits below bf16's */
+            low[i] = (uint16_t)((rest.u + 0x7fff + ((rest.u >> 16) & 1)) >> 16);
         }
-        for (int i = n; i < np; i++) pb[(size_t)h * np + i] = 0;
+        for (int i = n; i < np; i++) high[i] = low[i] = 0;
     }
-    amx_values((const uint16_t *)vg, vj, seen, n, pb, np, HB, D, acc);
+    amx_values((const uint16_t *)vg, vj, seen, n, pb, np, 2 * HB, D, acc);
     for (int h = 0; h < HB; h++)
-        for (int d = 0; d < D; d++) o[h][d] = acc[(size_t)h * D + d] / sums[h];
+        for (int d = 0; d < D; d++)
+            o[h][d] = (acc[(size_t)h * D + d] + acc[(size_t)(HB + h) * D + d]) / sums[h];
 }
 
 #define KEYS_PER_TASK 128  /* a scoring task's keys (8 tiles) */
@@ -274,8 +281,8 @@ int rowattention(const float *q, long qh, long qr, const void *k, long kh, long 
         float *scratch = malloc(sizeof(float) * (size_t)(K > 0 ? K : 1) * (size_t)block);
         int *seen = malloc(sizeof(int) * (size_t)(K > 0 ? K : 1));
         uint16_t qt[MAX_TILED_DIM * 16];  /* a scoring task's queries, as tile rows */
-        float acc[3 * MAX_TILED_DIM] __attribute__((aligned(64)));  /* a row's heads' sums */
-        uint16_t *pb = scored ? malloc(sizeof(uint16_t) * 3 * ((size_t)K + 32)) : NULL;
+        float acc[6 * MAX_TILED_DIM] __attribute__((aligned(64)));  /* a row's heads' sums */
+        uint16_t *pb = scored ? malloc(sizeof(uint16_t) * 6 * ((size_t)K + 32)) : NULL;
         if (!scratch || !seen || (scored && !pb)) {
             #pragma omp atomic write
             failed = 1;

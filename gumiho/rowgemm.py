@@ -46,10 +46,10 @@ weight, the attention computed in float32 and rounded once to the cache's dtype.
 rowamx.c runs (an AMX CPU), a bfloat16 cache's attention (head sizes a multiple of 32) runs
 on its tiles instead: the scores q . k of every key against every row's queries at once,
 each score from its own key and query alone, and each row's values over its visible keys
-in slot order, 32 keys a block, its softmax weights rounded to bf16 first (as torch's bf16
-attention rounds them) and their float32 sum dividing at the end, each row from its own
-weights and keys alone (`_tiled_attention` checks that once, before any attention runs,
-and a process keeps one way). A tree verify of 4-64 rows over 800 cached tokens runs
+in slot order, 32 keys a block, each softmax weight as two bf16 parts (16 bits of its 24,
+where torch's bf16 attention keeps 8) and their float32 sum dividing at the end, each row
+from its own weights and keys alone (`_tiled_attention` checks that once, before any
+attention runs, and a process keeps one way). A tree verify of 4-64 rows over 800 cached tokens runs
 1.1-1.4x as fast, a narrow one over a short context as fast as before
 (docs/cpu_costs.md); the sums run in the tiles' order, so the text can part from the
 FMAs' at a near-tie, plain and speculative decoding alike. $GUMIHO_ROWATTN_AMX=0 keeps the
