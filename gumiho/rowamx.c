@@ -1,5 +1,6 @@
 /* Row-invariant bfloat16 products for a few rows on a CPU with AMX tiles:
- * y[m, n] = bf16(x[m, :] . w[n, :] (+ b[n])), the sum in float32.
+ * y[m, n] = bf16(x[m, :] . w[n, :] (+ b[n])), the sum in float32 (and, at the end of this
+ * file, rowattention.c's attention over a bf16 cache: rowamx_scores, rowamx_values).
  *
  * One tile product (TDPBF16PS) multiplies 16 rows of x by 16 columns of w over 32 values
  * of k, each row alone, so a row's result depends only on its own values, the weight and
@@ -146,6 +147,9 @@ void rowamx_scores(const uint16_t *k, long kj, const uint16_t *qt, int n, int D,
                    long ss, int j0, int j1) {
     int KB = D / 32;
     float sums[16 * 16] __attribute__((aligned(64)));  /* (keys, columns) */
+    __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                         5, 4, 3, 2, 1, 0),
+                                        _mm512_set1_epi32(16));  /* key r's row: 16 r */
     for (int j = j0; j < j1; j += 16) {
         int rows = j1 - j < 16 ? j1 - j : 16;
         if (j == j0 || rows < 16) {  /* tiles 0: scores, 1: keys (rows of 32 values), 2: q */
@@ -165,9 +169,6 @@ void rowamx_scores(const uint16_t *k, long kj, const uint16_t *qt, int n, int D,
             _tile_dpbf16ps(0, 1, 2);
         }
         _tile_stored(0, sums, 64);
-        __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8,
-                                                             7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));
         __mmask16 keep = (__mmask16)((1u << rows) - 1);
         for (int c = 0; c < n; c++)  /* column c's scores of these keys */
             _mm512_mask_storeu_ps(s + (size_t)c * ss + j, keep,
@@ -179,9 +180,10 @@ void rowamx_scores(const uint16_t *k, long kj, const uint16_t *qt, int n, int D,
     _tile_release();
 }
 
-/* The values weighed on AMX tiles for rowattention.c (bf16 values): for HB <= 16 heads of
-   one kv group and one row, acc[h * D + d] = sum_i p[h * np + i] v[seen[i] * vj + d] over the
-   row's n visible keys in slot order, the weights p bf16 (rows of np, n rounded up to 32,
+/* The values weighed on AMX tiles for rowattention.c (bf16 values): for HB <= 16 rows of
+   weights of one kv group and one row of the attention (its heads', each in two parts),
+   acc[h * D + d] = sum_i p[h * np + i] v[seen[i] * vj + d] over the row's n visible keys
+   in slot order, the weights p bf16 (rows of np, n rounded up to 32,
    zeros past n), D a multiple of 16. Keys 32 at a time as a block of k: per 16 values of d
    a tile of 16 rows of pairs (keys 2r, 2r + 1 side by side, zeros past n), built from the
    gathered rows, against the weights' tile; the sums float32, over the blocks in order.

@@ -49,8 +49,8 @@ each score from its own key and query alone, and each row's values over its visi
 in slot order, 32 keys a block, each softmax weight as two bf16 parts (16 bits of its 24,
 where torch's bf16 attention keeps 8) and their float32 sum dividing at the end, each row
 from its own weights and keys alone (`_tiled_attention` checks that once, before any
-attention runs, and a process keeps one way). A tree verify of 4-64 rows over 800 cached tokens runs
-1.1-1.4x as fast, a narrow one over a short context as fast as before
+attention runs, and a process keeps one way). A tree verify of 4-64 rows over 800 cached
+tokens runs 1.1-1.4x as fast, a narrow one over a short context as fast as before
 (docs/cpu_costs.md); the sums run in the tiles' order, so the text can part from the
 FMAs' at a near-tie, plain and speculative decoding alike. $GUMIHO_ROWATTN_AMX=0 keeps the
 FMAs.
@@ -258,9 +258,9 @@ def set_wide(on: bool) -> bool:
 
 
 def set_tiled_attention(on: bool) -> bool:
-    """Score bf16 attention on AMX tiles (on) or with AVX2's FMAs, to compare the two
-    (scripts/cpu_ab.py): their scores round differently, so a process that switches no
-    longer decodes one way; whether the tiles now run."""
+    """Run a bf16 cache's attention on AMX tiles (on) or on AVX2's FMAs, to compare the
+    two (scripts/cpu_ab.py, the tests): they round differently, so a process that switches
+    no longer decodes one way; whether the tiles now run."""
     function = kernel()
     if function is None:
         return False
