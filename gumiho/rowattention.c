@@ -175,6 +175,12 @@ static inline __attribute__((always_inline)) void heads(
     attend_values(o, vg, vj, seen, n, p, D, scale, HB, kind);
 }
 
+/* x rounded to bfloat16 as torch rounds (to nearest even; x finite), its 16 bits */
+static inline uint16_t bf16_of(float x) {
+    union { float f; uint32_t u; } v = { x };
+    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
+}
+
 /* rowamx.c's `rowamx_scores` and `rowamx_values` where the process has them (rowamx.py
    hands them over once, before any bf16 attention runs: rowgemm.py), else NULL: a bf16
    cache's scores and values on AMX tiles. */
@@ -208,12 +214,10 @@ static void scored_heads(const float *const *scored, float *const *o, const void
     int np = (n + 31) / 32 * 32;
     for (int h = 0; h < HB; h++) {
         uint16_t *high = pb + (size_t)h * np, *low = pb + (size_t)(HB + h) * np;
-        for (int i = 0; i < n; i++) {  /* to nearest even (the weights are finite, >= 0) */
-            union { float f; uint32_t u; } w = { p[h][i] }, rest;
-            high[i] = (uint16_t)((w.u + 0x7fff + ((w.u >> 16) & 1)) >> 16);
+        for (int i = 0; i < n; i++) {
+            high[i] = bf16_of(p[h][i]);
             union { uint32_t u; float f; } top = { (uint32_t)high[i] << 16 };
-            rest.f = w.f - top.f;  /* exact: the bits below bf16's */
-            low[i] = (uint16_t)((rest.u + 0x7fff + ((rest.u >> 16) & 1)) >> 16);
+            low[i] = bf16_of(p[h][i] - top.f);  /* the rest, exact: the bits below bf16's */
         }
         for (int i = n; i < np; i++) high[i] = low[i] = 0;
     }
@@ -235,20 +239,20 @@ static void score_all(const float *q, long qh, long qr, const void *k, long kh, 
     int per = H / G, columns = per * Q, passes = (columns + 15) / 16;
     int chunks = (K + KEYS_PER_TASK - 1) / KEYS_PER_TASK;
     int tasks = G * passes * chunks;
+    int packed = -1;  /* the (group, pass) whose queries `qt` holds (once per thread) */
     #pragma omp for schedule(static)
     for (int task = 0; task < tasks; task++) {
         int g = task / (passes * chunks), pass = task / chunks % passes, chunk = task % chunks;
         int c0 = pass * 16, n = columns - c0 < 16 ? columns - c0 : 16;
-        for (int c = 0; c < n; c++) {  /* column c0 + c: head (c0 + c) / Q, row (c0 + c) % Q */
+        for (int c = 0; c < n && packed != task / chunks; c++) {
+            /* column c0 + c: head (c0 + c) / Q, row (c0 + c) % Q */
             int head = g * per + (c0 + c) / Q, row = (c0 + c) % Q;
             const float *x = q + (size_t)head * qh + (size_t)row * qr;
-            for (int d = 0; d < D; d++) {
-                union { float f; uint32_t u; } v = { x[d] };
-                uint32_t r = v.u + 0x7fff + ((v.u >> 16) & 1);  /* to nearest even */
+            for (int d = 0; d < D; d++)
                 qt[(size_t)(d / 32) * 32 * n + (size_t)(d % 32 / 2) * 2 * n + 2 * c + d % 2] =
-                    (uint16_t)(r >> 16);
-            }
+                    bf16_of(x[d]);
         }
+        packed = task / chunks;
         int j0 = chunk * KEYS_PER_TASK, j1 = j0 + KEYS_PER_TASK < K ? j0 + KEYS_PER_TASK : K;
         amx_scores((const uint16_t *)k + (size_t)g * kh, kj, qt, n, D,
                    s + ((size_t)g * columns + c0) * K, K, j0, j1);

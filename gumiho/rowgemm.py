@@ -181,7 +181,8 @@ def kernel():
     function.wide = function.can_widen
     function.install = library.rowattention_tiles
     function.install.restype, function.install.argtypes = ctypes.c_int, [ctypes.c_void_p] * 2
-    function.tiled = _tiled_attention(function)
+    function.can_tile = _tiled_attention(function)
+    function.tiled = function.can_tile
     return function
 
 
@@ -258,17 +259,17 @@ def set_wide(on: bool) -> bool:
 
 
 def set_tiled_attention(on: bool) -> bool:
-    """Run a bf16 cache's attention on AMX tiles (on) or on AVX2's FMAs, to compare the
-    two (scripts/cpu_ab.py, the tests): they round differently, so a process that switches
-    no longer decodes one way; whether the tiles now run."""
+    """Run a bf16 cache's attention on AMX tiles (on, where they passed the check at load)
+    or on AVX2's FMAs, to compare the two (scripts/cpu_ab.py, the tests): they round
+    differently, so a process that switches no longer decodes one way; whether the tiles
+    now run."""
     function = kernel()
     if function is None:
         return False
-    if not on:
-        function.install(None, None)
-        function.tiled = False
-        return False
-    function.tiled = _tiled_attention(function)
+    function.tiled = bool(on and function.can_tile)  # (rowamx.c runs where it can)
+    from gumiho import rowamx
+
+    function.install(*(rowamx.kernel().tiles if function.tiled else (None, None)))
     return function.tiled
 
 
