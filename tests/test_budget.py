@@ -142,7 +142,7 @@ def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypat
     from gumiho.evaluation.speed import method_label
 
     label = method_label({"method": "gumiho", "draft": "random", "auto_tree": report})
-    assert label == f"gumiho (random, auto tree {chosen.total_tokens})"
+    assert label == f"gumiho (random, auto tree {chosen.total_tokens}, depth {chosen.depth})"
 
 
 @pytest.mark.host

@@ -105,6 +105,27 @@ def test_a_label_keeps_two_drafters_of_one_method_apart(tmp_path):
     assert rows["gumiho (stage 5)"]["speedup"] == pytest.approx(2.5)
 
 
+def test_tree_sizes_of_ones_own_get_rows_of_their_own(tmp_path):
+    """Two fixed tree sizes beside each other (GUMIHO_VARIANTS) are two rows named by their
+    size; the reference size and old records without a tree keep the plain name, and
+    auto's row names the shape it chose."""
+    ar = [record(q, "ar", 10, 10, 1.0, [1] * 10) for q in range(2)]
+    runs = {"ar": ar}
+    for name, tree, wall in (("small", {"total_tokens": 4, "depth": 1}, 0.4),
+                             ("large", {"total_tokens": 8, "depth": 2}, 0.5),
+                             ("reference", {"total_tokens": 64, "depth": 7}, 0.6)):
+        runs[name] = [record(q, "gumiho", 10, 4, wall, [1, 3]) for q in range(2)]
+        for rec in runs[name]:
+            rec["settings"]["tree"] = tree
+    rows = speed.report(speed.read_answers(write_files(tmp_path, runs)))["0.0"]["mt_bench"]
+    assert set(rows) == {"ar", "gumiho", "gumiho (tree 4, depth 1)", "gumiho (tree 8, depth 2)"}
+    assert rows["gumiho (tree 4, depth 1)"]["speedup"] == pytest.approx(2.5)
+    auto = {"method": "gumiho", "tree": {"total_tokens": 6, "depth": 2},
+            "auto_tree": {"tree": {"total_tokens": 6, "depth": 2}}}
+    assert speed.method_label(auto) == "gumiho (auto tree 6, depth 2)"
+    assert speed.method_label({"method": "lookup", "tree": {"total_tokens": 2}}) == "lookup"
+
+
 def test_gen_answers_writes_the_label_and_resumes_without_comparing_it(tiny_target_dir,
                                                                        tmp_path):
     from gumiho.evaluation import gen_answers
@@ -167,7 +188,7 @@ def test_a_lookup_chain_beside_a_drafter_gets_its_own_row(tmp_path):
     another length is)."""
     def run(method, lookup, first=False, gate=0.0):
         rec = record(1, method, 4, 2, 1.0, [1, 3])
-        rec["settings"]["tree"] = {"total_tokens": 8, "fta": "off", "lookup": lookup,
+        rec["settings"]["tree"] = {"fta": "off", "lookup": lookup,
                                    "lookup_first": first, "draft_gate": gate}
         return [rec]
     files = write_files(tmp_path, {"ar": [record(1, "ar", 4, 4, 2.0, [1] * 4)],
@@ -213,8 +234,8 @@ def test_small_end_to_end_evaluation(smollm2, tmp_path):
     assert speed.main(["--answers", *files, "--out", str(tmp_path / "report")]) == 0
     rep = json.loads((tmp_path / "report.json").read_text())["results"]["0.0"]
     assert set(rep) == {"mt_bench", "gsm8k_like", "mean"}
-    assert rep["gsm8k_like"]["gumiho (random)"]["speedup"] > 0
-    assert rep["mt_bench"]["gumiho (fta exact)"]["tau"] >= 1.0  # the trained one
+    assert rep["gsm8k_like"]["gumiho (random, tree 16, depth 7)"]["speedup"] > 0
+    assert rep["mt_bench"]["gumiho (fta exact, tree 16, depth 7)"]["tau"] >= 1.0  # trained
     # MT-Bench: two turns, the second after the model's own first answer
     mt = json.loads((tmp_path / "mt_bench_ar_0.jsonl").read_text())
     assert len(mt["turns"]) == 2
@@ -244,6 +265,7 @@ def test_the_eval_script_runs_gumiho_variants_side_by_side(smollm2, tmp_path, in
     assert ("gsm8k_like: 4 methods" in proc.stderr) == (interleave == "1")
     rep = json.loads((out / "report.json").read_text())["results"]["0.0"]
     rows = rep["gsm8k_like"]
-    assert set(rows) == {"ar", "gumiho", *(f"gumiho (confidence {v.split()[1]})"
-                                          for v in variants)}
+    assert set(rows) == {"ar", "gumiho (tree 8, depth 7)",  # GUMIHO_ARGS's size, named
+                         *(f"gumiho (tree 8, depth 7, confidence {v.split()[1]})"
+                           for v in variants)}
     assert all(rows[label]["identical"] == [1, 1] for label in rows if label != "ar")

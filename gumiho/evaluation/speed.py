@@ -21,6 +21,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from gumiho.config import TreeConfig
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors
 from gumiho.evaluation.answers import read_answer_file, settings_mismatch
 from gumiho.evaluation.benchmarks import LABELS
@@ -38,8 +39,8 @@ GROUP_KEYS = ("target", "draft", "max_new_tokens", "seed", "tree", "engine")
 
 def method_label(settings: dict) -> str:
     """The method, plus what sets this run apart: a random drafter, a non-default FTA, a
-    prompt-lookup chain other than the method's own (beside a drafter's tree); or the
-    run's own --label."""
+    tree size other than the reference's (auto's or the user's), a prompt-lookup chain
+    other than the method's own (beside a drafter's tree); or the run's own --label."""
     if settings.get("label"):
         return settings["label"]
     notes = ["random"] if settings.get("draft") == "random" else []
@@ -52,7 +53,15 @@ def method_label(settings: dict) -> str:
             tree.get("serial_levels", 0) not in (0, spec.serial_levels):  # not its own
         notes.append(f"serial levels {tree['serial_levels']}")
     if settings.get("auto_tree"):  # budget.choose_tree's report: the tree it chose
-        notes.append(f"auto tree {settings['auto_tree']['tree']['total_tokens']}")
+        chosen = settings["auto_tree"]["tree"]
+        notes.append(f"auto tree {chosen['total_tokens']}" +
+                     (f", depth {chosen['depth']}" if chosen.get("depth") is not None else ""))
+    elif spec is not None and spec.drafter and tree:  # a size of the user's own
+        reference = TreeConfig.for_method(settings["method"])
+        size = (tree.get("total_tokens", reference.total_tokens),
+                tree.get("depth", reference.depth))
+        if size != (reference.total_tokens, reference.depth):
+            notes.append(f"tree {size[0]}, depth {size[1]}")
     reference_lookup = spec.tree.get("lookup", 0) if spec is not None else 0
     if tree.get("lookup", reference_lookup) != reference_lookup:
         notes.append(f"lookup {tree['lookup']}")
