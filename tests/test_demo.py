@@ -91,3 +91,31 @@ def test_demo_names_the_tree_auto_chose(smollm2, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "4 tokens down to depth 1; expected 1.60 tokens per cycle, 1.28x plain" in out, out
     assert "4-token tree of depth 1" in out
+
+
+@pytest.mark.host
+def test_rounds_alternate_which_decode_goes_first(monkeypatch):
+    """Round 1 decodes speculatively first, round 2 plainly first, and so on, each pair
+    kept together and the pairs sorted by their speedup (the median is the figure)."""
+    from types import SimpleNamespace
+
+    from gumiho.drafters import PlainDrafter
+    from gumiho.engine import GenerateConfig
+
+    order = []
+
+    def fake_run(target, drafter, ids, config):
+        kind = "plain" if isinstance(drafter, PlainDrafter) else "spec"
+        order.append(kind)
+        turn = sum(k == kind for k in order)  # this kind's n-th decode (1: the warm-up)
+        return SimpleNamespace(kind=kind, turn=turn,
+                               tokens_per_s=10.0 if kind == "plain" else 10.0 + 7 * turn % 5)
+
+    monkeypatch.setattr(demo, "run", fake_run)
+    pairs = demo.alternated_rounds(None, "drafter", [1], GenerateConfig(), 4)
+    assert order == ["plain", "spec", "plain", "plain", "spec", "spec", "plain", "plain", "spec"]
+    assert all(fast.kind == "spec" and plain.kind == "plain" for fast, plain in pairs)
+    assert sorted((fast.turn, plain.turn) for fast, plain in pairs) == \
+        [(1, 2), (2, 3), (3, 4), (4, 5)]  # each round's own two decodes
+    ratios = [fast.tokens_per_s / plain.tokens_per_s for fast, plain in pairs]
+    assert ratios == sorted(ratios)
