@@ -161,7 +161,13 @@ def invariant_sdpa_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
 def invariant_here(dtype: torch.dtype) -> bool:
     """Whether `invariant_sdpa_forward` in `dtype` gives a tree's rows, here, the bits each
     gets as a decode step (its keys in place in the cache, the tree's gathered): a probe on
-    a small random tree (three query heads per KV head, 40 cached keys, two chains)."""
+    a small random tree (three query heads per KV head, 40 cached keys, two chains), on the
+    CPU whatever default device the caller set."""
+    with torch.device("cpu"):
+        return _invariant_here(dtype)
+
+
+def _invariant_here(dtype: torch.dtype) -> bool:
     g = torch.Generator().manual_seed(0)  # the caller's random state stays as it was
     prefix, capacity, parents = 40, 64, torch.tensor([-1, 0, 1, -1, 3])
     nodes = len(parents)

@@ -57,6 +57,7 @@ log = logging.getLogger("gumiho")
 
 CANDIDATE_WIDTHS = (3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 FINALISTS = 3  # the model's best shapes that run whole cycles before the choice
+WHOLE_CYCLE_TOKENS = 48  # the finalists' answers: tokens each (at most the calibration's)
 CALIBRATION_PROMPTS = (
     "Explain in a few sentences why the sky is blue.",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -220,7 +221,8 @@ def without_wrappers(tree: TreeConfig) -> TreeConfig:
 
 
 def whole_cycles(target: Target, model, method: str, trees: dict[str, TreeConfig],
-                 engine: str, max_new_tokens: int = 48, repeats: int = 3) -> dict[str, dict]:
+                 engine: str, max_new_tokens: int = WHOLE_CYCLE_TOKENS, repeats: int = 3
+                 ) -> dict[str, dict]:
     """Unprofiled greedy runs of drafter `model` at each of `trees` and of plain decoding on
     the calibration prompts, every tree and plain decoding in turn (the first rotating),
     whole cycles after the prefill. Per name ("plain" and each of `trees`): `cycle_s`, the
@@ -372,7 +374,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     cycles = whole_cycles(target, drafter.model, method, {
         name: without_wrappers(Shape(rows[name]["total_tokens"], rows[name]["depth"],
                                      rows[name]["chain"]).tree(tree)) for name in finalists},
-        engine)
+        engine, max_new_tokens=min(max_new_tokens, WHOLE_CYCLE_TOKENS))
     for name in finalists:
         rows[name]["measured_tokens_per_s"] = cycles[name]["tokens_per_s"]
     winner = max(finalists, key=lambda name: cycles[name]["tokens_per_s"])

@@ -224,6 +224,11 @@ def rows_independent(dtype: torch.dtype = torch.bfloat16, rows: int = 32) -> boo
     float32 MKL's do not, rowgemm.c's do (up to rowgemm.MAX_ROWS rows). With it and a
     row-invariant attention (attention.py), a verify's tokens get exactly the hidden states
     of one-token steps."""
+    with torch.device("cpu"):  # a probe of this CPU, whatever default the caller set
+        return _rows_independent(dtype, rows)
+
+
+def _rows_independent(dtype: torch.dtype, rows: int) -> bool:
     g = torch.Generator().manual_seed(0)  # the caller's random state stays as it was
     layer = nn.Linear(576, 1536, bias=False, device="meta")
     layer.weight = nn.Parameter((torch.randn(1536, 576, generator=g) * 0.05).to(dtype),
@@ -273,6 +278,8 @@ def pack_linears(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
         return (type(child) is nn.Linear and not any(child is s for s in skip)
                 and not child.weight.requires_grad and can_pack(child.weight))
 
+    if not any(packable(m) for m in model.modules()):
+        return 0  # (e.g. a model on a GPU: no CPU kernels to build for it)
     extra = 0 if rowgemm.kernel() is not None else sum(  # rowgemm packs nothing
         m.weight.numel() * 4 for m in model.modules()
         if packable(m) and m.weight.dtype == torch.float32)

@@ -67,6 +67,11 @@ def identity() -> str | None:
 @functools.cache
 def kernel():
     """The compiled product (a ctypes function), or None where it cannot run here."""
+    with torch.device("cpu"):  # its probe's tensors, whatever default the first caller set
+        return _load()
+
+
+def _load():
     lib = kernels.built(_library(), [SOURCE], "bf16 CPU products stay oneDNN's")
     if lib is None:
         return None

@@ -86,11 +86,6 @@ KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 def _works(function, attend) -> bool:
     """The built kernels compute torch's product and attention (to float rounding), each
     row as alone."""
-    with torch.device("cpu"):  # whatever default device the first caller has set
-        return _probe(function, attend)
-
-
-def _probe(function, attend) -> bool:
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(5, 37, generator=g), torch.randn(11, 37, generator=g),
                torch.randn(11, generator=g))
@@ -164,6 +159,11 @@ def _bind(library: ctypes.CDLL):
 def kernel():
     """The compiled product (a ctypes function; `.attention` the attention), or None where
     the kernels cannot run here."""
+    with torch.device("cpu"):  # the probes' tensors, whatever default the first caller set
+        return _load()
+
+
+def _load():
     library = kernels.built(_library(), SOURCES, "float32 CPU products stay torch's")
     if library is None:
         return None

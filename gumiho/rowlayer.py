@@ -157,7 +157,9 @@ class RowLayers:
         `final_norm` (or None), or None where they do not apply here (module doc). sdpa:
         whether the layers' attention is one of the sdpa kind (`SDPA`), which
         rowattention.c computes."""
-        if not sdpa or dtype not in KINDS or layers.qkv is None or not enabled():
+        if not sdpa or dtype not in KINDS or layers.qkv is None or \
+                layers.layers[0].post_attention_layernorm.weight.device.type != "cpu" or \
+                not enabled():
             return None
         if dtype == torch.bfloat16 and rowamx.kernel() is None:
             return None

@@ -48,3 +48,38 @@ def test_a_source_that_does_not_compile_loads_as_none(tmp_path, monkeypatch):
     assert kernels.built(found, [source], "nothing") is None
     assert not list((tmp_path / "cache").rglob("*.so"))
     assert kernels.built(None, [source], "nothing") is None  # no compiler: nothing to build
+
+
+@pytest.mark.host
+def test_cpu_probes_answer_alike_under_another_default_device():
+    """A notebook's `with torch.device("cuda"): load_target(...)`, or the GPU suite's
+    fixture, may be the first to reach the CPU kernels' and paths' probes: they make their
+    tensors on the CPU whatever the default device, and answer as they do there. In a fresh
+    process ("meta" standing in for CUDA), where a probe that handed the C code another
+    device's tensors would crash it or raise."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from gumiho import attention, linear, rowamx, rowgemm, rowlayer
+
+def probes():
+    gemm = rowgemm.kernel()
+    return [gemm is not None, gemm is not None and gemm.can_tile, rowamx.kernel() is not None,
+            rowlayer.enabled(), *(linear.rows_independent(d) for d in (torch.float32,
+            torch.bfloat16)), *(attention.invariant_here(d) for d in (torch.float32,
+            torch.bfloat16))]
+
+with torch.device("meta"):
+    print(probes())
+for cached in (rowgemm.kernel, rowamx.kernel, rowlayer.kernel, linear.rows_independent,
+               attention.invariant_here):
+    cached.cache_clear()
+print(probes())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    elsewhere, here = proc.stdout.strip().splitlines()[-2:]
+    assert elsewhere == here

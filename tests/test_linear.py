@@ -155,6 +155,35 @@ def test_pack_linears_takes_frozen_bf16_and_float32_cpu_layers_only():
     assert type(model[1]) is torch.nn.Linear and model[1].weight.dtype == torch.float32
 
 
+@pytest.mark.host
+def test_a_model_off_the_cpu_builds_no_cpu_kernels(monkeypatch):
+    """A GPU model has nothing to pack: pack_linears leaves it without building (or
+    probing) the CPU's kernels, and rowlayer.c's steps are not considered for its layers
+    ("meta" stands in for CUDA)."""
+    from gumiho import rowlayer
+    from gumiho.fused import LlamaLayers
+
+    def no_build():
+        raise AssertionError("a CPU kernel was asked for")
+
+    for module in (rowgemm, rowamx, rowlayer):
+        monkeypatch.setattr(module, "kernel", no_build)
+    monkeypatch.setattr(rowlayer, "enabled", no_build)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).bfloat16()
+    model.requires_grad_(False)
+    assert linear.pack_linears(model) == 0
+    assert type(model[0]) is torch.nn.Linear
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=1)
+    with torch.device("meta"):
+        layers = LlamaLayers([LlamaDecoderLayer(config, 0).bfloat16()], None, lambda _: None)
+    assert rowlayer.RowLayers.of(layers, None, torch.bfloat16, sdpa=True) is None
+
+
 @needs_packing
 @needs_mkl_packing
 @pytest.mark.host
