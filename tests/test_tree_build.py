@@ -46,7 +46,6 @@ def test_select_tree_takes_best_scores_ancestor_closed(budget):
 
 
 @pytest.mark.host
-@pytest.mark.host
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
 def test_a_depth_1_star_is_the_selected_tree(size):
     """tree.Star's fixed fields and its two kernels give what the selection from a one-level
@@ -63,6 +62,7 @@ def test_a_depth_1_star_is_the_selected_tree(size):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+@pytest.mark.host
 def test_static_tree_shape():
     parents, depths, ranks = static_tree(63, 4, [0.6, 0.4, 0.3, 0.25])
     tree = DraftTree.from_parents(torch.zeros(64, dtype=torch.long), parents)
