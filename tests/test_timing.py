@@ -110,6 +110,7 @@ def test_tree_building_is_timed_where_a_captured_engine_ignores_the_floors(tiny_
     assert not eager.one_step and tree_build_s(tiny_target, eager, ids, "eager") is None
 
 
+@pytest.mark.host  # a CPU tool: on a GPU machine too, with the CPU as the default device
 def test_step_anatomy_splits_a_step_and_counts_a_proposal(capsys):
     """scripts/step_anatomy.py (a CPU tool: its target loads on the CPU on any machine) runs
     end to end on SmolLM2, its parts add up to the step, and the kernels it timed are the
