@@ -155,7 +155,8 @@ def verify_step(target: Target, width: int, context: int, engine: str = "eager")
     low, high = token_range(target)
     prompt = torch.randint(low, high, (1, context), device=device)
     prefill(target, cache, prompt)
-    parents = torch.cat([torch.tensor([-1]), torch.arange(width - 1) // 2]).to(device)
+    parents = torch.cat([torch.tensor([-1], device=device),
+                         torch.arange(width - 1, device=device) // 2])
     tree = DraftTree.from_parents(torch.randint(low, high, (width,), device=device), parents)
     return lambda: rowgemm.argmax(verify_tree(target, cache, tree,
                                               step=runner.step_for(None))[1])

@@ -232,7 +232,8 @@ def drafter_network(config: DrafterConfig, target, state: dict[str, Tensor] | No
     vocabulary `draft_ids` (target ids, modeling/vocab.py). The frozen parts a state leaves
     out come from the target: the embedding (any scale included) and the start of Medusa's
     own lm heads."""
-    model = build_draft_model(config)
+    with torch.device(target.device):  # not whatever default device the caller has set
+        model = build_draft_model(config)
     if draft_ids is not None:
         set_draft_vocabulary(model, draft_ids)
     own = dict(state or {})

@@ -63,7 +63,8 @@ class MedusaDrafter:
         parents, _, self.ranks = static_tree(tree.total_tokens - 1, depth, acc)
         # static_tree lists nodes best first, so a smaller budget keeps a prefix
         self.shape = replace(DraftTree.from_parents(torch.zeros_like(parents), parents),
-                             priority=-torch.arange(parents.shape[0], dtype=torch.float))
+                             priority=-torch.arange(parents.shape[0], dtype=torch.float,
+                                                    device=parents.device))
         self.max_nodes = self.shape.size
         self.max_rank = int(self.ranks.max()) + 1
         self._heads_step = StaticStep(self._heads_fn, engine)

@@ -179,6 +179,13 @@ class PackedLinear(nn.Module):
         self.tiles = rowamx.Prepared(weight, self.bias) \
             if weight.dtype == torch.bfloat16 and rowamx.kernel() is not None else None
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """The state of the nn.Linear it replaces (weight, bias): a packed model's
+        `state_dict`, and a checkpoint saved from it (save_drafter), are the plain one's."""
+        destination[prefix + "weight"] = self.weight.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
     @property
     def row_kernel(self) -> bool:
         """Whether rowgemm.c runs this layer's products (1 to rowgemm.MAX_ROWS rows)."""

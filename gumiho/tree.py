@@ -266,5 +266,6 @@ def static_tree(size: int, depth: int, head_accuracy: list[float], decay: float 
             for r in range(max_rank):
                 heapq.heappush(frontier, (neg_value * head_accuracy[child_depth] * decay**r,
                                           len(nodes) - 1, r))
-    parents, depths, ranks = (torch.tensor(col) for col in zip(*nodes, strict=True))
+    # a host template (its user moves it to the device), whatever the default device
+    parents, depths, ranks = (torch.tensor(col, device="cpu") for col in zip(*nodes, strict=True))
     return parents, depths, ranks

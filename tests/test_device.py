@@ -158,6 +158,31 @@ def test_code_version_outside_a_checkout(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])
+def test_loading_a_drafter_and_sizing_a_tree_make_no_tensor_off_the_target_device(
+        tiny_target, tmp_path, method):
+    """A drafter read from a checkpoint is built on the target's device (not first on the
+    caller's default one), and auto's timed pieces (a verify of a width, a proposal at a
+    shape) make their tensors there too: under `meta` as the default, one made without a
+    device fails."""
+    from gumiho import budget
+    from gumiho.checkpoint import save_drafter
+
+    tree = TreeConfig.for_method(method, total_tokens=12, top_k=3, mlp_topk=3, pruning=3,
+                                 depth=4)
+    saved = load_drafter(method, tiny_target, "random", tree=tree)
+    save_drafter(saved.model, tmp_path / "drafter")
+    want = run(tiny_target, load_drafter(method, tiny_target, str(tmp_path / "drafter"),
+                                         tree=tree), [3, 1, 4, 1, 5], GenerateConfig(max_new_tokens=10))
+    with torch.device("meta"):
+        drafter = load_drafter(method, tiny_target, str(tmp_path / "drafter"), tree=tree)
+        got = run(tiny_target, drafter, [3, 1, 4, 1, 5], GenerateConfig(max_new_tokens=10))
+        budget.verify_step(tiny_target, 6, 16)()
+        budget.draft_step(tiny_target, drafter.model, method, tree, "eager", [3, 1, 4, 1, 5])()
+    assert next(drafter.model.parameters()).device == tiny_target.device
+    assert got.token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])
 def test_a_training_step_makes_no_tensor_off_the_drafters_device(tiny_target, method):
     """Training's draws (batch order, feature noise, the ploss sample) come from CPU
     generators, on the CPU by name, and batches are assembled on the host: a default device

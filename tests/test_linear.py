@@ -155,6 +155,26 @@ def test_pack_linears_takes_frozen_bf16_and_float32_cpu_layers_only():
     assert type(model[1]) is torch.nn.Linear and model[1].weight.dtype == torch.float32
 
 
+@needs_packing
+@pytest.mark.host
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_packed_models_state_is_the_plain_ones(dtype):
+    """state_dict (and so save_drafter) of a packed model holds each layer's weight and bias
+    as the nn.Linear it replaced had them: a drafter loaded for decoding saves whole."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8, bias=False))
+    if dtype == torch.float16:  # float32 values that are exactly float16 ones (narrowed)
+        model.half().float()
+    else:
+        model.to(dtype)
+    model.requires_grad_(False)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    assert linear.pack_linears(model) == 2
+    got = model.state_dict()
+    assert list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+
+
 @pytest.mark.host
 def test_a_model_off_the_cpu_builds_no_cpu_kernels(monkeypatch):
     """A GPU model has nothing to pack: pack_linears leaves it without building (or
