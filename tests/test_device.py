@@ -171,11 +171,12 @@ def test_loading_a_drafter_and_sizing_a_tree_make_no_tensor_off_the_target_devic
                                  depth=4)
     saved = load_drafter(method, tiny_target, "random", tree=tree)
     save_drafter(saved.model, tmp_path / "drafter")
+    config = GenerateConfig(max_new_tokens=10)
     want = run(tiny_target, load_drafter(method, tiny_target, str(tmp_path / "drafter"),
-                                         tree=tree), [3, 1, 4, 1, 5], GenerateConfig(max_new_tokens=10))
+                                         tree=tree), [3, 1, 4, 1, 5], config)
     with torch.device("meta"):
         drafter = load_drafter(method, tiny_target, str(tmp_path / "drafter"), tree=tree)
-        got = run(tiny_target, drafter, [3, 1, 4, 1, 5], GenerateConfig(max_new_tokens=10))
+        got = run(tiny_target, drafter, [3, 1, 4, 1, 5], config)
         budget.verify_step(tiny_target, 6, 16)()
         budget.draft_step(tiny_target, drafter.model, method, tree, "eager", [3, 1, 4, 1, 5])()
     assert next(drafter.model.parameters()).device == tiny_target.device
