@@ -95,7 +95,9 @@
 # (clean expected since e9613a4: issue 11's "the whole suite runs on a GPU"; since session
 # 43 it also puts a depth-1 tree's fixed shape, tree.Star, inside CUDA graphs:
 # test_depth_1_trees_keep_plain_output_on_the_lean_cycle runs the graphs engine there;
-# `budget.verify_step` now times each width with the pick's argmax).
+# `budget.verify_step` now times each width with the pick's argmax; since session 46 the
+# CPU kernels' probes are made on the CPU under the suite's CUDA default device, which
+# on an AMX host had crashed or raised once a test cleared their caches: be860c3).
 #   1  .stage/1 (receive, ~45 s with the start)
 #   2  .stage/3 (receive the drafters, ~5 s)
 #   3  .stage/2 (~560 s): REGEN_SPLITS=held_out bash scripts/gpu_lease.sh selfdistill
