@@ -229,18 +229,17 @@ def _widen(function) -> bool:
             torch.backends.cpu.get_cpu_capability() != "AVX512":
         return bool(function.setter(0))
     g = torch.Generator().manual_seed(1)
-    with torch.device("cpu"):
-        cases = [(m, k, torch.randn(m, k, generator=g), torch.randn(13, k, generator=g).to(dtype))
-                 for m, k in ((3, 37), (11, 24), (16, 45)) for dtype in KINDS]
-        bias = torch.randn(13, generator=g)
-        got = {}
-        for on in (0, 1):
-            if function.setter(on) != on:
-                return False
-            for i, (m, k, x, w) in enumerate(cases):
-                y = got.setdefault((i, on), torch.empty(m, 13))
-                function(x.data_ptr(), w.data_ptr(), bias.data_ptr(), y.data_ptr(), m, k, 13,
-                         KINDS[w.dtype])
+    cases = [(m, k, torch.randn(m, k, generator=g), torch.randn(13, k, generator=g).to(dtype))
+             for m, k in ((3, 37), (11, 24), (16, 45)) for dtype in KINDS]
+    bias = torch.randn(13, generator=g)
+    got = {}
+    for on in (0, 1):
+        if function.setter(on) != on:
+            return False
+        for i, (m, k, x, w) in enumerate(cases):
+            y = got.setdefault((i, on), torch.empty(m, 13))
+            function(x.data_ptr(), w.data_ptr(), bias.data_ptr(), y.data_ptr(), m, k, 13,
+                     KINDS[w.dtype])
     if all(torch.equal(got[(i, 0)], got[(i, 1)]) for i in range(len(cases))):
         return True
     log.warning("rowgemm's AVX-512 blocks differ from its AVX2 ones here; AVX2 runs")
