@@ -78,10 +78,72 @@ class TargetDistributions:
                                          chosen.split(ARGMAX_CHUNK)]) if m else \
                     torch.zeros(0, dtype=torch.long, device=chosen.device)
 
-    def rows(self, rows: Tensor) -> Tensor:
-        """`probs[rows]` for increasing row ids (as `feature_losses` picks them); where they
-        are all M rows, `probs` itself, with no (M, D) gather (a tenth of a bf16 step)."""
-        return self.probs if rows.shape[0] == self.probs.shape[0] else self.probs[rows]
+
+def soft_rows(vocab: int, device: torch.device) -> int:
+    """Rows of vocabulary-wide logits `soft_cross_entropy` takes at a time: on a CPU about
+    1 MB of float32 per piece, so each piece's intermediates stay in the core's cache (the
+    unfused loss streamed five (M, D) float32 tensors through memory: most of a CPU
+    training step's time); on a GPU, pieces of up to 512 MiB, to bound memory only."""
+    budget = 2 ** 18 if device.type == "cpu" else 2 ** 27
+    return max(1, budget // max(vocab, 1))
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """mean_m -sum_v p[m, v] log_softmax(z[m])[v], a piece of rows at a time; the backward
+    recomputes each piece's softmax from z and the saved log-sum-exp rather than keeping a
+    float32 copy of the logits: dL/dz = (softmax(z) sum_v p - p) / M."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, probs: Tensor, index: Tensor | None, rows: int):
+        m = logits.shape[0]
+        lse = torch.empty(m, dtype=torch.float32, device=logits.device)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for start in range(0, m, rows):
+            z = logits[start : start + rows].float()
+            p = _probs(probs, index, start, z.shape[0])
+            lse[start : start + z.shape[0]] = part = torch.logsumexp(z, -1)
+            total += (part * p.sum(-1)).sum() - (p * z).sum()
+        ctx.save_for_backward(logits, probs, index, lse)
+        ctx.rows = rows
+        return total / max(m, 1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, probs, index, lse = ctx.saved_tensors
+        m, rows = logits.shape[0], ctx.rows
+        scale = grad.float() / max(m, 1)
+        out = torch.empty_like(logits)
+        in_place = logits.dtype == torch.float32  # else a float32 piece, then cast
+        for start in range(0, m, rows):
+            z = logits[start : start + rows]
+            g = out[start : start + rows] if in_place else \
+                torch.empty(z.shape, dtype=torch.float32, device=z.device)
+            p = _probs(probs, index, start, z.shape[0])
+            torch.sub(z, lse[start : start + z.shape[0], None], out=g).exp_()
+            g.mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(scale)
+            if not in_place:
+                out[start : start + rows] = g
+        return out, None, None, None
+
+
+def _probs(probs: Tensor, index: Tensor | None, start: int, count: int) -> Tensor:
+    """Rows start..start+count of `probs[index]` (of `probs` itself for no index)."""
+    if index is None:
+        return probs[start : start + count]
+    return probs.index_select(0, index[start : start + count])
+
+
+def soft_cross_entropy(logits: Tensor, probs: Tensor, index: Tensor | None = None,
+                       rows: int | None = None) -> Tensor:
+    """The soft cross-entropy -sum_v p_v log_softmax(z)_v, averaged over rows: logits z
+    (M, D) in any float dtype (bf16 under autocast), probs (N, D) float32 with row
+    `index[m]` belonging to logits row m (row m itself for no index). Equal to
+    `-(probs[index] * torch.log_softmax(logits, -1, dtype=torch.float32)).sum(-1).mean()`
+    to float32 rounding, in value and gradient, without that form's (M, D) float32
+    intermediates (`soft_rows`: the pieces it works in)."""
+    if rows is None:
+        rows = soft_rows(logits.shape[-1], logits.device)
+    return _SoftCrossEntropy.apply(logits, probs, index, rows)
 
 
 def feature_losses(out: Tensor, features: Tensor, shift: int, targets: TargetDistributions,
@@ -110,8 +172,8 @@ def feature_losses(out: Tensor, features: Tensor, shift: int, targets: TargetDis
         estimate, rows = estimate[keep], rows[keep]
     logits = head(estimate if need_p else estimate.detach())
     if need_p:
-        logq = torch.log_softmax(logits, -1, dtype=torch.float32)  # the cast inside
-        result["p"] = -(targets.rows(rows) * logq).sum(-1).mean()
+        whole = rows.shape[0] == targets.probs.shape[0]  # every row, in order
+        result["p"] = soft_cross_entropy(logits, targets.probs, None if whole else rows)
     if need_acc and targets.argmax is not None:
         hit = head.to_target(top1(logits.detach())) == targets.argmax[rows]
         result["acc"] = hit.float().mean().detach()
