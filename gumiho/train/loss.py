@@ -89,41 +89,35 @@ def soft_rows(vocab: int, device: torch.device) -> int:
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """mean_m -sum_v p[m, v] log_softmax(z[m])[v], a piece of rows at a time; the backward
-    recomputes each piece's softmax from z and the saved log-sum-exp rather than keeping a
-    float32 copy of the logits: dL/dz = (softmax(z) sum_v p - p) / M."""
+    """mean_m -sum_v p[m, v] log_softmax(z[m])[v], a piece of rows at a time. The gradient,
+    dL/dz = (softmax(z) sum_v p - p) / M, is made in the same pass as the value (one exp per
+    logit) and kept in the logits' dtype; the backward only scales it."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, probs: Tensor, index: Tensor | None, rows: int):
         m = logits.shape[0]
-        lse = torch.empty(m, dtype=torch.float32, device=logits.device)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
         for start in range(0, m, rows):
-            z = logits[start : start + rows].float()
+            z = logits[start : start + rows].to(torch.float32, copy=True)
             p = _probs(probs, index, start, z.shape[0])
-            lse[start : start + z.shape[0]] = part = torch.logsumexp(z, -1)
-            total += (part * p.sum(-1)).sum() - (p * z).sum()
-        ctx.save_for_backward(logits, probs, index, lse)
-        ctx.rows = rows
-        return total / max(m, 1)
+            weight = p.sum(-1, keepdim=True)
+            top = z.amax(-1, keepdim=True)
+            total -= (p * z).sum()
+            exp = z.sub_(top).exp_()  # z no longer needed: exp(z - max) in its place
+            norm = exp.sum(-1, keepdim=True)
+            total += ((top + norm.log()) * weight).sum()  # log-sum-exp, weighted
+            if grad is not None:
+                grad[start : start + rows] = exp.mul_(weight / norm).sub_(p)
+        ctx.save_for_backward(grad)
+        ctx.rows_total = max(m, 1)
+        return total / ctx.rows_total
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        logits, probs, index, lse = ctx.saved_tensors
-        m, rows = logits.shape[0], ctx.rows
-        scale = grad.float() / max(m, 1)
-        out = torch.empty_like(logits)
-        in_place = logits.dtype == torch.float32  # else a float32 piece, then cast
-        for start in range(0, m, rows):
-            z = logits[start : start + rows]
-            g = out[start : start + rows] if in_place else \
-                torch.empty(z.shape, dtype=torch.float32, device=z.device)
-            p = _probs(probs, index, start, z.shape[0])
-            torch.sub(z, lse[start : start + z.shape[0], None], out=g).exp_()
-            g.mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(scale)
-            if not in_place:
-                out[start : start + rows] = g
-        return out, None, None, None
+    def backward(ctx, grad_output: Tensor):
+        (grad,) = ctx.saved_tensors
+        # a float32 0-dim factor: a bf16 gradient is scaled in float32, then rounded once
+        return grad * (grad_output.float() / ctx.rows_total), None, None, None
 
 
 def _probs(probs: Tensor, index: Tensor | None, start: int, count: int) -> Tensor:
@@ -139,8 +133,8 @@ def soft_cross_entropy(logits: Tensor, probs: Tensor, index: Tensor | None = Non
     (M, D) in any float dtype (bf16 under autocast), probs (N, D) float32 with row
     `index[m]` belonging to logits row m (row m itself for no index). Equal to
     `-(probs[index] * torch.log_softmax(logits, -1, dtype=torch.float32)).sum(-1).mean()`
-    to float32 rounding, in value and gradient, without that form's (M, D) float32
-    intermediates (`soft_rows`: the pieces it works in)."""
+    to float32 rounding, in value and gradient (this within two roundings to the logits' dtype),
+    without that form's (M, D) float32 intermediates (`soft_rows`: the pieces it works in)."""
     if rows is None:
         rows = soft_rows(logits.shape[-1], logits.device)
     return _SoftCrossEntropy.apply(logits, probs, index, rows)
