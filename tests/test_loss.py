@@ -57,3 +57,19 @@ def test_pieces_stay_small_on_a_cpu():
     assert soft_rows(32768, torch.device("cpu")) == 8
     assert soft_rows(262_144 * 4, torch.device("cpu")) == 1
     assert soft_rows(32768, torch.device("meta")) == 4096
+
+
+def test_autocast_leaves_the_arithmetic_in_float32():
+    """Under bf16 autocast (the trainer's --precision bf16) the value and gradient are those
+    computed without it."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(20, 300, generator=g) * 3).to(DEVICE, torch.bfloat16)
+    probs = torch.softmax(torch.randn(20, 300, generator=g), -1).to(DEVICE)
+    plain_z, cast_z = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    plain = soft_cross_entropy(plain_z, probs, None, 3)
+    plain.backward()
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        cast = soft_cross_entropy(cast_z, probs, None, 3)
+    cast.backward()
+    assert cast.dtype == torch.float32 and torch.equal(cast, plain)
+    assert torch.equal(cast_z.grad, plain_z.grad)

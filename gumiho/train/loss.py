@@ -98,17 +98,8 @@ class _SoftCrossEntropy(torch.autograd.Function):
         m = logits.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
-        for start in range(0, m, rows):
-            z = logits[start : start + rows].to(torch.float32, copy=True)
-            p = _probs(probs, index, start, z.shape[0])
-            weight = p.sum(-1, keepdim=True)
-            top = z.amax(-1, keepdim=True)
-            total -= (p * z).sum()
-            exp = z.sub_(top).exp_()  # z no longer needed: exp(z - max) in its place
-            norm = exp.sum(-1, keepdim=True)
-            total += ((top + norm.log()) * weight).sum()  # log-sum-exp, weighted
-            if grad is not None:
-                grad[start : start + rows] = exp.mul_(weight / norm).sub_(p)
+        with torch.autocast(logits.device.type, enabled=False):  # float32 within
+            _pieces(logits, probs, index, rows, total, grad)
         ctx.save_for_backward(grad)
         ctx.rows_total = max(m, 1)
         return total / ctx.rows_total
@@ -118,6 +109,23 @@ class _SoftCrossEntropy(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         # a float32 0-dim factor: a bf16 gradient is scaled in float32, then rounded once
         return grad * (grad_output.float() / ctx.rows_total), None, None, None
+
+
+def _pieces(logits: Tensor, probs: Tensor, index: Tensor | None, rows: int, total: Tensor,
+            grad: Tensor | None) -> None:
+    """Add each piece's sum_m -sum_v p log_softmax(z) to `total` (0-dim float32) and write
+    its softmax(z) sum_v p - p into `grad` (M, D) when given."""
+    for start in range(0, logits.shape[0], rows):
+        z = logits[start : start + rows].to(torch.float32, copy=True)
+        p = _probs(probs, index, start, z.shape[0])
+        weight = p.sum(-1, keepdim=True)
+        top = z.amax(-1, keepdim=True)
+        total -= torch.dot(p.reshape(-1), z.view(-1))  # sum p z, no (rows, D) product
+        exp = z.sub_(top).exp_()  # z no longer needed: exp(z - max) in its place
+        norm = exp.sum(-1, keepdim=True)
+        total += ((top + norm.log()) * weight).sum()  # log-sum-exp, weighted
+        if grad is not None:
+            grad[start : start + rows] = exp.mul_(weight / norm).sub_(p)
 
 
 def _probs(probs: Tensor, index: Tensor | None, start: int, count: int) -> Tensor:
