@@ -90,6 +90,9 @@ def main() -> None:
     p.add_argument("--methods", default="ar,lookup,gumiho")
     p.add_argument("--draft", action="append", default=[],
                    help="METHOD=DIR: a drafter other than the shipped one")
+    p.add_argument("--target", default="smollm2",
+                   help="a target name (smollm2, gemma3-270m) or a local model directory; "
+                        "give --methods ar,lookup for one without a shipped drafter")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None,
                    help="default: float32 on a CPU, bfloat16 on a GPU")
@@ -104,9 +107,9 @@ def main() -> None:
     drafts = {**DRAFTS, **dict(d.split("=", 1) for d in args.draft)}
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
-    target = load_target("smollm2", device=str(device), dtype=str(dtype).split(".")[1],
+    target = load_target(args.target, device=str(device), dtype=str(dtype).split(".")[1],
                          attn_implementation=args.attention)
-    stock = stock_model("smollm2", device, dtype)
+    stock = stock_model(args.target, device, dtype)
     prompts = {name: target.chat_ids(text) for name, text in PROMPTS.items()}
     variants = {"hf": lambda ids: hf_runner(stock, target, ids, args.new_tokens, None),
                 "hf_lookup": lambda ids: hf_runner(stock, target, ids, args.new_tokens, 10)}
@@ -133,7 +136,7 @@ def main() -> None:
         table[name] = {v: {"tokens_per_s": round(statistics.median(rates[(v, name)]), 1),
                            "vs_hf": round(statistics.median(rates[(v, name)]) / base, 2)}
                        for v in variants}
-    print(json.dumps({"new_tokens": args.new_tokens, "repeats": args.repeats,
+    print(json.dumps({"target": args.target, "new_tokens": args.new_tokens, "repeats": args.repeats,
                       "device": str(device), "dtype": str(dtype),
                       "threads": torch.get_num_threads(), "prompts": table}, indent=1))
 

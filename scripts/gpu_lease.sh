@@ -126,6 +126,11 @@
 #        BATCH=2 MAX_STEPS=4 CONVERSATIONS=16 PRECISION=fp32, no EVAL_DATA): both campaigns
 #        trained side by side, wait, and the two fetches gave drafters_heads.tgz.part-a{a,b,c},
 #        drafters_s2.tgz.part-a{a,b,c} and campaign.png.
+#        Since session 47 the losses' soft cross-entropy runs fused (gumiho.train.loss:
+#        1.63x training tokens/s on the AMX Xeon in bf16 over 32,768, never measured on a
+#        GPU): the runs' tokens/s against the eighth lease's ~50k says what it does there
+#        (`python scripts/train_loss_ab.py --device cuda --batch-size 32` if a call has
+#        a minute to spare).
 #   here: unpack, then the reference tree's tau on this CPU over 8 questions a benchmark
 #   (2.89 / 2.90 / 2.89 / 2.90 for the seventh, eighth, CPU self-text and CPU heads-only
 #   drafters; the bar is 3.0), and

@@ -4,6 +4,7 @@ and backward, one form then the other in alternating order, in one process (a sh
 machine's noise falls on both alike). The weights do not move between steps.
 
     python scripts/train_loss_ab.py --precision bf16 --draft-vocab 32768 --pairs 6
+    python scripts/train_loss_ab.py --device cuda --batch-size 32 --pairs 6   # a GPU
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def unfused(logits, probs, index=None, rows=None):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--draft-vocab", type=int, default=32768)
     p.add_argument("--init", default="gumiho/assets/smollm2/gumiho")
@@ -45,22 +47,23 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--pairs", type=int, default=6)
     args = p.parse_args()
+    device = torch.device(args.device)
 
-    config = TrainConfig(method="gumiho", online=True, num_conversations=80,
+    config = TrainConfig(method="gumiho", online=True, num_conversations=8 * args.batch_size,
                          max_len=args.max_len, batch_size=args.batch_size, grad_accum=1,
                          draft_vocab=args.draft_vocab, init_from=args.init,
                          precision=args.precision, mlp_ploss_after_epochs=0,
                          heads_only=args.heads_only)
     torch.manual_seed(config.seed)
-    target = load_target(config.target, device="cpu",
+    target = load_target(config.target, device=str(device),
                          dtype="bfloat16" if args.precision == "bf16" else "float32")
     samples = online_samples(target, config.conversations, config.num_conversations,
                              config.max_len, progress=False)
-    model = new_model(target, config, samples)
+    model = new_model(target, config, samples).to(device)
     head = DraftHead.for_model(target, model)
     weights = LossWeights(p=config.ploss_weight, mlp_p=config.mlp_ploss_weight,
                           mlp_p_from_epoch=0, heads_only=args.heads_only)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.precision == "bf16" \
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" \
         else nullcontext()
     batches = epoch_batches([s["input_ids"].shape[0] for s in samples], args.batch_size,
                             config.seed, 0)
@@ -75,6 +78,8 @@ def main() -> None:
             loss, _ = batch_loss(model, target, head, batch, "gumiho", 2, config.noise,
                                  log_acc=False, seed=index, weights=weights)
         loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
         return int(batch["valid"].sum()) / seconds, float(loss.detach())
@@ -91,7 +96,8 @@ def main() -> None:
         print(f"pair {k}: " + ", ".join(f"{f} {rates[f][-1]:.0f} tokens/s (loss "
                                         f"{losses[f]:.6f})" for f in forms), flush=True)
     fused, plain = (statistics.median(rates[f]) for f in forms)
-    print(f"{args.precision}, draft vocabulary {args.draft_vocab}"
+    print(f"{device.type}, {args.precision}, batch {args.batch_size}, "
+          f"draft vocabulary {args.draft_vocab}"
           f"{', heads only' if args.heads_only else ''}: median tokens/s fused {fused:.0f}, "
           f"unfused {plain:.0f}: {fused / plain:.2f}x")
 
