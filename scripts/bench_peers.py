@@ -93,6 +93,8 @@ def main() -> None:
     p.add_argument("--target", default="smollm2",
                    help="a target name (smollm2, gemma3-270m) or a local model directory; "
                         "give --methods ar,lookup for one without a shipped drafter")
+    p.add_argument("--chat-template", default=None,
+                   help="'vicuna' or a Jinja string, for a target without one of its own")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None,
                    help="default: float32 on a CPU, bfloat16 on a GPU")
@@ -108,7 +110,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     target = load_target(args.target, device=str(device), dtype=str(dtype).split(".")[1],
-                         attn_implementation=args.attention)
+                         chat_template=args.chat_template, attn_implementation=args.attention)
     stock = stock_model(args.target, device, dtype)
     prompts = {name: target.chat_ids(text) for name, text in PROMPTS.items()}
     variants = {"hf": lambda ids: hf_runner(stock, target, ids, args.new_tokens, None),
