@@ -95,13 +95,11 @@ class _SoftCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, probs: Tensor, index: Tensor | None, rows: int):
-        m = logits.shape[0]
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
         with torch.autocast(logits.device.type, enabled=False):  # float32 within
-            _pieces(logits, probs, index, rows, total, grad)
+            total = _pieces(logits, probs, index, rows, grad)
         ctx.save_for_backward(grad)
-        ctx.rows_total = max(m, 1)
+        ctx.rows_total = max(logits.shape[0], 1)
         return total / ctx.rows_total
 
     @staticmethod
@@ -111,10 +109,11 @@ class _SoftCrossEntropy(torch.autograd.Function):
         return grad * (grad_output.float() / ctx.rows_total), None, None, None
 
 
-def _pieces(logits: Tensor, probs: Tensor, index: Tensor | None, rows: int, total: Tensor,
-            grad: Tensor | None) -> None:
-    """Add each piece's sum_m -sum_v p log_softmax(z) to `total` (0-dim float32) and write
-    its softmax(z) sum_v p - p into `grad` (M, D) when given."""
+def _pieces(logits: Tensor, probs: Tensor, index: Tensor | None, rows: int,
+            grad: Tensor | None) -> Tensor:
+    """sum_m -sum_v p log_softmax(z) (0-dim float32), a piece at a time, writing each
+    piece's softmax(z) sum_v p - p into `grad` (M, D) when given."""
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], rows):
         z = logits[start : start + rows].to(torch.float32, copy=True)
         p = _probs(probs, index, start, z.shape[0])
@@ -126,6 +125,7 @@ def _pieces(logits: Tensor, probs: Tensor, index: Tensor | None, rows: int, tota
         total += ((top + norm.log()) * weight).sum()  # log-sum-exp, weighted
         if grad is not None:
             grad[start : start + rows] = exp.mul_(weight / norm).sub_(p)
+    return total
 
 
 def _probs(probs: Tensor, index: Tensor | None, start: int, count: int) -> Tensor:
