@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gumiho import kernels, rowamx, rowgemm, rowlayer
+from gumiho import kernels, rowamx, rowgemm, rowlayer, softce
 from gumiho.demo import exact_bf16_here
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors
 from gumiho.paths import cache_dir
@@ -35,6 +35,7 @@ SWITCHES = {  # what each turns off or sets (the README's Design table says more
     "GUMIHO_FUSED": "0: transformers' decoder for Llama targets on the CPU",
     "GUMIHO_ROWLAYER": "0: fused.py's torch calls for steps rowlayer.c would take",
     "GUMIHO_PACK": "0: CPU layers not packed",
+    "GUMIHO_SOFTCE": "0: softce.c off (training's soft cross-entropy by torch's operators)",
     "GUMIHO_DEVICE": "the default device",
     "GUMIHO_DTYPE": "the default dtype",
     "GUMIHO_CACHE": "the cache folder",
@@ -87,6 +88,7 @@ def report() -> dict:
             "fused_decoder": os.environ.get("GUMIHO_FUSED", "1") != "0",
             "rowlayer": rowlayer.enabled(),
             "packed_layers": os.environ.get("GUMIHO_PACK", "1") != "0",
+            "softce": softce.kernel() is not None,
             "folder": str(cache_dir() / "kernels"),
         },
         "default": {"device": str(device),
@@ -136,6 +138,7 @@ def text(facts: dict) -> str:
         f"drafters'): {_yes(kernels['rowlayer'])}",
         f"fused Llama decoder on the CPU: {_yes(kernels['fused_decoder'])}; packed CPU "
         f"layers: {_yes(kernels['packed_layers'])}",
+        f"softce.c (training's soft cross-entropy on the CPU): {_yes(kernels['softce'])}",
         f"default device and dtype: {default['device']}"
         + (f", {default['dtype']}" if default["dtype"] else "")
         + f"; `gumiho demo` on the CPU: {default['demo_on_cpu']}",

@@ -1,10 +1,19 @@
 """The fused soft cross-entropy (`gumiho.train.loss.soft_cross_entropy`) against the
 released recipe's unfused form, as whole training steps: the same online batches' forward
-and backward, one form then the other in alternating order, in one process (a shared
-machine's noise falls on both alike). The weights do not move between steps.
+and backward, each form in turn (the order alternating), in one process (a shared
+machine's noise falls on all alike). The weights do not move between steps. The forms:
+`kernel` (softce.c on a CPU, where it builds), `torch` (the fused form in torch's
+operators), `unfused` (the released recipe's).
 
     python scripts/train_loss_ab.py --precision bf16 --draft-vocab 32768 --pairs 6
+    python scripts/train_loss_ab.py --forms kernel,torch --pairs 6
     python scripts/train_loss_ab.py --device cuda --batch-size 32 --pairs 6   # a GPU
+
+`--loss-only ROWS` times the loss alone, forward and backward, on random logits of ROWS x
+the draft vocabulary (a batch's scored tokens: ~1,500 for 4 x 512): steady where whole
+steps vary with their batches by tens of percent.
+
+    python scripts/train_loss_ab.py --loss-only 1500 --forms kernel,torch,unfused --pairs 9
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 import gumiho.train.loss as loss_module
+from gumiho import softce
 from gumiho.config import TrainConfig
 from gumiho.modeling import DraftHead
 from gumiho.target import load_target
@@ -45,9 +55,64 @@ def main() -> None:
     p.add_argument("--heads-only", action="store_true")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--pairs", type=int, default=6, help="rounds, each form once a round")
+    p.add_argument("--forms", default="kernel,unfused",
+                   help="comma-separated, of kernel, torch, unfused (the first is compared "
+                        "with each other)")
+    p.add_argument("--loss-only", type=int, default=0, metavar="ROWS",
+                   help="time the loss alone on random ROWS x draft-vocabulary logits")
     args = p.parse_args()
     device = torch.device(args.device)
+    fused, built = loss_module.soft_cross_entropy, softce.kernel
+    known = {"kernel": (fused, built), "torch": (fused, lambda: None),
+             "unfused": (unfused, built)}
+    forms = {name: known[name] for name in args.forms.split(",")}
+    if "kernel" in forms and (device.type != "cpu" or built() is None):
+        p.error("--forms kernel: softce.c runs only on a CPU where it builds")
+    if args.loss_only:
+        rates = loss_only(args, device, forms)
+        unit = f"ms a loss ({args.loss_only} x {args.draft_vocab}, forward and backward)"
+    else:
+        rates = steps(args, device, forms)
+        unit = "tokens/s"
+    median = {f: statistics.median(rates[f]) for f in forms}
+    first = next(iter(forms))
+    faster = (lambda f: median[f] / median[first]) if args.loss_only else \
+        (lambda f: median[first] / median[f])
+    print(f"{device.type}, {args.precision}, batch {args.batch_size}, "
+          f"draft vocabulary {args.draft_vocab}"
+          f"{', heads only' if args.heads_only else ''}: median {unit}: "
+          + ", ".join(f"{f} {median[f]:.0f}" for f in forms) + "; "
+          + ", ".join(f"{first} against {f} {faster(f):.2f}x" for f in list(forms)[1:]))
+
+
+def loss_only(args, device: torch.device, forms: dict) -> dict[str, list[float]]:
+    """Milliseconds of one forward and backward of the loss alone, per form and round."""
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    logits = (torch.randn(args.loss_only, args.draft_vocab, generator=g) * 3).to(device, dtype)
+    probs = torch.softmax(torch.randn(args.loss_only, args.draft_vocab, generator=g) * 2,
+                          -1).to(device)
+    times: dict[str, list[float]] = {form: [] for form in forms}
+    for k in range(args.pairs + 1):  # round 0 warms up
+        for form in list(forms)[:: 1 if k % 2 == 0 else -1]:
+            function, softce.kernel = forms[form]
+            z = logits.clone().requires_grad_()
+            start = time.perf_counter()
+            (function(z, probs) * 0.1).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if k:
+                times[form].append(1e3 * (time.perf_counter() - start))
+            del z
+        if k:
+            print(f"round {k}: " + ", ".join(f"{f} {times[f][-1]:.0f} ms" for f in forms),
+                  flush=True)
+    return times
+
+
+def steps(args, device: torch.device, forms: dict) -> dict[str, list[float]]:
+    """Training tokens/s of whole steps (forward and backward), per form and round."""
 
     config = TrainConfig(method="gumiho", online=True, num_conversations=8 * args.batch_size,
                          max_len=args.max_len, batch_size=args.batch_size, grad_accum=1,
@@ -67,11 +132,9 @@ def main() -> None:
         else nullcontext()
     batches = epoch_batches([s["input_ids"].shape[0] for s in samples], args.batch_size,
                             config.seed, 0)
-    forms = {"fused": loss_module.soft_cross_entropy, "unfused": unfused}
-
     def step(index: int, form: str) -> tuple[float, float]:
         """Tokens/s of one forward and backward, and its loss."""
-        loss_module.soft_cross_entropy = forms[form]
+        loss_module.soft_cross_entropy, softce.kernel = forms[form]
         batch = collate([samples[i] for i in batches[index]])
         start = time.perf_counter()
         with autocast:
@@ -95,11 +158,7 @@ def main() -> None:
             rates[form].append(rate)
         print(f"pair {k}: " + ", ".join(f"{f} {rates[f][-1]:.0f} tokens/s (loss "
                                         f"{losses[f]:.6f})" for f in forms), flush=True)
-    fused, plain = (statistics.median(rates[f]) for f in forms)
-    print(f"{device.type}, {args.precision}, batch {args.batch_size}, "
-          f"draft vocabulary {args.draft_vocab}"
-          f"{', heads only' if args.heads_only else ''}: median tokens/s fused {fused:.0f}, "
-          f"unfused {plain:.0f}: {fused / plain:.2f}x")
+    return rates
 
 
 if __name__ == "__main__":

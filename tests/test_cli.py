@@ -66,7 +66,7 @@ def test_cli_json_end_to_end(smollm2):
 def test_env_says_which_paths_run_here(capsys, monkeypatch):
     """`gumiho env`: versions, the kernels as rowgemm.py and rowamx.py find them, the demo's
     default here, the switches set; a bad switch is reported, not raised."""
-    from gumiho import env, rowamx, rowgemm
+    from gumiho import env, rowamx, rowgemm, softce
     from gumiho.cli import main as cli
     from gumiho.demo import exact_bf16_here
 
@@ -83,6 +83,7 @@ def test_env_says_which_paths_run_here(capsys, monkeypatch):
                                                       and rowgemm.kernel().tiled)
     assert kernels["fused_decoder"] is False and facts["switches"]["GUMIHO_FUSED"] == "0"
     assert kernels["rowlayer"] is False
+    assert kernels["softce"] == (softce.kernel() is not None)
     assert facts["switches"] == {k: os.environ[k] for k in env.SWITCHES if k in os.environ}
     assert facts["default"]["demo_on_cpu"].startswith(
         "bfloat16" if exact_bf16_here(torch.device("cpu")) else "float32")

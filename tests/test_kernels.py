@@ -9,13 +9,14 @@ import pytest
 
 from gumiho import kernels
 
-pytestmark = pytest.mark.skipif(
+builds_here = pytest.mark.skipif(
     kernels.compiler() is None or platform.machine().lower() not in ("x86_64", "amd64"),
     reason="no C compiler, or not an x86 CPU (the kernels' flags are x86's)")
 
 SOURCE = "int twice(int x) { return 2 * x; }\n"
 
 
+@builds_here
 def test_the_path_follows_sources_and_flags(tmp_path, monkeypatch):
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "twice.c"
@@ -28,6 +29,7 @@ def test_the_path_follows_sources_and_flags(tmp_path, monkeypatch):
     assert kernels.library("twice", [source])[2] != first[2]  # another source
 
 
+@builds_here
 def test_a_library_is_built_once_and_loaded(tmp_path, monkeypatch):
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "twice.c"
@@ -40,6 +42,7 @@ def test_a_library_is_built_once_and_loaded(tmp_path, monkeypatch):
     assert kernels.built(found, [source], "nothing").twice(4) == 8
 
 
+@builds_here
 def test_a_source_that_does_not_compile_loads_as_none(tmp_path, monkeypatch):
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "broken.c"
@@ -50,6 +53,7 @@ def test_a_source_that_does_not_compile_loads_as_none(tmp_path, monkeypatch):
     assert kernels.built(None, [source], "nothing") is None  # no compiler: nothing to build
 
 
+@builds_here
 @pytest.mark.host
 def test_cpu_probes_answer_alike_under_another_default_device():
     """A notebook's `with torch.device("cuda"): load_target(...)`, or the GPU suite's
@@ -62,19 +66,20 @@ def test_cpu_probes_answer_alike_under_another_default_device():
 
     code = """
 import torch
-from gumiho import attention, linear, rowamx, rowgemm, rowlayer
+from gumiho import attention, linear, rowamx, rowgemm, rowlayer, softce
 
 def probes():
     gemm = rowgemm.kernel()
     return [gemm is not None, gemm is not None and gemm.can_tile, rowamx.kernel() is not None,
-            rowlayer.enabled(), *(linear.rows_independent(d) for d in (torch.float32,
+            rowlayer.enabled(), softce.kernel() is not None,
+            *(linear.rows_independent(d) for d in (torch.float32,
             torch.bfloat16)), *(attention.invariant_here(d) for d in (torch.float32,
             torch.bfloat16))]
 
 with torch.device("meta"):
     print(probes())
-for cached in (rowgemm.kernel, rowamx.kernel, rowlayer.kernel, linear.rows_independent,
-               attention.invariant_here):
+for cached in (rowgemm.kernel, rowamx.kernel, rowlayer.kernel, softce.kernel,
+               linear.rows_independent, attention.invariant_here):
     cached.cache_clear()
 print(probes())
 """
@@ -83,3 +88,21 @@ print(probes())
     assert proc.returncode == 0, proc.stderr[-3000:]
     elsewhere, here = proc.stdout.strip().splitlines()[-2:]
     assert elsewhere == here
+
+
+@pytest.mark.host
+def test_every_kernel_source_ships_in_the_package():
+    """An installed (not editable) package carries every C source and header its kernels
+    compile from: a missing one would leave its kernel unbuilt and its path silently
+    torch's."""
+    import fnmatch
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+
+    root = Path(kernels.__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text()
+                             )["tool"]["setuptools"]["package-data"]["gumiho"]
+    sources = sorted(p.name for p in (root / "gumiho").iterdir() if p.suffix in (".c", ".h"))
+    assert {"rowgemm.c", "rowlayer.c", "softce.c", "rowkernels.h"} <= set(sources)
+    assert [s for s in sources if not any(fnmatch.fnmatch(s, pat) for pat in patterns)] == []

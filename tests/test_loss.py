@@ -1,12 +1,27 @@
 """The training losses' arithmetic: the fused soft cross-entropy is the released recipe's
-`-(p * log_softmax(z)).sum(-1).mean()` in value and gradient, in pieces of any size."""
+`-(p * log_softmax(z)).sum(-1).mean()` in value and gradient, in pieces of any size, by
+torch's operators and, on a CPU, by softce.c."""
 
 import pytest
 import torch
 
+from gumiho import softce
 from gumiho.train.loss import soft_cross_entropy, soft_rows
 
 from conftest import DEVICE
+
+BUILT = DEVICE.type == "cpu" and softce.kernel() is not None
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """A test twice: as it runs here (softce.c on a CPU where it builds) and with torch's
+    operators only."""
+    if request.param == "kernel" and not BUILT:
+        pytest.skip("softce.c does not run here")
+    if request.param == "torch":
+        monkeypatch.setattr(softce, "kernel", lambda: None)
+    return request.param
 
 
 def unfused(logits, probs, index):
@@ -14,10 +29,10 @@ def unfused(logits, probs, index):
     return -(rows * torch.log_softmax(logits, -1, dtype=torch.float32)).sum(-1).mean()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 64, None])
 @pytest.mark.parametrize("indexed", [False, True])
-def test_soft_cross_entropy_is_the_unfused_form(dtype, rows, indexed):
+def test_soft_cross_entropy_is_the_unfused_form(dtype, rows, indexed, path):
     g = torch.Generator().manual_seed(rows or 0)
     m, d = 37, 1000
     logits = (torch.randn(m, d, generator=g) * 3).to(DEVICE, dtype)
@@ -34,13 +49,15 @@ def test_soft_cross_entropy_is_the_unfused_form(dtype, rows, indexed):
     (got * 2.5).backward()
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert got_z.grad.dtype == dtype
-    tolerance = 1e-7 if dtype == torch.float32 else 2 ** -8 * 1e-2  # one bf16 rounding
+    # float32, else one rounding to the dtype
+    tolerance = {torch.float32: 1e-7, torch.bfloat16: 2 ** -8 * 1e-2,
+                 torch.float16: 2 ** -11 * 1e-2}[dtype]
     torch.testing.assert_close(got_z.grad.float(), expected_z.grad.float(), rtol=1e-2,
                                atol=tolerance)
     assert torch.equal(got_z.detach(), logits)  # the logits themselves untouched
 
 
-def test_a_distribution_that_does_not_sum_to_one_keeps_its_weight():
+def test_a_distribution_that_does_not_sum_to_one_keeps_its_weight(path):
     """-sum p log q for any weights p: the gradient is softmax(z) sum(p) - p, not softmax - p."""
     logits = torch.randn(5, 40, device=DEVICE, requires_grad=True)
     probs = torch.rand(5, 40, device=DEVICE) * 0.1
@@ -59,7 +76,7 @@ def test_pieces_stay_small_on_a_cpu():
     assert soft_rows(32768, torch.device("meta")) == 4096
 
 
-def test_autocast_leaves_the_arithmetic_in_float32():
+def test_autocast_leaves_the_arithmetic_in_float32(path):
     """Under bf16 autocast (the trainer's --precision bf16) the value and gradient are those
     computed without it."""
     g = torch.Generator().manual_seed(5)
@@ -73,3 +90,90 @@ def test_autocast_leaves_the_arithmetic_in_float32():
     cast.backward()
     assert cast.dtype == torch.float32 and torch.equal(cast, plain)
     assert torch.equal(cast_z.grad, plain_z.grad)
+
+
+@pytest.mark.host
+def test_the_kernel_builds_on_an_x86_cpu_with_a_compiler():
+    """Where it can build (x86 with AVX2, a C compiler, not switched off), it builds and
+    passes its own check, so a broken kernel fails here rather than quietly giving way."""
+    import os
+    import platform
+
+    from gumiho import kernels
+
+    if DEVICE.type != "cpu" or kernels.compiler() is None \
+            or os.environ.get("GUMIHO_SOFTCE") == "0" \
+            or platform.machine().lower() not in ("x86_64", "amd64") \
+            or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("softce.c cannot build here")
+    assert softce.kernel() is not None
+
+
+@pytest.mark.host
+def test_the_kernel_runs_on_a_cpu_where_it_builds(path):
+    """Where softce.c builds, a CPU loss is its (so the tests above check it); with it off,
+    torch's."""
+    z, p = torch.randn(3, 16), torch.softmax(torch.randn(3, 16), -1)
+    assert softce.takes(z, p, None) == (path == "kernel")
+    assert softce.takes(z.bfloat16(), p, torch.tensor([0, 2, 1])) == (path == "kernel")
+    assert not softce.takes(z, p.bfloat16(), None)  # distributions are float32
+
+
+@pytest.mark.host
+def test_logits_far_below_the_top_and_wide_rows(path):
+    """A 32,768-token row (a draft vocabulary) with logits 1000 below its top: their exp
+    is 0 to float32 (the kernel's ~1e-38), the gradient -p there."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 32768, generator=g) * 4
+    logits[:, ::7] -= 1000
+    probs = torch.softmax(torch.randn(4, 32768, generator=g) * 3, -1)
+    got_z, expected_z = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got, expected = soft_cross_entropy(got_z, probs), unfused(expected_z, probs, None)
+    got.backward()
+    expected.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_z.grad, expected_z.grad, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernels_16_bit_gradient_is_its_float32_one_rounded_once(dtype):
+    """softce.c widens 16-bit logits exactly and rounds the gradient once, to nearest: the
+    float32 gradient of the same values, rounded, bit for bit (a 32,768-token row, ties
+    included)."""
+    if not BUILT:
+        pytest.skip("softce.c does not run here")
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(5, 32768, generator=g) * 4).to(dtype)
+    probs = torch.softmax(torch.randn(5, 32768, generator=g) * 3, -1)
+    short, wide = torch.empty(5, 32768, dtype=dtype), torch.empty(5, 32768)
+    softce.loss_and_grad(logits, probs, None, short)
+    softce.loss_and_grad(logits.float(), probs, None, wide)
+    assert torch.equal(short, wide.to(dtype))
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backward_hands_on_its_gradient_once(path, dtype):
+    """The backward scales the kept gradient in place (rounded once, as torch's
+    `grad * factor`) and hands it on; a second backward says so rather than reuse it."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(7, 203, generator=g) * 3).to(dtype).requires_grad_()
+    probs = torch.softmax(torch.randn(7, 203, generator=g), -1)
+    with torch.no_grad():  # the kept gradient, unscaled: the weight 7 undoes the mean
+        raw = logits.clone().requires_grad_()
+    soft_cross_entropy(raw, probs).backward(torch.tensor(7.0))
+    weight = torch.tensor(0.0871)
+    loss = soft_cross_entropy(logits, probs) * weight
+    loss.backward(retain_graph=True)
+    assert torch.equal(logits.grad, raw.grad * (weight / 7))
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
+def test_an_index_outside_the_distributions_is_refused(path):
+    """An index past the distributions' rows raises (softce.c would read past them)."""
+    logits = torch.randn(3, 16, device=DEVICE)
+    probs = torch.softmax(torch.randn(4, 16, device=DEVICE), -1)
+    with pytest.raises((IndexError, RuntimeError)):
+        soft_cross_entropy(logits, probs, torch.tensor([0, 4, 1], device=DEVICE))

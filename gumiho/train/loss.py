@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gumiho import softce
 from gumiho.modeling.vocab import DraftHead
 
 ARGMAX_CHUNK = 256  # rows of full-vocabulary logits at a time (bounds memory)
@@ -80,33 +81,43 @@ class TargetDistributions:
 
 
 def soft_rows(vocab: int, device: torch.device) -> int:
-    """Rows of vocabulary-wide logits `soft_cross_entropy` takes at a time: on a CPU about
-    1 MB of float32 per piece, so each piece's intermediates stay in the core's cache (the
-    unfused loss streamed five (M, D) float32 tensors through memory: most of a CPU
-    training step's time); on a GPU, pieces of up to 512 MiB, to bound memory only."""
+    """Rows of vocabulary-wide logits `soft_cross_entropy` takes at a time in torch's
+    operators: on a CPU (where softce.c does not run) about 1 MB of float32 per piece, so
+    each piece's intermediates stay in the core's cache (the unfused loss streamed five
+    (M, D) float32 tensors through memory: most of a CPU training step's time); on a GPU,
+    pieces of up to 512 MiB, to bound memory only."""
     budget = 2 ** 18 if device.type == "cpu" else 2 ** 27
     return max(1, budget // max(vocab, 1))
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """mean_m -sum_v p[m, v] log_softmax(z[m])[v], a piece of rows at a time. The gradient,
-    dL/dz = (softmax(z) sum_v p - p) / M, is made in the same pass as the value (one exp per
-    logit) and kept in the logits' dtype; the backward only scales it."""
+    """mean_m -sum_v p[m, v] log_softmax(z[m])[v], a piece of rows at a time (on a CPU a
+    row at a time in C, softce.c). The gradient, dL/dz = (softmax(z) sum_v p - p) / M, is
+    made in the same pass as the value (one exp per logit) and kept in the logits' dtype;
+    the backward scales it in place and hands it on (no second (M, D) tensor: on a CPU a
+    fresh one costs its pages' zeroing), so it can run once (as without retain_graph)."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, probs: Tensor, index: Tensor | None, rows: int):
-        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
-        with torch.autocast(logits.device.type, enabled=False):  # float32 within
-            total = _pieces(logits, probs, index, rows, grad)
-        ctx.save_for_backward(grad)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) \
+            if ctx.needs_input_grad[0] else None
+        if softce.takes(logits, probs, index):  # a CPU: one C pass a row (softce.c)
+            total = softce.loss_and_grad(logits, probs, index, grad).sum()
+        else:
+            with torch.autocast(logits.device.type, enabled=False):  # float32 within
+                total = _pieces(logits, probs, index, rows, grad)
+        ctx.grad = grad  # an intermediate, not an input or output: kept on ctx itself
         ctx.rows_total = max(logits.shape[0], 1)
         return total / ctx.rows_total
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        (grad,) = ctx.saved_tensors
+        grad, ctx.grad = ctx.grad, None
+        if grad is None:
+            raise RuntimeError("soft_cross_entropy: backward a second time (its gradient "
+                               "was handed on the first time; retain_graph does not keep it)")
         # a float32 0-dim factor: a bf16 gradient is scaled in float32, then rounded once
-        return grad * (grad_output.float() / ctx.rows_total), None, None, None
+        return grad.mul_(grad_output.float() / ctx.rows_total), None, None, None
 
 
 def _pieces(logits: Tensor, probs: Tensor, index: Tensor | None, rows: int,
@@ -142,7 +153,8 @@ def soft_cross_entropy(logits: Tensor, probs: Tensor, index: Tensor | None = Non
     `index[m]` belonging to logits row m (row m itself for no index). Equal to
     `-(probs[index] * torch.log_softmax(logits, -1, dtype=torch.float32)).sum(-1).mean()`
     to float32 rounding, in value and gradient (this within two roundings to the logits' dtype),
-    without that form's (M, D) float32 intermediates (`soft_rows`: the pieces it works in)."""
+    without that form's (M, D) float32 intermediates: on a CPU a row at a time in C
+    (softce.c, where it builds), else in pieces of `rows` rows (default `soft_rows`)."""
     if rows is None:
         rows = soft_rows(logits.shape[-1], logits.device)
     return _SoftCrossEntropy.apply(logits, probs, index, rows)
