@@ -104,9 +104,12 @@ def loss_and_grad(logits: Tensor, probs: Tensor, index: Tensor | None, grad: Ten
     """Per-row -sum_v p log_softmax(z) (M,) float32 for inputs `takes` accepts, writing
     softmax(z) sum_v p - p into `grad` (M, D, the logits' dtype, contiguous) when given."""
     logits, probs = logits.contiguous(), probs.contiguous()
-    if index is not None:
+    if index is not None:  # checked here: the C code would read past either tensor
         index = index.to(torch.int64).contiguous()
-        if index.numel() and not (0 <= int(index.min()) and int(index.max()) < probs.shape[0]):
+        if index.shape != logits.shape[:1]:
+            raise ValueError(f"soft_cross_entropy: {logits.shape[0]} rows of logits, an index "
+                             f"of shape {tuple(index.shape)}")
+        if not (0 <= int(index.min()) and int(index.max()) < probs.shape[0]):
             raise IndexError(f"soft_cross_entropy: an index outside 0..{probs.shape[0] - 1}")
     rows, vocab = logits.shape
     losses = torch.empty(rows, dtype=torch.float32)

@@ -84,6 +84,12 @@ def main() -> None:
           f"{', heads only' if args.heads_only else ''}: median {unit}: "
           + ", ".join(f"{f} {median[f]:.0f}" for f in forms) + "; "
           + ", ".join(f"{first} against {f} {faster(f):.2f}x" for f in list(forms)[1:]))
+    # each round's own ratio, then their median: the machine's drift falls out of it
+    rounds = {f: statistics.median((b / a) if args.loss_only else (a / b) for a, b in
+                                   zip(rates[first], rates[f], strict=True))
+              for f in list(forms)[1:]}
+    print("median of the rounds' ratios: " + ", ".join(
+        f"{first} against {f} {ratio:.2f}x" for f, ratio in rounds.items()))
 
 
 def loss_only(args, device: torch.device, forms: dict) -> dict[str, list[float]]:

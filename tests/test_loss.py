@@ -172,8 +172,11 @@ def test_the_backward_hands_on_its_gradient_once(path, dtype):
 
 
 def test_an_index_outside_the_distributions_is_refused(path):
-    """An index past the distributions' rows raises (softce.c would read past them)."""
+    """An index past the distributions' rows, or shorter than the logits, raises (softce.c
+    would read past them)."""
     logits = torch.randn(3, 16, device=DEVICE)
     probs = torch.softmax(torch.randn(4, 16, device=DEVICE), -1)
     with pytest.raises((IndexError, RuntimeError)):
         soft_cross_entropy(logits, probs, torch.tensor([0, 4, 1], device=DEVICE))
+    with pytest.raises((ValueError, RuntimeError)):  # fewer index rows than logits
+        soft_cross_entropy(logits, probs, torch.tensor([0, 1], device=DEVICE))
