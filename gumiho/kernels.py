@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -41,6 +42,13 @@ def openmp_flags() -> list[str]:
     if not (lib / "libgomp.so.1").exists():
         return []
     return ["-fopenmp", f"-L{lib}", f"-Wl,-rpath,{lib}"]
+
+
+def avx2_cpu() -> bool:
+    """An x86 CPU whose code torch runs at AVX2 or AVX-512 (what the kernels' flags need;
+    `ATEN_CPU_CAPABILITY=default` says no too)."""
+    return (platform.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 
 def compiler() -> str | None:

@@ -67,7 +67,6 @@ import ctypes
 import functools
 import logging
 import os
-import platform
 from pathlib import Path
 
 import torch
@@ -123,8 +122,7 @@ def _library() -> tuple[str, list[str], Path] | None:
     """(compiler, flags, the built library's path) where the kernel can run here."""
     if os.environ.get("GUMIHO_ROWGEMM", "1") == "0":
         return None
-    if platform.machine().lower() not in ("x86_64", "amd64") or \
-            torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if not kernels.avx2_cpu():
         return None
     found = kernels.library("rowgemm", SOURCES)
     if found is None:

@@ -19,7 +19,6 @@ import ctypes
 import functools
 import logging
 import os
-import platform
 from pathlib import Path
 
 import torch
@@ -35,10 +34,7 @@ SOURCE = Path(__file__).with_name("softce.c")
 
 def _library() -> tuple[str, list[str], Path] | None:
     """(compiler, flags, the built library's path) where the kernel can run here."""
-    if os.environ.get("GUMIHO_SOFTCE", "1") == "0":
-        return None
-    if platform.machine().lower() not in ("x86_64", "amd64") or \
-            torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if os.environ.get("GUMIHO_SOFTCE", "1") == "0" or not kernels.avx2_cpu():
         return None
     return kernels.library("softce", [SOURCE])
 
@@ -112,7 +108,7 @@ def loss_and_grad(logits: Tensor, probs: Tensor, index: Tensor | None, grad: Ten
         if not (0 <= int(index.min()) and int(index.max()) < probs.shape[0]):
             raise IndexError(f"soft_cross_entropy: an index outside 0..{probs.shape[0] - 1}")
     rows, vocab = logits.shape
-    losses = torch.empty(rows, dtype=torch.float32)
+    losses = torch.empty(rows, dtype=torch.float32, device="cpu")  # whatever the default
     failed = kernel().softce(logits.data_ptr(), KINDS[logits.dtype], probs.data_ptr(),
                              None if index is None else index.data_ptr(),
                              None if grad is None else grad.data_ptr(), losses.data_ptr(),
