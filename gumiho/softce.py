@@ -107,6 +107,10 @@ def loss_and_grad(logits: Tensor, probs: Tensor, index: Tensor | None, grad: Ten
                              f"of shape {tuple(index.shape)}")
         if not (0 <= int(index.min()) and int(index.max()) < probs.shape[0]):
             raise IndexError(f"soft_cross_entropy: an index outside 0..{probs.shape[0] - 1}")
+    if grad is not None and (grad.shape != logits.shape or grad.dtype != logits.dtype
+                             or grad.device.type != "cpu" or not grad.is_contiguous()):
+        raise ValueError("softce: the gradient must be a contiguous CPU tensor of the "
+                         "logits' shape and dtype")
     rows, vocab = logits.shape
     losses = torch.empty(rows, dtype=torch.float32, device="cpu")  # whatever the default
     failed = kernel().softce(logits.data_ptr(), KINDS[logits.dtype], probs.data_ptr(),

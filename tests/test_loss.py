@@ -177,3 +177,17 @@ def test_an_index_outside_the_distributions_is_refused(path):
         soft_cross_entropy(logits, probs, torch.tensor([0, 4, 1], device=DEVICE))
     with pytest.raises((ValueError, RuntimeError)):  # fewer index rows than logits
         soft_cross_entropy(logits, probs, torch.tensor([0, 1], device=DEVICE))
+
+
+@pytest.mark.host
+def test_the_kernel_refuses_a_gradient_it_cannot_write():
+    """softce.loss_and_grad writes the gradient through a raw pointer: one of another shape,
+    dtype or layout is refused before the C call."""
+    if not BUILT:
+        pytest.skip("softce.c does not run here")
+    logits = torch.randn(4, 24)
+    probs = torch.softmax(torch.randn(4, 24), -1)
+    for wrong in (torch.empty(3, 24), torch.empty(4, 24, dtype=torch.bfloat16),
+                  torch.empty(24, 4).T):
+        with pytest.raises(ValueError, match="gradient"):
+            softce.loss_and_grad(logits, probs, None, wrong)
