@@ -191,3 +191,26 @@ def test_the_kernel_refuses_a_gradient_it_cannot_write():
                   torch.empty(24, 4).T):
         with pytest.raises(ValueError, match="gradient"):
             softce.loss_and_grad(logits, probs, None, wrong)
+
+
+@pytest.mark.host
+def test_the_loss_ab_script_runs_its_loss_only_mode(capsys):
+    """scripts/train_loss_ab.py --loss-only (how the forms are timed against each other)
+    runs every form and prints the medians and the rounds' ratios."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        import train_loss_ab
+    finally:
+        sys.path.pop(0)
+    forms = "kernel,torch,unfused" if BUILT else "torch,unfused"
+    train_loss_ab.main(["--loss-only", "6", "--draft-vocab", "40", "--pairs", "2",
+                        "--forms", forms, "--precision", "fp32"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4 and lines[0].startswith("round 1:")
+    assert "median ms a loss (6 x 40" in lines[2]
+    assert lines[3].startswith("median of the rounds' ratios:")
+    assert train_loss_ab.loss_module.soft_cross_entropy is soft_cross_entropy  # put back
+    assert (softce.kernel() is not None) == BUILT
