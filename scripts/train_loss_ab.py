@@ -56,9 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--pairs", type=int, default=6, help="rounds, each form once a round")
-    p.add_argument("--forms", default="kernel,unfused",
+    p.add_argument("--forms", default=None,
                    help="comma-separated, of kernel, torch, unfused (the first is compared "
-                        "with each other)")
+                        "with each other; default: kernel,unfused where softce.c runs, else "
+                        "torch,unfused)")
     p.add_argument("--loss-only", type=int, default=0, metavar="ROWS",
                    help="time the loss alone on random ROWS x draft-vocabulary logits")
     args = p.parse_args(argv)
@@ -66,8 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     fused, built = loss_module.soft_cross_entropy, softce.kernel
     known = {"kernel": (fused, built), "torch": (fused, lambda: None),
              "unfused": (unfused, built)}
-    forms = {name: known[name] for name in args.forms.split(",")}
-    if "kernel" in forms and (device.type != "cpu" or built() is None):
+    runs_here = device.type == "cpu" and built() is not None
+    chosen = args.forms or ("kernel,unfused" if runs_here else "torch,unfused")
+    forms = {name: known[name] for name in chosen.split(",")}
+    if "kernel" in forms and not runs_here:
         p.error("--forms kernel: softce.c runs only on a CPU where it builds")
     try:  # each form swaps the module's loss and kernel in; the originals come back after
         if args.loss_only:
@@ -122,7 +125,6 @@ def loss_only(args, device: torch.device, forms: dict) -> dict[str, list[float]]
 
 def steps(args, device: torch.device, forms: dict) -> dict[str, list[float]]:
     """Training tokens/s of whole steps (forward and backward), per form and round."""
-
     config = TrainConfig(method="gumiho", online=True, num_conversations=8 * args.batch_size,
                          max_len=args.max_len, batch_size=args.batch_size, grad_accum=1,
                          draft_vocab=args.draft_vocab, init_from=args.init,
@@ -141,6 +143,7 @@ def steps(args, device: torch.device, forms: dict) -> dict[str, list[float]]:
         else nullcontext()
     batches = epoch_batches([s["input_ids"].shape[0] for s in samples], args.batch_size,
                             config.seed, 0)
+
     def step(index: int, form: str) -> tuple[float, float]:
         """Tokens/s of one forward and backward, and its loss."""
         loss_module.soft_cross_entropy, softce.kernel = forms[form]
