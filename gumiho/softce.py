@@ -64,8 +64,8 @@ def _works(lib) -> bool:
     p = torch.softmax(torch.randn(5, 37, generator=g), -1)
     index = torch.tensor([4, 0, 2])
     losses, grad = torch.empty(3), torch.empty(3, 37)
-    if lib.softce(z.data_ptr(), 0, p.data_ptr(), index.data_ptr(), grad.data_ptr(),
-                  losses.data_ptr(), 3, 37):
+    if lib.softce(z.data_ptr(), KINDS[torch.float32], p.data_ptr(), index.data_ptr(),
+                  grad.data_ptr(), losses.data_ptr(), 3, 37):
         return False
     chosen = p[index]
     expected = -(chosen * torch.log_softmax(z, -1)).sum(-1)
@@ -77,8 +77,8 @@ def _works(lib) -> bool:
     values = wide.float()
     lib.softce(wide.data_ptr(), KINDS[torch.bfloat16], p.data_ptr(), index.data_ptr(),
                short.data_ptr(), again.data_ptr(), 3, 37)
-    lib.softce(values.data_ptr(), 0, p.data_ptr(), index.data_ptr(), exact.data_ptr(),
-               again.data_ptr(), 3, 37)
+    lib.softce(values.data_ptr(), KINDS[torch.float32], p.data_ptr(), index.data_ptr(),
+               exact.data_ptr(), again.data_ptr(), 3, 37)
     return (torch.allclose(losses, expected, rtol=1e-5, atol=1e-6)
             and torch.allclose(grad, want, rtol=1e-5, atol=1e-7)
             and torch.equal(short, exact.bfloat16()))
