@@ -13,7 +13,7 @@ SUBCOMMANDS = {
     "interleave": "gumiho.evaluation.interleave",
     "speed": "gumiho.evaluation.speed",
     "allocation": "gumiho.ge_data.allocation",
-    "train": "gumiho.train",
+    "train": "gumiho.train.__main__",
     "export": "gumiho.export",
     "env": "gumiho.env",
 }

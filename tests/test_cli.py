@@ -63,6 +63,20 @@ def test_cli_json_end_to_end(smollm2):
     assert result["token_ids"] == ref[0, len(ids):].tolist()[: result["new_tokens"]]
 
 
+@pytest.mark.host
+def test_every_subcommand_runs_its_module(capsys):
+    """`gumiho SUBCOMMAND --help` reaches each module's own `main` (a package name, as
+    `gumiho.train` once was, has none: `gumiho train` raised AttributeError)."""
+    from gumiho.cli import SUBCOMMANDS
+    from gumiho.cli import main as cli
+
+    for name in SUBCOMMANDS:
+        with pytest.raises(SystemExit) as done:
+            cli([name, "--help"])
+        assert done.value.code == 0, name
+        assert capsys.readouterr().out.startswith("usage:"), name
+
+
 def test_env_says_which_paths_run_here(capsys, monkeypatch):
     """`gumiho env`: versions, the kernels as rowgemm.py and rowamx.py find them, the demo's
     default here, the switches set; a bad switch is reported, not raised."""
