@@ -1,19 +1,23 @@
-"""The fused soft cross-entropy (`gumiho.train.loss.soft_cross_entropy`) against the
-released recipe's unfused form, as whole training steps: the same online batches' forward
-and backward, each form in turn (the order alternating), in one process (a shared
-machine's noise falls on all alike). The weights do not move between steps. The forms:
-`kernel` (softce.c on a CPU, where it builds), `torch` (the fused form in torch's
-operators), `unfused` (the released recipe's).
+"""The training loss's forms against each other, as whole training steps: the same online
+batches' forward and backward, each form in turn (the order alternating), in one process (a
+shared machine's noise falls on all alike). The weights do not move between steps. The
+forms, each the head's product and the soft cross-entropy: `head` (the product inside the
+loss, a piece of rows at a time: `gumiho.train.loss.head_soft_cross_entropy`, softce.c
+within on a CPU where it builds), `kernel` (the product, then softce.c), `torch` (the
+product, then the fused loss in torch's operators), `unfused` (the product, then the
+released recipe's form).
 
     python scripts/train_loss_ab.py --precision bf16 --draft-vocab 32768 --pairs 6
-    python scripts/train_loss_ab.py --forms kernel,torch --pairs 6
+    python scripts/train_loss_ab.py --forms head,kernel --pairs 6
     python scripts/train_loss_ab.py --device cuda --batch-size 32 --pairs 6   # a GPU
 
-`--loss-only ROWS` times the loss alone, forward and backward, on random logits of ROWS x
-the draft vocabulary (a batch's scored tokens: ~1,500 for 4 x 512): steady where whole
-steps vary with their batches by tens of percent.
+`--loss-only ROWS` times the product and the loss alone, forward and backward, on random
+hidden states of ROWS x 576 and a random head over the draft vocabulary (ROWS: a batch's
+scored tokens, ~1,500 for 4 x 512): steady where whole steps vary with their batches by tens
+of percent. On a GPU it also prints each form's peak memory. (Before the `head` form, in
+session 48, this mode timed the loss alone on random logits, without the product.)
 
-    python scripts/train_loss_ab.py --loss-only 1500 --forms kernel,torch,unfused --pairs 9
+    python scripts/train_loss_ab.py --loss-only 1500 --forms head,kernel,torch,unfused --pairs 9
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from gumiho.config import TrainConfig
 from gumiho.modeling import DraftHead
 from gumiho.target import load_target
 from gumiho.train.dataset import collate, epoch_batches, online_samples
-from gumiho.train.loss import LossWeights
+from gumiho.train.loss import LossWeights, top1
 from gumiho.train.start import new_model
 from gumiho.train.step import batch_loss
 
@@ -44,6 +48,14 @@ def unfused(logits, probs, index=None, rows=None):
     """The released recipe's form: float32 (M, D) intermediates, kept for the backward."""
     chosen = probs if index is None else probs[index]
     return -(chosen * torch.log_softmax(logits, -1, dtype=torch.float32)).sum(-1).mean()
+
+
+def separate(hidden, head, probs, index=None, rows=None, want_top1=False):
+    """The head's product, then the module's `soft_cross_entropy` (whichever form is
+    swapped in): what the trainer did before `head_soft_cross_entropy`."""
+    logits = head.logits(hidden, packed=False)
+    loss = loss_module.soft_cross_entropy(logits, probs, index)
+    return loss, (top1(logits.detach()) if want_top1 else None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,22 +69,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--pairs", type=int, default=6, help="rounds, each form once a round")
     p.add_argument("--forms", default=None,
-                   help="comma-separated, of kernel, torch, unfused (the first is compared "
-                        "with each other; default: kernel,unfused where softce.c runs, else "
-                        "torch,unfused)")
+                   help="comma-separated, of head, kernel, torch, unfused (the first is "
+                        "compared with each other; default: head,kernel,unfused where "
+                        "softce.c runs, else head,torch,unfused)")
     p.add_argument("--loss-only", type=int, default=0, metavar="ROWS",
-                   help="time the loss alone on random ROWS x draft-vocabulary logits")
+                   help="time the product and the loss alone on random ROWS x 576 hidden "
+                        "states")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    fused, built = loss_module.soft_cross_entropy, softce.kernel
-    known = {"kernel": (fused, built), "torch": (fused, lambda: None),
-             "unfused": (unfused, built)}
+    original = (loss_module.head_soft_cross_entropy, loss_module.soft_cross_entropy,
+                softce.kernel)
+    inside, fused, built = original
+    known = {"head": (inside, fused, built), "kernel": (separate, fused, built),
+             "torch": (separate, fused, lambda: None), "unfused": (separate, unfused, built)}
     runs_here = device.type == "cpu" and built() is not None
-    chosen = args.forms or ("kernel,unfused" if runs_here else "torch,unfused")
+    chosen = args.forms or ("head,kernel,unfused" if runs_here else "head,torch,unfused")
     forms = {name: known[name] for name in chosen.split(",")}
     if "kernel" in forms and not runs_here:
         p.error("--forms kernel: softce.c runs only on a CPU where it builds")
-    try:  # each form swaps the module's loss and kernel in; the originals come back after
+    try:  # each form swaps the module's functions in; the originals come back after
         if args.loss_only:
             rates = loss_only(args, device, forms)
             unit = f"ms a loss ({args.loss_only} x {args.draft_vocab}, forward and backward)"
@@ -80,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             rates = steps(args, device, forms)
             unit = "tokens/s"
     finally:
-        loss_module.soft_cross_entropy, softce.kernel = fused, built
+        use(original)
     median = {f: statistics.median(rates[f]) for f in forms}
     first = next(iter(forms))
     faster = (lambda f: median[f] / median[first]) if args.loss_only else \
@@ -98,28 +113,52 @@ def main(argv: list[str] | None = None) -> None:
         f"{first} against {f} {ratio:.2f}x" for f, ratio in rounds.items()))
 
 
+def use(form: tuple) -> None:
+    """Swap a form's functions into the loss module and softce."""
+    (loss_module.head_soft_cross_entropy, loss_module.soft_cross_entropy,
+     softce.kernel) = form
+
+
 def loss_only(args, device: torch.device, forms: dict) -> dict[str, list[float]]:
-    """Milliseconds of one forward and backward of the loss alone, per form and round."""
+    """Milliseconds of one forward and backward of the product and the loss alone, per form
+    and round (and on a GPU each form's peak memory)."""
     g = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    logits = (torch.randn(args.loss_only, args.draft_vocab, generator=g) * 3).to(device, dtype)
+    width = 576  # SmolLM2's
+    lm_head = torch.nn.Linear(width, args.draft_vocab, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(args.draft_vocab, width, generator=g) * 0.3)
+    head = DraftHead(lm_head.to(device, dtype))
+    hidden = torch.randn(args.loss_only, width, generator=g).to(device)
     probs = torch.softmax(torch.randn(args.loss_only, args.draft_vocab, generator=g) * 2,
                           -1).to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype != torch.float32)
     times: dict[str, list[float]] = {form: [] for form in forms}
+    peaks: dict[str, float] = {}
     for k in range(args.pairs + 1):  # round 0 warms up
         for form in list(forms)[:: 1 if k % 2 == 0 else -1]:
-            function, softce.kernel = forms[form]
-            z = logits.clone().requires_grad_()
-            start = time.perf_counter()
-            (function(z, probs) * 0.1).backward()
+            use(forms[form])
+            h = hidden.clone().requires_grad_()
             if device.type == "cuda":
                 torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            with autocast:
+                loss, _ = loss_module.head_soft_cross_entropy(h, head, probs)
+            (loss * 0.1).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                peaks[form] = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
             if k:
                 times[form].append(1e3 * (time.perf_counter() - start))
-            del z
+            del h
         if k:
             print(f"round {k}: " + ", ".join(f"{f} {times[f][-1]:.0f} ms" for f in forms),
                   flush=True)
+    if peaks:
+        print("peak memory above the inputs: " + ", ".join(f"{f} {peaks[f]:.0f} MiB"
+                                                          for f in forms))
     return times
 
 
@@ -146,7 +185,7 @@ def steps(args, device: torch.device, forms: dict) -> dict[str, list[float]]:
 
     def step(index: int, form: str) -> tuple[float, float]:
         """Tokens/s of one forward and backward, and its loss."""
-        loss_module.soft_cross_entropy, softce.kernel = forms[form]
+        use(forms[form])
         batch = collate([samples[i] for i in batches[index]])
         start = time.perf_counter()
         with autocast:

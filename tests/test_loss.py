@@ -1,12 +1,20 @@
 """The training losses' arithmetic: the fused soft cross-entropy is the released recipe's
 `-(p * log_softmax(z)).sum(-1).mean()` in value and gradient, in pieces of any size, by
-torch's operators and, on a CPU, by softce.c."""
+torch's operators and, on a CPU, by softce.c; with the head's product inside it
+(`head_soft_cross_entropy`), the same as the product followed by the loss."""
 
 import pytest
 import torch
 
 from gumiho import softce
-from gumiho.train.loss import soft_cross_entropy, soft_rows
+from gumiho.modeling import DraftHead
+from gumiho.train.loss import (
+    head_rows,
+    head_soft_cross_entropy,
+    soft_cross_entropy,
+    soft_rows,
+    top1,
+)
 
 from conftest import DEVICE
 
@@ -205,7 +213,7 @@ def test_the_loss_ab_script_runs_its_loss_only_mode(capsys):
         import train_loss_ab
     finally:
         sys.path.pop(0)
-    forms = "kernel,torch,unfused" if BUILT else "torch,unfused"
+    forms = "head,kernel,torch,unfused" if BUILT else "head,torch,unfused"
     train_loss_ab.main(["--loss-only", "6", "--draft-vocab", "40", "--pairs", "2",
                         "--forms", forms, "--precision", "fp32"])
     lines = capsys.readouterr().out.strip().splitlines()
@@ -213,4 +221,85 @@ def test_the_loss_ab_script_runs_its_loss_only_mode(capsys):
     assert "median ms a loss (6 x 40" in lines[2]
     assert lines[3].startswith("median of the rounds' ratios:")
     assert train_loss_ab.loss_module.soft_cross_entropy is soft_cross_entropy  # put back
+    assert train_loss_ab.loss_module.head_soft_cross_entropy is head_soft_cross_entropy
     assert (softce.kernel() is not None) == BUILT
+
+
+def random_head(vocab: int, hidden: int, seed: int, softcap: float | None = None,
+                bias: bool = False, dtype: torch.dtype = torch.float32) -> DraftHead:
+    g = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(hidden, vocab, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(vocab, hidden, generator=g) * hidden ** -0.5)
+        if bias:
+            linear.bias.copy_(torch.randn(vocab, generator=g))
+    return DraftHead(linear.to(DEVICE, dtype), softcap=softcap)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5, None])
+@pytest.mark.parametrize("indexed", [False, True])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_the_head_inside_the_loss_is_the_product_then_the_loss(precision, rows, indexed,
+                                                               softcap, path):
+    """head_soft_cross_entropy(h, head, ...) against soft_cross_entropy(head(h), ...) with the
+    gradient through the product, in float32 and under bf16 autocast (the trainer's two
+    precisions), in pieces of any size, with a softcap (Gemma's) and the logits' argmax."""
+    g = torch.Generator().manual_seed(11 + (rows or 0))
+    m, hidden, vocab = 23, 48, 700
+    head = random_head(vocab, hidden, 2, softcap, bias=indexed)
+    h = torch.randn(m, hidden, generator=g).to(DEVICE)
+    probs = torch.softmax(torch.randn(m + 9 if indexed else m, vocab, generator=g) * 2, -1
+                          ).to(DEVICE)
+    index = torch.randperm(m + 9, generator=g)[:m].to(DEVICE) if indexed else None
+    cast = torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    expected_h, got_h = h.clone().requires_grad_(), h.clone().requires_grad_()
+    with cast:
+        expected = soft_cross_entropy(head.logits(expected_h, packed=False), probs, index)
+        got, top = head_soft_cross_entropy(got_h, head, probs, index, rows, want_top1=True)
+    (expected * 1.7).backward()
+    (got * 1.7).backward()
+    assert got.dtype == torch.float32 and got_h.grad.dtype == h.dtype
+    # bf16 products of a piece's rows and of all rows may round apart
+    torch.testing.assert_close(got, expected, rtol=1e-6 if precision == "fp32" else 1e-4,
+                               atol=1e-6)
+    with cast, torch.no_grad():  # the argmax of the logits each piece made
+        pieces = h.split(rows or head_rows(vocab, DEVICE))
+        assert torch.equal(top, torch.cat([top1(head.logits(part, packed=False))
+                                           for part in pieces]))
+    # float32 to its rounding; under autocast the product of a bf16 gradient, rounded again
+    tolerance = dict(rtol=1e-4, atol=1e-7) if precision == "fp32" else \
+        dict(rtol=2e-2, atol=1e-4)
+    torch.testing.assert_close(got_h.grad, expected_h.grad, **tolerance)
+    assert got_h.grad.abs().sum() > 0
+
+
+def test_the_head_inside_the_loss_hands_on_its_gradient_once(path):
+    head = random_head(50, 8, 3)
+    h = torch.randn(6, 8, device=DEVICE, requires_grad=True)
+    probs = torch.softmax(torch.randn(6, 50, device=DEVICE), -1)
+    loss, top = head_soft_cross_entropy(h, head, probs, rows=4)
+    assert top is None
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
+def test_the_head_inside_the_loss_without_a_gradient(path):
+    """With no gradient to make (evaluation, a frozen input), the value and argmax alone."""
+    head = random_head(64, 8, 4)
+    h = torch.randn(9, 8, device=DEVICE)
+    probs = torch.softmax(torch.randn(9, 64, device=DEVICE), -1)
+    loss, top = head_soft_cross_entropy(h, head, probs, rows=2, want_top1=True)
+    torch.testing.assert_close(loss, soft_cross_entropy(head.logits(h, packed=False), probs))
+    assert torch.equal(top, top1(head.logits(h, packed=False)))
+
+
+@pytest.mark.host
+def test_the_head_pieces_are_bounded():
+    """About 32M logits a piece on a CPU (each piece reads the head's weight again), 2^27 on
+    a GPU: a (M, D) tensor is never made for a large batch."""
+    assert head_rows(32768, torch.device("cpu")) == 1024
+    assert head_rows(262_144, torch.device("cpu")) == 128
+    assert head_rows(128_256, torch.device("meta")) == 1046
+    assert head_rows(2 ** 30, torch.device("cpu")) == 1

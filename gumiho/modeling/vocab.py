@@ -95,8 +95,13 @@ class DraftHead:
         return self.weight.shape[0]
 
     def __call__(self, hidden: Tensor) -> Tensor:
+        return self.logits(hidden)
+
+    def logits(self, hidden: Tensor, packed: bool = True) -> Tensor:
+        """The logits over the draft vocabulary; `packed=False` computes them as a product
+        a gradient flows through does (not from the packed bf16 copy)."""
         return softcap(vocab_linear(hidden.to(self.weight.dtype), self.weight, self.bias,
-                                    self.packed), self.softcap)
+                                    self.packed if packed else None), self.softcap)
 
     def to_target(self, indices: Tensor) -> Tensor:
         return indices if self.ids is None else self.ids[indices]

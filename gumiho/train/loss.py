@@ -160,6 +160,86 @@ def soft_cross_entropy(logits: Tensor, probs: Tensor, index: Tensor | None = Non
     return _SoftCrossEntropy.apply(logits, probs, index, rows)
 
 
+class _HeadSoftCrossEntropy(torch.autograd.Function):
+    """soft_cross_entropy(head(hidden), ...) with the head's (frozen) product inside: a
+    piece of rows at a time it makes the piece's logits, their loss and gradient, and the
+    gradient's product with the head's weight, so what the backward keeps is dL/dhidden
+    (M, H), not a (M, D) gradient a loss term (on a GPU at a full vocabulary, gigabytes
+    each). The idea of never holding a vocabulary-wide tensor for all rows at once is the
+    "cut cross-entropy" of Wijmans et al. (2024) and Liger-Kernel's fused linear
+    cross-entropy; here the head is frozen, so no weight gradient is made."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, head: DraftHead, probs: Tensor, index: Tensor | None,
+                rows: int, want_top1: bool):
+        m, vocab = hidden.shape[0], head.size
+        needs = ctx.needs_input_grad[0]
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) \
+            if needs else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        tops, grad, weight = [], None, None
+        for start in range(0, m, rows):
+            part = hidden[start : start + rows]
+            with torch.no_grad():
+                logits = head.logits(part, packed=False)  # as the unfused form's product
+            if want_top1:
+                tops.append(top1(logits))
+            if grad is None:  # one buffer for every piece (the last one a view of it)
+                grad = torch.empty((min(rows, m), vocab), dtype=logits.dtype,
+                                   device=logits.device)
+            piece = grad[: part.shape[0]]
+            p_rows, p_index = (probs[start : start + rows], None) if index is None else \
+                (probs, index[start : start + rows])
+            if softce.takes(logits, p_rows, p_index):
+                total += softce.loss_and_grad(logits, p_rows, p_index, piece).sum()
+            else:
+                with torch.autocast(logits.device.type, enabled=False):
+                    total += _pieces(logits, p_rows, p_index, soft_rows(vocab, logits.device),
+                                     piece)
+            if not needs:
+                continue
+            if head.softcap:  # z = c tanh(x / c): dz/dx = 1 - (z / c)^2
+                piece.copy_(piece.float() * (1 - (logits.float() / head.softcap) ** 2))
+            if weight is None:
+                weight = head.weight.to(piece.dtype)
+            grad_hidden[start : start + rows] = piece @ weight
+        ctx.grad = grad_hidden
+        ctx.rows_total = max(m, 1)
+        top = torch.cat(tops) if tops else torch.zeros(0, dtype=torch.long,
+                                                       device=hidden.device)
+        ctx.mark_non_differentiable(top)
+        return total / ctx.rows_total, top
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor, _grad_top: Tensor | None):
+        grad, ctx.grad = ctx.grad, None
+        if grad is None:
+            raise RuntimeError("head_soft_cross_entropy: backward a second time (its "
+                               "gradient was handed on the first time)")
+        return grad.mul_(grad_output.float() / ctx.rows_total), None, None, None, None, None
+
+
+def head_rows(vocab: int, device: torch.device) -> int:
+    """Rows of logits `head_soft_cross_entropy` makes at a time: 2^25 values on a CPU (its
+    bf16 products slow down at a few hundred rows: 128 x 576 by 32,768 took 24 ms, 512
+    57 ms, 1,500 136 ms on a 2-core AMX Xeon), up to 2^27 on a GPU (the bound `soft_rows`
+    keeps there)."""
+    budget = 2 ** 25 if device.type == "cpu" else 2 ** 27
+    return max(1, budget // max(vocab, 1))
+
+
+def head_soft_cross_entropy(hidden: Tensor, head: DraftHead, probs: Tensor,
+                            index: Tensor | None = None, rows: int | None = None,
+                            want_top1: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(soft_cross_entropy(head(hidden), probs, index), its logits' argmax or None) for
+    hidden (M, H), in value and gradient as that form (to float rounding), without its (M,
+    D) logits or gradient: `rows` rows at a time (default `head_rows`)."""
+    if rows is None:
+        rows = head_rows(head.size, hidden.device)
+    loss, top = _HeadSoftCrossEntropy.apply(hidden, head, probs, index, rows, want_top1)
+    return loss, (top if want_top1 else None)
+
+
 def feature_losses(out: Tensor, features: Tensor, shift: int, targets: TargetDistributions,
                    head: DraftHead, need_p: bool, need_acc: bool, p_fraction: float = 1.0,
                    generator: torch.Generator | None = None) -> dict[str, Tensor | None]:
@@ -184,12 +264,18 @@ def feature_losses(out: Tensor, features: Tensor, shift: int, targets: TargetDis
         keep = (draws < p_fraction).to(estimate.device)
         keep[0] = True
         estimate, rows = estimate[keep], rows[keep]
-    logits = head(estimate if need_p else estimate.detach())
-    if need_p:
+    want_acc = need_acc and targets.argmax is not None
+    top = None
+    if need_p:  # the head's product inside the loss: no (M', D) tensor is kept
         whole = rows.shape[0] == targets.probs.shape[0]  # every row, in order
-        result["p"] = soft_cross_entropy(logits, targets.probs, None if whole else rows)
-    if need_acc and targets.argmax is not None:
-        hit = head.to_target(top1(logits.detach())) == targets.argmax[rows]
+        result["p"], top = head_soft_cross_entropy(estimate, head, targets.probs,
+                                                   None if whole else rows,
+                                                   want_top1=want_acc)
+    elif want_acc:
+        with torch.no_grad():
+            top = torch.cat([top1(head(part)) for part in estimate.split(ARGMAX_CHUNK)])
+    if want_acc:
+        hit = head.to_target(top) == targets.argmax[rows]
         result["acc"] = hit.float().mean().detach()
     return result
 
