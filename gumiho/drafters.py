@@ -19,7 +19,7 @@ from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.linear import pack_linears
 from gumiho.lookup import LookupDrafter
 from gumiho.methods import method_spec
-from gumiho.modeling import DraftHead
+from gumiho.modeling import DraftHead, draft_size
 from gumiho.profiling import PhaseTimer
 from gumiho.serial_drafter import SerialDrafter
 from gumiho.tree import DraftTree, static_tree
@@ -60,7 +60,8 @@ class MedusaDrafter:
         n_heads = model.w.shape[0]
         depth = self.draft_depth = min(tree.depth, n_heads)
         acc = head_accuracy or [0.6, 0.4, 0.3, 0.25, 0.2][:depth]
-        parents, _, self.ranks = static_tree(tree.total_tokens - 1, depth, acc)
+        parents, _, self.ranks = static_tree(tree.total_tokens - 1, depth, acc,
+                                             max_rank=draft_size(model, 10))
         # static_tree lists nodes best first, so a smaller budget keeps a prefix
         self.shape = replace(DraftTree.from_parents(torch.zeros_like(parents), parents),
                              priority=-torch.arange(parents.shape[0], dtype=torch.float,

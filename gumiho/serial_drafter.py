@@ -18,7 +18,7 @@ from gumiho.graphs import StaticStep
 from gumiho.hostsync import upload
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.methods import method_spec
-from gumiho.modeling import DraftHead
+from gumiho.modeling import DraftHead, draft_size
 from gumiho.modeling.drafter import FusedSerial
 from gumiho.profiling import PhaseTimer
 from gumiho.tree import LOGPROB_FLOOR, DraftTree, Pool, Star, expand_level, select_tree
@@ -72,10 +72,13 @@ class SerialDrafter:
         # the MLP heads need only the W - 2 best level-2 nodes (each is outranked at least
         # by its own parent). These caps change nothing in the tree, only its cost.
         # Serial levels past the second descend from any level-2 node: all of them get heads.
+        # No level can take more candidates than a (reduced) draft vocabulary holds.
         budget = tree.total_tokens - 1
-        self.beam = min(tree.top_k, budget)
+        words = draft_size(model, budget)
+        self.beam = min(tree.top_k, budget, words)
         self.mlp_rows = min(self.beam, budget - 1) if self.serial_depth <= 2 else self.beam
-        self.mlp_topk, self.pruning = min(tree.mlp_topk, budget), min(tree.pruning, budget)
+        self.mlp_topk = min(tree.mlp_topk, budget, words)
+        self.pruning = min(tree.pruning, budget)
         # --min-confidence as a log-prob floor on path scores; eager steps only (it reads
         # scores on the host and changes the tree's size, which captured steps cannot)
         eager = engine == "eager"

@@ -44,6 +44,8 @@ def test_draft_vocabulary_takes_the_most_frequent_and_the_required():
     assert t2d.tolist() == [False, False, True, True, False, True, True, False]
     with pytest.raises(ValueError):
         draft_vocabulary(counts, 9)
+    with pytest.raises(ValueError, match="stop tokens"):  # it could not hold both
+        draft_vocabulary(counts, 1, always=[1, 6])
 
 
 @pytest.mark.host
@@ -124,6 +126,23 @@ def test_random_reduced_drafter_equals_plain(smollm2, reference, method):
     model = random_drafter_model(method, smollm2, draft_ids=vocab)
     tree = TreeConfig.for_method(method, total_tokens=24)
     drafter = MedusaDrafter(model, tree) if method == "medusa" else SerialDrafter(model, tree)
+    out = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=len(plain.token_ids)))
+    assert out.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])
+def test_a_draft_vocabulary_narrower_than_the_tree_drafts_what_it_has(smollm2, reference,
+                                                                       method):
+    """Four draft tokens under a tree that takes 10 candidates a node (top-k, MLP top-k,
+    Medusa's ranks): each level takes the four (`topk` had failed mid-answer), and the
+    output is plain decoding's."""
+    ids, plain = reference
+    vocab = torch.tensor(sorted(set(plain.token_ids))[:4])
+    model = random_drafter_model(method, smollm2, draft_ids=vocab)
+    tree = TreeConfig.for_method(method, total_tokens=24)
+    drafter = MedusaDrafter(model, tree) if method == "medusa" else SerialDrafter(model, tree)
+    assert int(drafter.ranks.max()) < 4 if method == "medusa" else \
+        drafter.beam == drafter.mlp_topk == 4
     out = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=len(plain.token_ids)))
     assert out.token_ids == plain.token_ids
 

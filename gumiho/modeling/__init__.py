@@ -1,5 +1,5 @@
 from gumiho.modeling.drafter import DraftModel, MedusaHeads, ParallelHeads, build_draft_model
-from gumiho.modeling.vocab import DraftHead, draft_vocabulary, set_draft_vocabulary
+from gumiho.modeling.vocab import DraftHead, draft_size, draft_vocabulary, set_draft_vocabulary
 
 __all__ = ["DraftHead", "DraftModel", "MedusaHeads", "ParallelHeads", "build_draft_model",
-           "draft_vocabulary", "set_draft_vocabulary"]
+           "draft_size", "draft_vocabulary", "set_draft_vocabulary"]

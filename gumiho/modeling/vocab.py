@@ -25,8 +25,10 @@ def draft_vocabulary(counts: Tensor, size: int, always: list[int] | tuple[int, .
     """The draft vocabulary (size,) of target ids, increasing: the `always` ids (e.g. stop
     tokens) and then the most frequent by `counts` (V,); ties go to the lower id."""
     vocab = counts.shape[0]
-    if not 0 < size <= vocab:
-        raise ValueError(f"draft vocabulary size must be in 1..{vocab}, got {size}")
+    need = len(set(always))
+    if not max(1, need) <= size <= vocab:
+        raise ValueError(f"draft vocabulary size must be in {max(1, need)}..{vocab} (it "
+                         f"always holds the {need} stop tokens), got {size}")
     score = counts.double().clone()
     score[list(always)] = float("inf")
     # stable sort on -score keeps lower ids first among equal counts
@@ -55,6 +57,13 @@ def set_draft_vocabulary(module: nn.Module, draft_ids: Tensor) -> None:
     d2t, t2d = vocab_buffers(draft_ids, module.t2d.shape[0])
     module.d2t.copy_(d2t)
     module.t2d.copy_(t2d)
+
+
+def draft_size(module: nn.Module, at_most: int) -> int:
+    """min(the drafter's draft vocabulary size, at_most): how many candidates a node can
+    take from it (the whole vocabulary, None here, holds more than any tree takes)."""
+    d2t = getattr(module, "d2t", None)
+    return at_most if d2t is None else min(d2t.shape[0], at_most)
 
 
 def draft_ids_of(module: nn.Module) -> Tensor | None:

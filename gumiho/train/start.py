@@ -64,8 +64,11 @@ def chosen_vocabulary(target, size: int, samples: list[dict] | None) -> Tensor |
         return None
     if not samples:
         raise GumihoError("--draft-vocab needs training samples to count tokens in")
-    return draft_vocabulary(token_counts(samples, vocab), size,
-                            sorted(t for t in target.stop_token_ids if t < vocab))
+    stops = sorted({t for t in target.stop_token_ids if t < vocab})
+    if size < len(stops):
+        raise GumihoError(f"--draft-vocab {size} cannot hold the target's {len(stops)} stop "
+                          f"tokens: give at least {len(stops)}")
+    return draft_vocabulary(token_counts(samples, vocab), size, stops)
 
 
 def start_from(target, config: TrainConfig, samples: list[dict] | None = None):
