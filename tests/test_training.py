@@ -611,6 +611,24 @@ def test_accuracy_tool_matches_trainings_evaluation(tiny_target_dir, tiny_data_d
         assert report[key] == pytest.approx(value, abs=1e-3)
 
 
+def test_accuracy_tool_refuses_another_targets_data(tiny_target_dir, tiny_data_dir, tmp_path,
+                                                    capsys):
+    """Data made for a target of another width is one line, as training says it (the tool
+    had raised IndexError from inside the drafter)."""
+    import shutil
+
+    from gumiho.train import accuracy
+
+    other = tmp_path / "other_width"
+    shutil.copytree(tiny_data_dir, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "hidden_size": 640}))
+    assert accuracy.main(["--draft", "random", "--method", "gumiho", "--data", str(other),
+                          "--target", tiny_target_dir]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"error: {other} holds features of width 640, but the target has")
+
+
 def test_accuracy_tool_compares_two_drafters_sample_by_sample(smollm2, tmp_path, capsys):
     """--against: each drafter's mean over samples, and per position the mean of the
     per-sample differences with its 95% interval. The shipped Gumiho against itself differs

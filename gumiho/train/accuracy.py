@@ -28,6 +28,7 @@ from gumiho.ge_data.shards import load_samples
 from gumiho.methods import DRAFTER_METHODS
 from gumiho.modeling import DraftHead
 from gumiho.target import load_target
+from gumiho.train.dataset import check_width
 from gumiho.train.start import add_vocabulary_args, over_vocabulary, vocabulary_samples
 from gumiho.train.step import batch_accuracies, evaluate
 
@@ -91,8 +92,9 @@ def outside_vocab(target, head: DraftHead, samples: list[dict]) -> float:
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _, samples = load_samples(args.data)
+    manifest, samples = load_samples(args.data)
     target = load_target(args.target)  # an accelerator when there is one
+    check_width(manifest, args.data, target.hidden_size)
     counted = vocabulary_samples(target, args) if args.draft_vocab is not None else None
     model, head = read_drafter(args.draft, target, args.method, args.draft_vocab, counted)
     if args.against is not None:

@@ -32,11 +32,16 @@ def stored_samples(data_dirs: tuple[str, ...] | list[str], hidden_size: int) -> 
     samples: list[dict] = []
     for data_dir in data_dirs:
         manifest, part = load_samples(data_dir, mmap=True)
-        if manifest.get("hidden_size") not in (None, hidden_size):
-            raise GumihoError(f"{data_dir} holds features of width {manifest['hidden_size']}, "
-                              f"but the target has {hidden_size}: make data for this target")
+        check_width(manifest, data_dir, hidden_size)
         samples += part
     return samples
+
+
+def check_width(manifest: dict, data_dir: str, hidden_size: int) -> None:
+    """One line if a data dir's features are not the target's width (another target's)."""
+    if manifest.get("hidden_size") not in (None, hidden_size):
+        raise GumihoError(f"{data_dir} holds features of width {manifest['hidden_size']}, "
+                          f"but the target has {hidden_size}: make data for this target")
 
 
 def online_samples(target, source: str, count: int, max_len: int,
