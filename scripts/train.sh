@@ -5,9 +5,12 @@
 # Defaults: the embedded SmolLM2 target; configs/accelerate_single.yaml.
 # Bad arguments stop here with the trainer's own one-line error and exit status (a dry run
 # first); one process runs the trainer directly, more go through `accelerate launch`.
+# Paths in the flags are the caller's: the script stays in the caller's folder (it once
+# moved to the repository root, so --data and --output-dir resolved there).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-config="${ACCELERATE_CONFIG:-configs/accelerate_single.yaml}"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # gumiho from this tree, installed or not
+config="${ACCELERATE_CONFIG:-$root/configs/accelerate_single.yaml}"
 if [[ ! -f "$config" ]]; then
   echo "error: accelerate config $config not found (set ACCELERATE_CONFIG)" >&2
   exit 2

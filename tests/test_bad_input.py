@@ -471,6 +471,21 @@ def test_train_script_passes_the_trainers_one_line(config, tmp_path):
     assert lines[0].startswith("error: --lr") and "Traceback" not in proc.stderr
 
 
+def test_train_script_reads_paths_from_the_callers_folder(tmp_path):
+    """scripts/train.sh run from elsewhere: --data and --output-dir are the caller's paths
+    (it had moved to the repository root, so they resolved there)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "scripts" / "train.sh"
+    env = child_env(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(script), "--data", "nodata", "--output-dir", "run"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"error: {tmp_path / 'nodata'}: no manifest.json; make data "
+                                   "with python -m gumiho.ge_data.allocation --outdir DIR")
+
+
 @pytest.mark.parametrize("spec, words", [("gumiho", "NAME:METHOD:DRAFT_DIR"),
                                          ("g:gumiho:no/such/dir", "does not exist")])
 def test_tau_script_refuses_bad_drafter_specs_before_generating(spec, words, tmp_path):
