@@ -288,6 +288,22 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_target_dir, tiny_data_dir, 
         torch.testing.assert_close(split[key], whole[key], atol=0, rtol=0)
 
 
+def test_a_finished_run_run_again_keeps_its_summary_and_weights(tiny_target_dir,
+                                                                tiny_data_dir, tmp_path,
+                                                                capsys):
+    """The same command after the run finished: nothing to do, and its summary (the
+    run's time and tokens/s) is not overwritten by an empty one."""
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path)) == 0
+    summary = (tmp_path / "train_summary.json").read_text()
+    weights = (tmp_path / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(train_args(data, tmp_path)) == 0
+    assert "already trained to step 4 of 4; nothing to do" in capsys.readouterr().out
+    assert (tmp_path / "train_summary.json").read_text() == summary
+    assert (tmp_path / "model.safetensors").stat().st_mtime_ns == weights
+
+
 @pytest.mark.host  # the CPU's bf16 autocast; on a GPU bf16 is the default path anyway
 def test_bf16_precision_trains_resumes_exactly_and_decodes_like_plain(
         tiny, tiny_target_dir, tiny_data_dir, tmp_path):

@@ -255,6 +255,10 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
                            defaults={f.name: f.default for f in fields(TrainConfig)})
     head = DraftHead.for_model(target, accelerator.unwrap_model(model))
     stop_at = min(total, stop_after or total)
+    if state.step >= stop_at:  # a finished run again: its weights and summary stay as they are
+        accelerator.print(f"{out}: already trained to step {state.step} of {total}; nothing "
+                          f"to do (its summary: {out / 'train_summary.json'})")
+        return 0
     bar = tqdm(total=total, initial=state.step, desc=f"train {config.method}",
                disable=not accelerator.is_main_process)
     out.mkdir(parents=True, exist_ok=True)
