@@ -16,7 +16,7 @@ def test_shipped_drafters_load_and_decode_like_plain(smollm2, method, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "outputs identical" in out and "speedup" in out
-    assert "median of 2 alternated rounds" in out  # timed side by side
+    assert "lower middle of 2 alternated rounds" in out  # timed side by side
     assert "prompt-lookup chain of up to 10" in out  # the demo's default beside the drafter
     # its confidence floor, for the methods that take one, where it applies: the eager
     # engine (captured steps keep one tree shape, so a GPU's default graphs ignore floors)
@@ -119,3 +119,6 @@ def test_rounds_alternate_which_decode_goes_first(monkeypatch):
         [(1, 2), (2, 3), (3, 4), (4, 5)]  # each round's own two decodes
     ratios = [fast.tokens_per_s / plain.tokens_per_s for fast, plain in pairs]
     assert ratios == sorted(ratios)
+    # the figure: the median, of an even number the lower middle (not the better of two)
+    assert demo.middle_round(pairs) is pairs[1]
+    assert demo.middle_round(pairs[:2]) is pairs[0] and demo.middle_round(pairs[:3]) is pairs[1]
