@@ -331,15 +331,18 @@ class TrainConfig:
                 raise GumihoError(f"{flag} must be at least 1 (got {value})")
         if not 0 < self.ploss_fraction <= 1:
             raise GumihoError("--ploss-fraction must be in (0, 1]")
-        if not (self.lr > 0 and self.warmup_steps >= 0 and self.grad_clip > 0
-                and self.noise >= 0 and self.draft_vocab >= 0
-                and self.mlp_ploss_after_epochs >= 0 and self.skip_conversations >= 0
-                and self.mlp_ploss_weight >= 0 and self.ploss_weight >= 0
-                and self.serial2_weight >= 0):
-            raise GumihoError("--lr and --grad-clip must be positive; --warmup-steps, "
-                              "--noise, --draft-vocab, --mlp-ploss-after-epochs, "
-                              "--ploss-weight, --mlp-ploss-weight, --serial2-weight and "
-                              "--skip-conversations at least 0")
+        for flag, value in {"--lr": self.lr, "--grad-clip": self.grad_clip}.items():
+            if not value > 0:  # NaN too
+                raise GumihoError(f"{flag} must be positive (got {value})")
+        for flag, value in {"--warmup-steps": self.warmup_steps, "--noise": self.noise,
+                            "--draft-vocab": self.draft_vocab,
+                            "--mlp-ploss-after-epochs": self.mlp_ploss_after_epochs,
+                            "--ploss-weight": self.ploss_weight,
+                            "--mlp-ploss-weight": self.mlp_ploss_weight,
+                            "--serial2-weight": self.serial2_weight,
+                            "--skip-conversations": self.skip_conversations}.items():
+            if not value >= 0:
+                raise GumihoError(f"{flag} must be at least 0 (got {value})")
         if self.heads_only and not method_spec(self.method).parallel_heads:
             raise GumihoError(f"--heads-only: {self.method} drafters have no MLP heads; only "
                               "gumiho's can train alone")

@@ -971,3 +971,14 @@ def test_profile_train_step_times_the_trainers_phases(tmp_path):
     assert report["tokens_per_step"] > 0 and report["step_s"] > 0
     assert len(report["kernels"]["top"]) == 5 and report["kernels"]["busy_s"] > 0
     assert "tokens/s" in proc.stdout and "by phase" in proc.stdout
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("field, flag, value", [
+    ("lr", "--lr", -1.0), ("grad_clip", "--grad-clip", 0.0),
+    ("noise", "--noise", float("nan")), ("serial2_weight", "--serial2-weight", -0.5),
+    ("skip_conversations", "--skip-conversations", -2)])
+def test_a_bad_training_number_names_its_flag(field, flag, value):
+    """One line naming the flag at fault (it had listed every constraint at once)."""
+    with pytest.raises(GumihoError, match=f"^{flag} must be (positive|at least 0) "):
+        TrainConfig(online=True, **{field: value})

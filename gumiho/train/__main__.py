@@ -119,9 +119,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--export-dtype", default="float16", choices=list(EXPORT_DTYPE))
     p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
                    help="bf16: bfloat16 autocast over fp32 weights and the target in "
-                   "bfloat16 (1.55x the tokens/s of fp32 on one AVX2 CPU; refused on a CPU "
-                   "whose bf16 products are slower than fp32's, see README); default: bf16 "
-                   "on a GPU, fp32 on a CPU")
+                   "bfloat16 (about 2x the tokens/s of fp32 on a CPU with AMX; refused on "
+                   "a CPU whose bf16 products are slower than fp32's, such as an AVX2-only "
+                   "one, see README); default: bf16 on a GPU, fp32 on a CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=0,
