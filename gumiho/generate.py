@@ -125,6 +125,10 @@ class SpeculativeGenerator:
                      "(--draft-gate %.2f drafts only while that pays)", tree.total_tokens,
                      tree.depth, report["break_even"], report["break_even"])
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
+        if verify_width is not None and verify_width < drafter.max_nodes:
+            raise GumihoError(f"--verify-width {verify_width} is narrower than this tree's "
+                              f"{drafter.max_nodes} tokens (root included): give at least "
+                              f"{drafter.max_nodes}, or leave it out")
         gen = cls(loaded, drafter, verify_width, engine)
         gen.auto_report = report  # how `auto` chose the tree size, or None
         return gen

@@ -334,9 +334,25 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
     packed = pack_linears(model, skip=(model.get_output_embeddings(),))
     if packed:
         log.info("packed %d %s projections for the CPU", packed, target.dtype)
-    if chat_template:
-        target.chat_ids("Hello")  # a broken template fails here, in one line
+    if chat_template:  # a broken template fails here, in one line that names the flag
+        check_template(target, chat_template)
     return target
+
+
+def check_template(target: Target, template: str) -> None:
+    """A user's --chat-template renders a one-message chat to some tokens, or one line
+    that names it (not the target's own template, nor "empty prompt")."""
+    name = f"--chat-template {template[:60]!r}"
+    try:
+        ids = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hello"}], add_generation_prompt=True, tokenize=True,
+            return_dict=False)
+    except Exception as exc:  # noqa: BLE001 - Jinja errors of a user's template
+        raise GumihoError(f"{name} fails on a prompt ({type(exc).__name__}: "
+                          f"{_first_line(exc)}): fix the template") from None
+    if not len(ids["input_ids"] if isinstance(ids, dict) else ids):
+        raise GumihoError(f"{name} renders a prompt as no tokens: it must write out the "
+                          "messages' content")
 
 
 def _first_line(exc: Exception) -> str:

@@ -10,6 +10,7 @@ released recipe's form).
     python scripts/train_loss_ab.py --precision bf16 --draft-vocab 32768 --pairs 6
     python scripts/train_loss_ab.py --forms head,kernel --pairs 6
     python scripts/train_loss_ab.py --device cuda --batch-size 32 --pairs 6   # a GPU
+    python scripts/train_loss_ab.py --forms head --pairs 2 --peak-memory  # a step's memory
 
 `--loss-only ROWS` times the product and the loss alone, forward and backward, on random
 hidden states of ROWS x 576 and a random head over the draft vocabulary (ROWS: a batch's
@@ -23,8 +24,10 @@ session 48, this mode timed the loss alone on random logits, without the product
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -72,6 +75,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma-separated, of head, kernel, torch, unfused (the first is "
                         "compared with each other; default: head,kernel,unfused where "
                         "softce.c runs, else head,torch,unfused)")
+    p.add_argument("--peak-memory", action="store_true",
+                   help="whole steps: print the resident memory's peak during them above "
+                        "its level before them (Linux; one form a run, so the peak is its)")
     p.add_argument("--loss-only", type=int, default=0, metavar="ROWS",
                    help="time the product and the loss alone on random ROWS x 576 hidden "
                         "states")
@@ -198,6 +204,7 @@ def steps(args, device: torch.device, forms: dict) -> dict[str, list[float]]:
         model.zero_grad(set_to_none=True)
         return int(batch["valid"].sum()) / seconds, float(loss.detach())
 
+    peak = ResidentPeak() if args.peak_memory else None
     for form in forms:
         step(0, form)  # warm-up
     rates: dict[str, list[float]] = {form: [] for form in forms}
@@ -209,7 +216,35 @@ def steps(args, device: torch.device, forms: dict) -> dict[str, list[float]]:
             rates[form].append(rate)
         print(f"pair {k}: " + ", ".join(f"{f} {rates[f][-1]:.0f} tokens/s (loss "
                                         f"{losses[f]:.6f})" for f in forms), flush=True)
+    if peak:
+        print(f"resident memory before the steps {peak.base / 2 ** 20:.0f} MiB, its peak "
+              f"during them +{peak.stop() / 2 ** 20:.0f} MiB ({', '.join(forms)})")
     return rates
+
+
+class ResidentPeak:
+    """The process's resident memory sampled every 2 ms from now on (Linux's
+    /proc/self/statm): `stop()` gives its peak above the level at the start."""
+
+    def __init__(self):
+        self.page, self.peak, self.running = os.sysconf("SC_PAGE_SIZE"), 0, True
+        self.base = self.resident()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def resident(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.resident())
+            time.sleep(0.002)
+
+    def stop(self) -> int:
+        self.running = False
+        self.thread.join()
+        return self.peak - self.base
 
 
 if __name__ == "__main__":

@@ -121,6 +121,10 @@ BAD = {
     "train_init_from_missing": ("train", ["--target", "{tiny}", "--online", "--output-dir",
                                           "{dir}/never", "--init-from", "{dir}/nowhere"]),
     "generate_broken_chat_template": ("generate", [*HI, "--chat-template", "{{ oops("]),
+    "generate_verify_width_below_the_tree": ("generate", [*HI, *RANDOM_GUMIHO, "--total-tokens",
+                                                          "16", "--verify-width", "8"]),
+    "generate_chat_template_without_the_messages": ("generate", [*HI, "--chat-template",
+                                                                 "{{ messages[5] }}"]),
     "generate_truncated_weights": ("generate", ["--target", "{dir}/truncated", "--prompt",
                                                 "hi"]),
     "generate_target_without_tokenizer": ("generate", ["--target", "{dir}/no_tokenizer",
@@ -138,6 +142,10 @@ BAD = {
     "timing_draft_vocab_of_a_trained_drafter": ("timing", ["--target", "{tiny}", "--methods",
                                                            "gumiho", "--draft", "{dir}",
                                                            "--draft-vocab", "64"]),
+    # vocab_sizes
+    "vocab_sizes_not_numbers": ("vocab_sizes", ["--sizes", "4096,foo"]),
+    "vocab_sizes_beyond_vocabulary": ("vocab_sizes", ["--target", "{tiny}", "--sizes",
+                                                      "8,999999", "--new-tokens", "0"]),
     # speed
     "speed_on_a_readme": ("speed", ["--answers", "{dir}/README.md", "--out", "{dir}/r"]),
     "speed_missing_file": ("speed", ["--answers", "{dir}/nope.jsonl", "--out", "{dir}/r"]),
@@ -162,6 +170,9 @@ BAD = {
                                               "{tiny}", *ALLOC_ARGS]),
     "alloc_no_usable_conversations": ("allocation", ["--outdir", "{dir}/data", "--target",
                                                      "{tiny}", "--data", "{dir}/t.csv"]),
+    "alloc_empty_split": ("allocation", ["--outdir", "{dir}/data", "--target", "{tiny}",
+                                         "--data", "{dir}/two_train.json", "--split",
+                                         "held_out"]),
     "alloc_broken_template": ("allocation", ["--outdir", "{dir}/data", "--target", "{tiny}",
                                              "--template", "{% for %}", *ALLOC_ARGS]),
 }
@@ -169,7 +180,8 @@ MODULES = {"gen_answers": "gumiho.evaluation.gen_answers", "generate": "gumiho.g
            "interleave": "gumiho.evaluation.interleave",
            "timing": "gumiho.evaluation.timing", "speed": "gumiho.evaluation.speed",
            "allocation": "gumiho.ge_data.allocation", "export": "gumiho.export",
-           "train": "gumiho.train.__main__", "accuracy": "gumiho.train.accuracy"}
+           "train": "gumiho.train.__main__", "accuracy": "gumiho.train.accuracy",
+           "vocab_sizes": "gumiho.evaluation.vocab_sizes"}
 
 
 def answer_record(qid: int, target: str, max_new_tokens: int = 3) -> dict:
@@ -185,6 +197,9 @@ def make_victims(folder: Path, tiny: str) -> None:
     """Files a careless command could destroy, and broken inputs."""
     shutil.copy(Path(__file__).parents[1] / "README.md", folder / "README.md")
     (folder / "t.csv").write_text("name,value\nalpha,1\nbeta,2\n")
+    chat = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    (folder / "two_train.json").write_text(json.dumps(  # ids "a", "b": both in training
+        [{"id": "a", "conversations": chat}, {"id": "b", "conversations": chat}]))
     lines = [json.dumps(answer_record(i, tiny)) for i in range(3)]
     (folder / "answers.jsonl").write_text("\n".join(lines) + "\n")
     (folder / "broken.jsonl").write_text(lines[0] + "\n" + lines[1][:40] + "\n" + lines[2]
@@ -247,7 +262,15 @@ def test_error_lines_say_what_is_wrong(tmp_path, tiny_target_dir, capsys):
              "generate_min_confidence_with_medusa": "--min-confidence does not apply",
              "generate_extend_confidence_with_medusa": "--extend-confidence does not apply",
              "interleave_one_run_other_settings": "max_new_tokens=3 in the file, 7 now",
-             "interleave_shared_flag_inside_run": "give --max-new-tokens once"}
+             "interleave_shared_flag_inside_run": "give --max-new-tokens once",
+             # a reader says what a reader does (not "choose another --answer-file")
+             "speed_on_a_readme": "give the .jsonl files gen_answers wrote",
+             "vocab_sizes_not_numbers": "give whole numbers, comma-separated",
+             "generate_broken_chat_template": "--chat-template '{{ oops(' fails on a prompt",
+             "alloc_empty_split": "the held_out split of",
+             "generate_verify_width_below_the_tree": "narrower than this tree's 16 tokens",
+             "generate_chat_template_without_the_messages": "renders a prompt as no tokens",
+             "vocab_sizes_beyond_vocabulary": "--sizes 999999 is larger than the target's"}
     for case, words in cases.items():
         module, argv = BAD[case]
         argv = [a.replace("{tiny}", tiny_target_dir).replace("{dir}", str(tmp_path))

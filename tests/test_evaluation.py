@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from gumiho.errors import GumihoError
 from gumiho.evaluation import gen_answers, speed
 from gumiho.evaluation.answers import read_answer_file
 from gumiho.evaluation.benchmarks import BENCHMARKS, load_questions
@@ -89,6 +90,23 @@ def test_report_pairs_questions_with_prompt_lookup_and_bounds_the_speedup(tmp_pa
     assert speed.main(["--answers", *files, "--out", str(tmp_path / "r2"),
                        "--versus", "medusa"]) == 0
     assert "faster than medusa" in (tmp_path / "r2.md").read_text()
+
+
+def test_two_files_answering_one_question_are_refused(tmp_path, capsys):
+    """Two files with the same method's answer to one question: which counted depended on
+    the files' order, so neither does; questions split across files are fine. A --versus
+    that no file holds is a note, not silence."""
+    ar = [record(q, "ar", 10, 10, 1.0, [1] * 10) for q in range(3)]
+    files = write_files(tmp_path, {"ar_a": ar[:2], "ar_b": ar[1:]})
+    with pytest.raises(GumihoError, match="both answer ar mt_bench question 1 at T=0.0"):
+        speed.read_answers(files)
+    split = write_files(tmp_path, {"ar_a": ar[:2], "ar_b": ar[2:],
+                                   "gm": [record(q, "gumiho", 10, 5, 0.5, [1, 2])
+                                          for q in range(3)]})
+    assert sorted(speed.read_answers(split)[("ar", "mt_bench", 0.0)]) == [0, 1, 2]
+    assert speed.main(["--answers", *split, "--out", str(tmp_path / "r"), "--versus",
+                       "nope"]) == 0
+    assert "no 'nope' answers among the files" in capsys.readouterr().err
 
 
 def test_a_label_keeps_two_drafters_of_one_method_apart(tmp_path):

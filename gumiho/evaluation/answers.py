@@ -57,9 +57,10 @@ def record_problem(rec) -> str | None:
     return None
 
 
-def read_answer_file(path: Path) -> AnswerFile:
+def read_answer_file(path: Path, writing: bool = True) -> AnswerFile:
     """Every record of an answer file. Refuses (GumihoError naming the line) a file that is
-    not an answer file or has a damaged line anywhere but at its very end."""
+    not an answer file or has a damaged line anywhere but at its very end; `writing`: the
+    refusal says what a run that would append to it does (else what a reader does)."""
     if path.is_dir():
         raise GumihoError(f"answer file {path} is a directory: give a .jsonl file path")
     try:
@@ -83,10 +84,11 @@ def read_answer_file(path: Path) -> AnswerFile:
             if last and raw.startswith(RECORD_START):  # cut short by an interrupted run
                 break
             what = "binary data" if isinstance(exc, UnicodeDecodeError) else "not JSON"
-            raise GumihoError(_refusal(path, number, what, bool(records))) from None
+            raise GumihoError(_refusal(path, number, what, bool(records), writing)
+                              ) from None
         problem = record_problem(rec)
         if problem:
-            raise GumihoError(_refusal(path, number, problem, bool(records)))
+            raise GumihoError(_refusal(path, number, problem, bool(records), writing))
         records.append(rec)
         numbers.append(number)
         keep, offset = end, end
@@ -94,12 +96,14 @@ def read_answer_file(path: Path) -> AnswerFile:
     return AnswerFile(records, numbers, keep, needs_newline)
 
 
-def _refusal(path: Path, number: int, problem: str, has_records: bool) -> str:
+def _refusal(path: Path, number: int, problem: str, has_records: bool, writing: bool) -> str:
     if not has_records:
         return (f"{path} is not an answer file of gen_answers (line {number}: {problem}); "
-                "it was left untouched: choose another --answer-file")
+                "it was left untouched: " + ("choose another --answer-file" if writing else
+                                             "give the .jsonl files gen_answers wrote"))
     return (f"{path} line {number} is damaged ({problem}); the file was left untouched: "
-            "fix or delete that line, then rerun to resume")
+            "fix or delete that line, then " + ("rerun to resume" if writing else
+                                                "run this again"))
 
 
 def settings_mismatch(old: dict, new: dict, keys: tuple[str, ...] = RESUME_KEYS) -> str | None:

@@ -83,11 +83,12 @@ def read_answers(paths: list[str]) -> dict[tuple, dict]:
     """{(label, bench, temperature): {question_id: record}}."""
     groups: dict[tuple, dict] = defaultdict(dict)
     first: dict[tuple, tuple[str, dict]] = {}  # group -> (file, record) it started with
+    source: dict[tuple, str] = {}  # (group, question) -> the file that answered it
     for path in paths:
         if not Path(path).is_file():
             raise GumihoError(f"answer file {path} not found (give the .jsonl files that "
                               "gen_answers wrote)")
-        for rec in read_answer_file(Path(path)).records:
+        for rec in read_answer_file(Path(path), writing=False).records:
             s = rec["settings"]
             key = (method_label(s), s["bench"], s["temperature"])
             where, ref = first.setdefault(key, (path, rec))
@@ -96,6 +97,10 @@ def read_answers(paths: list[str]) -> dict[tuple, dict]:
                 raise GumihoError(f"{where} and {path} both hold {key[0]} {key[1]} answers at "
                                   f"T={key[2]}, but made differently ({diff}): report them "
                                   "separately")
+            other = source.setdefault((key, rec["question_id"]), path)
+            if other != path:  # which of two answers would count depended on file order
+                raise GumihoError(f"{other} and {path} both answer {key[0]} {key[1]} question "
+                                  f"{rec['question_id']} at T={key[2]}: give one of them")
             groups[key][rec["question_id"]] = rec
     if not groups:
         raise GumihoError(f"no answers in {', '.join(paths)}: run gen_answers first")
@@ -332,15 +337,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answers", nargs="+", required=True, help="answer JSONL files")
     p.add_argument("--out", required=True, help="output path without extension")
     p.add_argument("--baseline", default="ar")
-    p.add_argument("--versus", default="lookup", help="count per question where each method "
-                   "beats this one (default: prompt lookup alone, the drafter-free peer)")
+    p.add_argument("--versus", default=None, help="count per question where each method "
+                   "beats this one (default: lookup, prompt lookup alone, the drafter-free "
+                   "peer)")
     args = p.parse_args(argv)
+    named, args.versus = args.versus is not None, args.versus or "lookup"
     out = Path(args.out)
     check_outputs(out)
     groups = read_answers(args.answers)
     notes: list[str] = []
     if not any(label == args.baseline for label, _, _ in groups):
         notes.append(f"no {args.baseline!r} answers among the files: no speedups")
+    if named and not any(label == args.versus for label, _, _ in groups):
+        notes.append(f"no {args.versus!r} answers among the files: no per-question wins")
     rep = report(groups, args.baseline, notes, args.versus)
     notes += slow_answers(groups)
     first = next(iter(next(iter(groups.values())).values()))

@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from argparse import ArgumentTypeError
 
 import torch
 from tqdm import tqdm
 
 from gumiho.config import TrainConfig, TreeConfig
 from gumiho.engine import GenerateConfig, run
-from gumiho.errors import ArgumentParser, cli_errors, nonnegative_int, positive_int
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int, positive_int
 from gumiho.ge_data.conversations import load_conversations, split
 from gumiho.modeling import draft_vocabulary
 from gumiho.serial_drafter import SerialDrafter
@@ -82,6 +83,18 @@ def drafting_seconds(target, drafters: dict[int, SerialDrafter], new_tokens: int
     return {s: {k: statistics.median(v) for k, v in t.items()} for s, t in times.items()}
 
 
+def size_list(text: str) -> list[int]:
+    """--sizes: comma-separated whole numbers of at least 0 (argparse's type)."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ArgumentTypeError(f"{text!r}: give whole numbers, comma-separated "
+                                "(e.g. 8192,32768,0)") from None
+    if any(size < 0 for size in sizes):
+        raise ArgumentTypeError(f"{text!r}: sizes are at least 0 (0: the whole vocabulary)")
+    return sizes
+
+
 def build_parser():
     p = ArgumentParser(prog="python -m gumiho.evaluation.vocab_sizes", description=__doc__
                        .split("\n\n")[0])
@@ -90,8 +103,8 @@ def build_parser():
                    help="training-split conversations whose assistant tokens are counted")
     p.add_argument("--test", type=positive_int, default=500,
                    help="held-out conversations to measure coverage on")
-    p.add_argument("--sizes", default="4096,8192,16384,32768,0",
-                   help="draft vocabulary sizes (0: the whole vocabulary)")
+    p.add_argument("--sizes", type=size_list, default="4096,8192,16384,32768,0",
+                   help="draft vocabulary sizes, comma-separated (0: the whole vocabulary)")
     p.add_argument("--max-len", type=positive_int, default=2048)
     p.add_argument("--template", default=None, help="chat template for tokenizers without "
                    "one (base models): 'vicuna' or a Jinja string")
@@ -104,13 +117,16 @@ def build_parser():
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     torch.manual_seed(0)
     target = load_target(args.target)
+    vocab = target.lm_head.weight.shape[0]
+    if max(sizes) > vocab:
+        raise GumihoError(f"--sizes {max(sizes)} is larger than the target's vocabulary "
+                          f"({vocab} tokens): give at most {vocab} (or 0 for all)")
     train, held = split(load_conversations("sharegpt"))
     counted = samples_of(target, train[: args.count], args.max_len, args.template)
     tested = samples_of(target, held[: args.test], args.max_len, args.template)
-    vocab = target.lm_head.weight.shape[0]
     counts, test = token_counts(counted, vocab), token_counts(tested, vocab)
     always = sorted(target.stop_token_ids)
     timed = {}

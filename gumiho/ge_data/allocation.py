@@ -70,6 +70,10 @@ def planned_range(args: argparse.Namespace, notes: list[str]) -> list[dict]:
     """The conversations [--start, --end) of the split; refuses a range outside the data."""
     train, held_out = split(load_conversations(args.data, notes))
     chosen = held_out if args.split == "held_out" else train
+    if not chosen:
+        raise GumihoError(f"the {args.split} split of {args.data} has no conversations "
+                          "(each goes to a split by a hash of its id, so a small file can "
+                          "put them all in the other): give more data, or the other --split")
     if args.start >= len(chosen):
         raise GumihoError(f"--start {args.start} is beyond the data: the {args.split} split "
                           f"of {args.data} has {len(chosen)} conversations "

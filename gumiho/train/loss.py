@@ -219,13 +219,14 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
         return grad.mul_(grad_output.float() / ctx.rows_total), None, None, None, None, None
 
 
-def head_rows(vocab: int, device: torch.device) -> int:
-    """Rows of logits `head_soft_cross_entropy` makes at a time: 2^25 values on a CPU (its
-    bf16 products slow down at a few hundred rows: 128 x 576 by 32,768 took 24 ms, 512
-    57 ms, 1,500 136 ms on a 2-core AMX Xeon), up to 2^27 on a GPU (the bound `soft_rows`
-    keeps there)."""
-    budget = 2 ** 25 if device.type == "cpu" else 2 ** 27
-    return max(1, budget // max(vocab, 1))
+def head_rows(vocab: int) -> int:
+    """Rows of logits `head_soft_cross_entropy` makes at a time: up to 2^27 values (the
+    bound `soft_rows` keeps on a GPU), so a CPU batch's term is one piece: each piece reads
+    the head's weight again, and a CPU's bf16 products slow down at a few hundred rows (128
+    x 576 by 32,768 took 24 ms, 512 57 ms, 1,500 136 ms on a 2-core AMX Xeon; whole steps
+    over 32,768 ran 0.94x as fast in pieces of 1,024 rows, the loss alone over 49,152 on
+    1,500 rows 0.82x in two pieces)."""
+    return max(1, 2 ** 27 // max(vocab, 1))
 
 
 def head_soft_cross_entropy(hidden: Tensor, head: DraftHead, probs: Tensor,
@@ -233,9 +234,12 @@ def head_soft_cross_entropy(hidden: Tensor, head: DraftHead, probs: Tensor,
                             want_top1: bool = False) -> tuple[Tensor, Tensor | None]:
     """(soft_cross_entropy(head(hidden), probs, index), its logits' argmax or None) for
     hidden (M, H), in value and gradient as that form (to float rounding), without its (M,
-    D) logits or gradient: `rows` rows at a time (default `head_rows`)."""
+    D) logits or gradient: at most `rows` rows at a time (default `head_rows`), the pieces
+    as even as they can be."""
     if rows is None:
-        rows = head_rows(head.size, hidden.device)
+        rows = head_rows(head.size)
+    pieces = -(-hidden.shape[0] // max(rows, 1))  # as many as needed, as even as can be
+    rows = -(-hidden.shape[0] // max(pieces, 1)) if pieces else rows
     loss, top = _HeadSoftCrossEntropy.apply(hidden, head, probs, index, rows, want_top1)
     return loss, (top if want_top1 else None)
 
