@@ -265,7 +265,6 @@ def test_error_lines_say_what_is_wrong(tmp_path, tiny_target_dir, capsys):
              "interleave_shared_flag_inside_run": "give --max-new-tokens once",
              # a reader says what a reader does (not "choose another --answer-file")
              "speed_on_a_readme": "give the .jsonl files gen_answers wrote",
-             "vocab_sizes_not_numbers": "give whole numbers, comma-separated",
              "generate_broken_chat_template": "--chat-template '{{ oops(' fails on a prompt",
              "alloc_empty_split": "the held_out split of",
              "generate_verify_width_below_the_tree": "narrower than this tree's 16 tokens",
