@@ -838,6 +838,22 @@ def test_skipped_conversations_continue_the_training_split(smollm2):
         online_samples(smollm2, "sharegpt", 2, 128, skip=10**7)
 
 
+def test_more_conversations_than_the_split_has_is_said(smollm2, tmp_path, capsys):
+    """--num-conversations beyond the split takes what there is and says so (README's
+    17671 against a 16,982-conversation training split)."""
+    import json
+
+    from gumiho.train.dataset import online_samples
+
+    chat = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]
+    path = tmp_path / "two.json"  # ids "a" and "b": both in the training split
+    path.write_text(json.dumps([{"id": i, "conversations": chat} for i in "ab"]))
+    samples = online_samples(smollm2, str(path), 5, 64, skip=1, progress=True, cache=False)
+    assert len(samples) == 1
+    assert (f"note: the training split of {str(path)!r} has 2 conversations: using 1..1 (1, "
+            "not --num-conversations 5)") in capsys.readouterr().err
+
+
 def test_online_samples_are_cached_for_the_same_request_only(smollm2, tmp_path, monkeypatch):
     """A repeated or resumed run reads its tokenised samples back instead of tokenising
     the split again; other arguments, a damaged file or cache=False tokenise anew."""

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pickle
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +64,10 @@ def online_samples(target, source: str, count: int, max_len: int,
         raise GumihoError(f"--skip-conversations {skip}: the training split of {source!r} "
                           f"has {len(train)} conversations")
     chosen = train[skip : skip + count]
+    if progress and skip + count > len(train):  # the main process says it, once
+        print(f"note: the training split of {source!r} has {len(train)} conversations: "
+              f"using {skip}..{len(train) - 1} ({len(chosen)}, not --num-conversations "
+              f"{count})", file=sys.stderr)
     if threads is None:
         threads = min(TOKENIZE_THREADS, os.cpu_count() or 1)
     out = []
