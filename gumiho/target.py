@@ -284,6 +284,23 @@ def resolve_target_path(name_or_path: str) -> Path:
     return path
 
 
+def target_config(target: str):
+    """The target's text config, read without loading its weights."""
+    from transformers import AutoConfig
+
+    path = resolve_target_path(target)
+    try:
+        config = AutoConfig.from_pretrained(path).get_text_config()
+    except Exception as exc:  # noqa: BLE001 - garbage or unsupported config.json
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise GumihoError(f"target {target!r}: cannot read its config.json "
+                          f"({type(exc).__name__}: {first})") from None
+    if not isinstance(getattr(config, "hidden_size", None), int):
+        raise GumihoError(f"target {target!r}: its config has no hidden_size (not a causal "
+                          "LM config?)")
+    return config
+
+
 def default_attention(path: Path) -> str:
     """sdpa, unless the model softcaps its attention scores, which only eager computes."""
     from transformers import AutoConfig

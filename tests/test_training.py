@@ -645,6 +645,27 @@ def test_accuracy_tool_refuses_another_targets_data(tiny_target_dir, tiny_data_d
         f"error: {other} holds features of width 640, but the target has")
 
 
+def test_the_dry_run_refuses_what_the_run_would(tiny_target_dir, tiny_data_dir, tmp_path,
+                                               capsys):
+    """--dry-run (scripts/train.sh's first step) reads the target's config, so data of
+    another width and a --draft-vocab past the vocabulary stop there, not after loading."""
+    import shutil
+
+    other = tmp_path / "other_width"
+    shutil.copytree(tiny_data_dir, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "hidden_size": 640}))
+    common = ["--target", tiny_target_dir, "--output-dir", str(tmp_path / "run"), "--dry-run"]
+    assert main([*common, "--data", str(other)]) == 2
+    assert "holds features of width 640, but the target has" in capsys.readouterr().err
+    vocab = json.loads((Path(tiny_target_dir) / "config.json").read_text())["vocab_size"]
+    assert main([*common, "--online", "--draft-vocab", str(vocab + 1)]) == 2
+    assert f"--draft-vocab {vocab + 1} is larger than the target's vocabulary ({vocab}" in \
+        capsys.readouterr().err
+    assert main([*common, "--data", tiny_data_dir, "--draft-vocab", str(vocab)]) == 0
+    assert capsys.readouterr().out.startswith("ok: gumiho drafter")
+
+
 def test_accuracy_tool_compares_two_drafters_sample_by_sample(smollm2, tmp_path, capsys):
     """--against: each drafter's mean over samples, and per position the mean of the
     per-sample differences with its 95% interval. The shipped Gumiho against itself differs

@@ -41,29 +41,12 @@ from gumiho.ge_data.shards import (
     write_manifest,
 )
 from gumiho.paths import check_writable_dir
-from gumiho.target import choose_device_dtype, resolve_target_path
+from gumiho.target import choose_device_dtype, resolve_target_path, target_config
 from gumiho.templates import tokenize_conversation
 from gumiho.version import code_version
 
 CHARS_PER_TOKEN = 3.5  # rough, for the disk estimate only
 MIN_MAX_LEN = 16  # below this no chat template leaves room for a reply
-
-
-def target_config(target: str):
-    """The target's text config, read without loading its weights."""
-    from transformers import AutoConfig
-
-    path = resolve_target_path(target)
-    try:
-        config = AutoConfig.from_pretrained(path).get_text_config()
-    except Exception as exc:  # noqa: BLE001 - garbage or unsupported config.json
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise GumihoError(f"target {target!r}: cannot read its config.json "
-                          f"({type(exc).__name__}: {first})") from None
-    if not isinstance(getattr(config, "hidden_size", None), int):
-        raise GumihoError(f"target {target!r}: its config has no hidden_size (not a causal "
-                          "LM config?)")
-    return config
 
 
 def planned_range(args: argparse.Namespace, notes: list[str]) -> list[dict]:

@@ -164,17 +164,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
-    """What can be checked before loading anything: the target, data and output dirs."""
-    from gumiho.embedded import SMOLLM2_ALIAS
-    from gumiho.ge_data.shards import MANIFEST
-    from gumiho.target import resolve_target_path
+    """What can be checked before loading any weights: the target's config (the data's
+    width and --draft-vocab against it), data and output dirs."""
+    from gumiho.ge_data.shards import MANIFEST, read_manifest
+    from gumiho.target import target_config
+    from gumiho.train.dataset import check_width
+    from gumiho.train.start import check_draft_vocab_size
 
-    if config.target != SMOLLM2_ALIAS:
-        resolve_target_path(config.target)
+    target = target_config(config.target)  # an embedded target is converted once here
     for data_dir in [*config.data, *eval_data]:
-        if not (Path(data_dir) / MANIFEST).is_file():
+        manifest = read_manifest(Path(data_dir))
+        if manifest is None:
             raise GumihoError(f"{data_dir}: no {MANIFEST}; make data with "
                               "python -m gumiho.ge_data.allocation --outdir DIR")
+        check_width(manifest, data_dir, target.hidden_size)
+    check_draft_vocab_size(config.draft_vocab, target.vocab_size)
     if config.init_from:
         check_drafter_dir(config.init_from)
     if out.exists() and not out.is_dir():

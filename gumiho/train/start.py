@@ -48,7 +48,11 @@ def new_model(target, config: TrainConfig, samples: list[dict] | None = None,
 
 def check_draft_vocab(target, size: int) -> int:
     """The target's vocabulary size, once `size` is known to fit in it."""
-    vocab = target.lm_head.weight.shape[0]
+    return check_draft_vocab_size(size, target.lm_head.weight.shape[0])
+
+
+def check_draft_vocab_size(size: int, vocab: int) -> int:
+    """`vocab`, once a --draft-vocab of `size` is known to fit in it (before loading)."""
     if size > vocab:
         raise GumihoError(f"--draft-vocab {size} is larger than the target's "
                           f"vocabulary ({vocab} tokens): give at most {vocab} (or 0 for all)")
