@@ -130,7 +130,11 @@
 #        1.63x training tokens/s on the AMX Xeon in bf16 over 32,768, never measured on a
 #        GPU): the runs' tokens/s against the eighth lease's ~50k says what it does there
 #        (`python scripts/train_loss_ab.py --device cuda --batch-size 32` if a call has
-#        a minute to spare).
+#        a minute to spare). Since session 49 the head's product runs inside that loss
+#        (head_soft_cross_entropy: a term keeps dL/dhidden, not a tokens x vocabulary
+#        gradient; CPU-tested only): the suite's tests/test_loss.py is its first CUDA run,
+#        and `python scripts/train_loss_ab.py --device cuda --loss-only 16000 --draft-vocab
+#        49152 --forms head,torch,unfused --pairs 3` prints each form's peak memory there.
 #   here: unpack, then the reference tree's tau on this CPU over 8 questions a benchmark
 #   (2.89 / 2.90 / 2.89 / 2.90 for the seventh, eighth, CPU self-text and CPU heads-only
 #   drafters; the bar is 3.0), and
