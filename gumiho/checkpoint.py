@@ -134,6 +134,45 @@ def save_drafter(model: nn.Module, out_dir: str | Path, include_embed: bool = Fa
     return out
 
 
+def saved_config(path: Path) -> dict | None:
+    """A drafter dir's config.json (None without one), or one line saying it is broken."""
+    if not (path / "config.json").exists():
+        return None
+    try:
+        saved = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GumihoError(f"drafter config {path / 'config.json'} is not valid JSON "
+                          f"({type(exc).__name__}): fix it, or delete it to derive the "
+                          "shape from the target") from None
+    if not isinstance(saved, dict):
+        raise GumihoError(f"drafter config {path / 'config.json'} is not a JSON object: "
+                          "fix it, or delete it to derive the shape from the target")
+    return saved
+
+
+def check_drafter_files(path: str | Path, method: str | None = None) -> Path:
+    """What can be told of a drafter dir without reading its weights (a dry run): a dir,
+    a weights file (a safetensors one whose header covers the file: not cut short), and
+    config.json's method, where it names one, `method`."""
+    path = check_drafter_dir(path)
+    saved = saved_config(path)
+    if method and saved and saved.get("method") and saved["method"] != method:
+        raise GumihoError(f"checkpoint is a {saved['method']} drafter, not {method}")
+    file = next((path / name for name in WEIGHT_FILES if (path / name).exists()), None)
+    if file is None:
+        raise GumihoError(f"{path}: no {' or '.join(WEIGHT_FILES)} found")
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - any header failure means a broken file
+            raise GumihoError(f"cannot read {file}: {type(exc).__name__} (is it complete?)") \
+                from None
+    return path
+
+
 def read_state(path: Path) -> dict[str, Tensor]:
     for name in WEIGHT_FILES:
         file = path / name
@@ -196,17 +235,7 @@ def load_drafter_model(path: str | Path, target, method: str | None = None,
     float32, so a 16-bit checkpoint is read exactly whatever the target's dtype)."""
     path = check_drafter_dir(path)
     state = read_state(path)
-    saved = None
-    if (path / "config.json").exists():
-        try:
-            saved = json.loads((path / "config.json").read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise GumihoError(f"drafter config {path / 'config.json'} is not valid JSON "
-                              f"({type(exc).__name__}): fix it, or delete it to derive the "
-                              "shape from the target") from None
-        if not isinstance(saved, dict):
-            raise GumihoError(f"drafter config {path / 'config.json'} is not a JSON object: "
-                              "fix it, or delete it to derive the shape from the target")
+    saved = saved_config(path)
     fc = state.get("fc.weight", state.get("medusa_head.0.0.linear.weight"))
     if fc is not None and fc.shape[0] != target.hidden_size:
         raise GumihoError(f"drafter {path} is for hidden size {fc.shape[0]}, but target "

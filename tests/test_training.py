@@ -666,6 +666,24 @@ def test_the_dry_run_refuses_what_the_run_would(tiny_target_dir, tiny_data_dir, 
     assert capsys.readouterr().out.startswith("ok: gumiho drafter")
 
 
+def test_the_dry_run_reads_an_init_checkpoints_method_and_completeness(tmp_path, capsys):
+    """--init-from of another method, or with its weights cut short, stops at the dry run
+    (each read from the config and the safetensors header, not the weights)."""
+    import os
+    import shutil
+
+    shipped = Path(__file__).parents[1] / "gumiho" / "assets" / "smollm2"
+    cut = tmp_path / "cut"
+    shutil.copytree(shipped / "gumiho", cut)
+    os.truncate(cut / "model.safetensors", (cut / "model.safetensors").stat().st_size // 2)
+    common = ["--online", "--output-dir", str(tmp_path / "run"), "--dry-run", "--init-from"]
+    assert main([*common, str(shipped / "eagle2")]) == 2
+    assert capsys.readouterr().err.strip() == "error: checkpoint is a eagle2 drafter, not gumiho"
+    assert main([*common, str(cut)]) == 2
+    assert "model.safetensors: SafetensorError (is it complete?)" in capsys.readouterr().err
+    assert main([*common, str(shipped / "gumiho")]) == 0
+
+
 def test_accuracy_tool_compares_two_drafters_sample_by_sample(smollm2, tmp_path, capsys):
     """--against: each drafter's mean over samples, and per position the mean of the
     per-sample differences with its 95% interval. The shipped Gumiho against itself differs

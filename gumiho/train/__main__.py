@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from gumiho.checkpoint import check_drafter_dir, save_drafter
+from gumiho.checkpoint import check_drafter_files, save_drafter
 from gumiho.config import TrainConfig
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int
 from gumiho.methods import DRAFTER_METHODS
@@ -180,7 +180,7 @@ def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
         check_width(manifest, data_dir, target.hidden_size)
     check_draft_vocab_size(config.draft_vocab, target.vocab_size)
     if config.init_from:
-        check_drafter_dir(config.init_from)
+        check_drafter_files(config.init_from, config.method)
     if out.exists() and not out.is_dir():
         raise GumihoError(f"--output-dir {out} is a file: give a directory")
     parent = next(p for p in [out, *out.parents] if p.exists())
