@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 
 from gumiho.budget import choose_tree
-from gumiho.checkpoint import check_drafter_dir
+from gumiho.checkpoint import check_drafter_files
 from gumiho.config import (
     DEMO_EXTEND,
     DEMO_FLOOR,
@@ -112,6 +112,8 @@ class SpeculativeGenerator:
         auto = auto and method_spec(method).drafter  # nothing to size without a drafter
         if auto and draft is None:
             raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
+        if not isinstance(target, Target):  # --engine graphs on a CPU, before the load
+            resolve_engine(engine, choose_device_dtype(device, dtype)[0])
         loaded = target if isinstance(target, Target) else load_target(
             str(target), device=device, dtype=dtype, chat_template=chat_template,
             attn_implementation=attention)
@@ -225,8 +227,8 @@ def check_load_args(target, method, draft, tree_options: dict) -> None:
     if not isinstance(method, str):
         raise TypeError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     check_tree_options(method, tree_options)
-    if draft is not None and str(draft) != "random":
-        check_drafter_dir(draft)
+    if draft is not None and str(draft) != "random":  # its files, method and completeness
+        check_drafter_files(draft, method if method_spec(method).drafter else None)
 
 
 def check_messages(messages: list[dict]) -> None:

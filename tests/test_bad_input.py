@@ -123,6 +123,12 @@ BAD = {
     "generate_broken_chat_template": ("generate", [*HI, "--chat-template", "{{ oops("]),
     "generate_verify_width_below_the_tree": ("generate", [*HI, *RANDOM_GUMIHO, "--total-tokens",
                                                           "16", "--verify-width", "8"]),
+    # told before the (here broken) target loads
+    "generate_empty_draft_dir": ("generate", ["--target", "{dir}/truncated", "--method",
+                                              "gumiho", "--draft", "{dir}/empty_draft",
+                                              "--prompt", "hi"]),
+    "generate_graphs_engine_here": ("generate", ["--target", "{dir}/truncated", "--engine",
+                                                 "graphs", "--prompt", "hi"]),
     "generate_chat_template_without_the_messages": ("generate", [*HI, "--chat-template",
                                                                  "{{ messages[5] }}"]),
     "generate_truncated_weights": ("generate", ["--target", "{dir}/truncated", "--prompt",
@@ -197,6 +203,7 @@ def make_victims(folder: Path, tiny: str) -> None:
     """Files a careless command could destroy, and broken inputs."""
     shutil.copy(Path(__file__).parents[1] / "README.md", folder / "README.md")
     (folder / "t.csv").write_text("name,value\nalpha,1\nbeta,2\n")
+    (folder / "empty_draft").mkdir()
     chat = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
     (folder / "two_train.json").write_text(json.dumps(  # ids "a", "b": both in training
         [{"id": "a", "conversations": chat}, {"id": "b", "conversations": chat}]))
@@ -267,6 +274,8 @@ def test_error_lines_say_what_is_wrong(tmp_path, tiny_target_dir, capsys):
              "speed_on_a_readme": "give the .jsonl files gen_answers wrote",
              "generate_broken_chat_template": "--chat-template '{{ oops(' fails on a prompt",
              "alloc_empty_split": "the held_out split of",
+             "generate_empty_draft_dir": "empty_draft: no model.safetensors or "
+                                         "pytorch_model.bin found",
              "generate_verify_width_below_the_tree": "narrower than this tree's 16 tokens",
              "generate_chat_template_without_the_messages": "renders a prompt as no tokens",
              "vocab_sizes_beyond_vocabulary": "--sizes 999999 is larger than the target's"}
