@@ -155,12 +155,8 @@ def check_drafter_files(path: str | Path, method: str | None = None) -> Path:
     a weights file (a safetensors one whose header covers the file: not cut short), and
     config.json's method, where it names one, `method`."""
     path = check_drafter_dir(path)
-    saved = saved_config(path)
-    if method and saved and saved.get("method") and saved["method"] != method:
-        raise GumihoError(f"checkpoint is a {saved['method']} drafter, not {method}")
-    file = next((path / name for name in WEIGHT_FILES if (path / name).exists()), None)
-    if file is None:
-        raise GumihoError(f"{path}: no {' or '.join(WEIGHT_FILES)} found")
+    check_method(saved_config(path), method)
+    file = weights_file(path)
     if file.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -173,19 +169,30 @@ def check_drafter_files(path: str | Path, method: str | None = None) -> Path:
     return path
 
 
-def read_state(path: Path) -> dict[str, Tensor]:
+def check_method(saved: dict | None, method: str | None) -> None:
+    """One line if config.json names another method than the one asked for."""
+    if method and saved and saved.get("method") and saved["method"] != method:
+        raise GumihoError(f"checkpoint is a {saved['method']} drafter, not {method}")
+
+
+def weights_file(path: Path) -> Path:
+    """A drafter dir's weights: the first of WEIGHT_FILES there, or one line."""
     for name in WEIGHT_FILES:
-        file = path / name
-        if file.exists():
-            try:
-                if name.endswith(".safetensors"):
-                    from safetensors.torch import load_file
-                    return load_file(str(file))
-                return torch.load(file, map_location="cpu", weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - any decode failure means a broken file
-                raise GumihoError(f"cannot read {file}: {type(exc).__name__} (is it complete?)") \
-                    from None
+        if (path / name).exists():
+            return path / name
     raise GumihoError(f"{path}: no {' or '.join(WEIGHT_FILES)} found")
+
+
+def read_state(path: Path) -> dict[str, Tensor]:
+    file = weights_file(path)
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any decode failure means a broken file
+        raise GumihoError(f"cannot read {file}: {type(exc).__name__} (is it complete?)") \
+            from None
 
 
 def infer_config(state: dict[str, Tensor], target_config, method: str | None,
@@ -193,8 +200,7 @@ def infer_config(state: dict[str, Tensor], target_config, method: str | None,
     """The drafter config: config.json's Gumiho fields if present, else derived from the
     target config and the checkpoint's keys (official checkpoints)."""
     if saved and saved.get("method"):
-        if method and saved["method"] != method:
-            raise GumihoError(f"checkpoint is a {saved['method']} drafter, not {method}")
+        check_method(saved, method)
         try:
             return DrafterConfig.from_json(saved)
         except (TypeError, ValueError, KeyError, AttributeError) as exc:

@@ -211,14 +211,11 @@ class Target:
             raise GumihoError(f"target {self.name} has no tokenizer: pass token ids instead")
         if getattr(self.tokenizer, "chat_template", None):
             try:
-                ids = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
+                return templated_ids(self.tokenizer, messages)
             except Exception as exc:  # noqa: BLE001 - Jinja errors of a user's template
                 raise GumihoError(f"the chat template of {self.name} fails on this prompt "
                                   f"({type(exc).__name__}: {_first_line(exc)}): fix it or "
                                   "pass --chat-template") from None
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
         text = "\n".join(m["content"] for m in messages)
         return self.tokenizer(text)["input_ids"]
 
@@ -356,18 +353,24 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
     return target
 
 
+def templated_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of `messages` through the tokenizer's chat template, ready for the
+    reply (the template's own errors raised as they are)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
 def check_template(target: Target, template: str) -> None:
     """A user's --chat-template renders a one-message chat to some tokens, or one line
     that names it (not the target's own template, nor "empty prompt")."""
     name = f"--chat-template {template[:60]!r}"
     try:
-        ids = target.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Hello"}], add_generation_prompt=True, tokenize=True,
-            return_dict=False)
+        ids = templated_ids(target.tokenizer, [{"role": "user", "content": "Hello"}])
     except Exception as exc:  # noqa: BLE001 - Jinja errors of a user's template
         raise GumihoError(f"{name} fails on a prompt ({type(exc).__name__}: "
                           f"{_first_line(exc)}): fix the template") from None
-    if not len(ids["input_ids"] if isinstance(ids, dict) else ids):
+    if not ids:
         raise GumihoError(f"{name} renders a prompt as no tokens: it must write out the "
                           "messages' content")
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from argparse import ArgumentTypeError
 
 import torch
 from tqdm import tqdm
@@ -85,14 +84,7 @@ def drafting_seconds(target, drafters: dict[int, SerialDrafter], new_tokens: int
 
 def size_list(text: str) -> list[int]:
     """--sizes: comma-separated whole numbers of at least 0 (argparse's type)."""
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise ArgumentTypeError(f"{text!r}: give whole numbers, comma-separated "
-                                "(e.g. 8192,32768,0)") from None
-    if any(size < 0 for size in sizes):
-        raise ArgumentTypeError(f"{text!r}: sizes are at least 0 (0: the whole vocabulary)")
-    return sizes
+    return [nonnegative_int(part) for part in text.split(",")]
 
 
 def build_parser():

@@ -39,6 +39,13 @@ def top1(logits: Tensor) -> Tensor:
     return logits.max(-1).indices
 
 
+def top1_in_pieces(project, hidden: Tensor) -> Tensor:
+    """top1(project(hidden)) (M,), ARGMAX_CHUNK rows of vocabulary-wide logits at a time."""
+    if hidden.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=hidden.device)
+    return torch.cat([top1(project(part)) for part in hidden.split(ARGMAX_CHUNK)])
+
+
 @dataclass(frozen=True)
 class LossWeights:
     v: float = 1.0
@@ -75,9 +82,7 @@ class TargetDistributions:
             self.argmax = None
             if lm_head is not None:
                 dtype = lm_head.weight.dtype  # a bf16 target outside autocast
-                self.argmax = torch.cat([top1(lm_head(part.to(dtype))) for part in
-                                         chosen.split(ARGMAX_CHUNK)]) if m else \
-                    torch.zeros(0, dtype=torch.long, device=chosen.device)
+                self.argmax = top1_in_pieces(lambda part: lm_head(part.to(dtype)), chosen)
 
 
 def soft_rows(vocab: int, device: torch.device) -> int:
@@ -101,11 +106,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: Tensor, probs: Tensor, index: Tensor | None, rows: int):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) \
             if ctx.needs_input_grad[0] else None
-        if softce.takes(logits, probs, index):  # a CPU: one C pass a row (softce.c)
-            total = softce.loss_and_grad(logits, probs, index, grad).sum()
-        else:
-            with torch.autocast(logits.device.type, enabled=False):  # float32 within
-                total = _pieces(logits, probs, index, rows, grad)
+        total = _loss_and_grad(logits, probs, index, rows, grad)
         ctx.grad = grad  # an intermediate, not an input or output: kept on ctx itself
         ctx.rows_total = max(logits.shape[0], 1)
         return total / ctx.rows_total
@@ -118,6 +119,17 @@ class _SoftCrossEntropy(torch.autograd.Function):
                                "was handed on the first time; retain_graph does not keep it)")
         # a float32 0-dim factor: a bf16 gradient is scaled in float32, then rounded once
         return grad.mul_(grad_output.float() / ctx.rows_total), None, None, None
+
+
+def _loss_and_grad(logits: Tensor, probs: Tensor, index: Tensor | None, rows: int,
+                   grad: Tensor | None) -> Tensor:
+    """sum_m -sum_v p log_softmax(z) (0-dim float32), writing its gradient into `grad`
+    when given: on a CPU one C pass a row (softce.c), else torch's operators `rows` rows at
+    a time, in float32 whatever autocast says."""
+    if softce.takes(logits, probs, index):
+        return softce.loss_and_grad(logits, probs, index, grad).sum()
+    with torch.autocast(logits.device.type, enabled=False):
+        return _pieces(logits, probs, index, rows, grad)
 
 
 def _pieces(logits: Tensor, probs: Tensor, index: Tensor | None, rows: int,
@@ -184,18 +196,14 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
                 logits = head.logits(part, packed=False)  # as the unfused form's product
             if want_top1:
                 tops.append(top1(logits))
-            if grad is None:  # one buffer for every piece (the last one a view of it)
+            if needs and grad is None:  # one buffer for every piece (the last a view of it)
                 grad = torch.empty((min(rows, m), vocab), dtype=logits.dtype,
                                    device=logits.device)
-            piece = grad[: part.shape[0]]
+            piece = grad[: part.shape[0]] if needs else None
             p_rows, p_index = (probs[start : start + rows], None) if index is None else \
                 (probs, index[start : start + rows])
-            if softce.takes(logits, p_rows, p_index):
-                total += softce.loss_and_grad(logits, p_rows, p_index, piece).sum()
-            else:
-                with torch.autocast(logits.device.type, enabled=False):
-                    total += _pieces(logits, p_rows, p_index, soft_rows(vocab, logits.device),
-                                     piece)
+            total += _loss_and_grad(logits, p_rows, p_index, soft_rows(vocab, logits.device),
+                                    piece)
             if not needs:
                 continue
             if head.softcap:  # z = c tanh(x / c): dz/dx = 1 - (z / c)^2
@@ -277,7 +285,7 @@ def feature_losses(out: Tensor, features: Tensor, shift: int, targets: TargetDis
                                                    want_top1=want_acc)
     elif want_acc:
         with torch.no_grad():
-            top = torch.cat([top1(head(part)) for part in estimate.split(ARGMAX_CHUNK)])
+            top = top1_in_pieces(head, estimate)
     if want_acc:
         hit = head.to_target(top) == targets.argmax[rows]
         result["acc"] = hit.float().mean().detach()
