@@ -228,6 +228,7 @@ class ResidentPeak:
 
     def __init__(self):
         self.page, self.peak, self.running = os.sysconf("SC_PAGE_SIZE"), 0, True
+        self.samples = 0  # how many readings so far: lets a caller wait for one
         self.base = self.resident()
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
@@ -239,6 +240,7 @@ class ResidentPeak:
     def _sample(self) -> None:
         while self.running:
             self.peak = max(self.peak, self.resident())
+            self.samples += 1
             time.sleep(0.002)
 
     def stop(self) -> int:

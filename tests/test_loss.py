@@ -321,6 +321,10 @@ def test_the_ab_scripts_memory_peak_sees_a_step_sized_tensor():
         sys.path.pop(0)
     peak = train_loss_ab.ResidentPeak()
     held = torch.ones(2 ** 26)  # 256 MiB, every page written
-    time.sleep(0.05)
+    # Two more readings guarantee one began and ended while the tensor was held; waiting
+    # for them rather than a fixed time keeps this true on a loaded machine.
+    seen, deadline = peak.samples, time.monotonic() + 30
+    while peak.samples < seen + 2 and time.monotonic() < deadline:
+        time.sleep(0.002)
     del held
     assert 200 * 2 ** 20 < peak.stop() < 2 ** 31
