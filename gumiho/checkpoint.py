@@ -155,18 +155,31 @@ def check_drafter_files(path: str | Path, method: str | None = None) -> Path:
     a weights file (a safetensors one whose header covers the file: not cut short), and
     config.json's method, where it names one, `method`."""
     path = check_drafter_dir(path)
-    check_method(saved_config(path), method)
+    saved = saved_config(path)
+    check_method(saved, method)
     file = weights_file(path)
-    if file.suffix == ".safetensors":
-        from safetensors import safe_open
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
 
-        try:
-            with safe_open(str(file), "pt"):
-                pass
-        except Exception as exc:  # noqa: BLE001 - any header failure means a broken file
-            raise GumihoError(f"cannot read {file}: {type(exc).__name__} (is it complete?)") \
-                from None
+            with safe_open(str(file), "pt") as weights:
+                keys = list(weights.keys())
+        else:  # mapped, not read: only the keys are wanted
+            keys = list(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+    except Exception as exc:  # noqa: BLE001 - any header failure means a broken file
+        raise GumihoError(f"cannot read {file}: {type(exc).__name__} (is it complete?)") \
+            from None
+    if not (saved and saved.get("method")):
+        check_keys_method(keys, method)
     return path
+
+
+def check_keys_method(keys, method: str | None) -> None:
+    """One line if a checkpoint without a method in its config.json (an official one) holds
+    another method's keys than the one asked for: Medusa's heads, Gumiho's MLP heads, or
+    a serial layer alone (EAGLE-2)."""
+    if method:
+        check_method({"method": spec_from_keys(keys).name}, method)
 
 
 def check_method(saved: dict | None, method: str | None) -> None:
@@ -207,6 +220,7 @@ def infer_config(state: dict[str, Tensor], target_config, method: str | None,
             raise GumihoError(f"drafter config.json does not describe a drafter "
                               f"({type(exc).__name__}: {exc}): fix it, or delete it to "
                               "derive the shape from the target") from None
+    check_keys_method(state, method)
     spec = method_spec(method) if method else spec_from_keys(state)
     layers = {int(k.split(".")[1]) for k in state if k.startswith("layers.")}
     matches = [m for k in state if spec.head_key and (m := spec.head_key.match(k))]

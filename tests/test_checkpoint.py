@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gumiho.checkpoint import load_drafter_model, save_drafter, to_official
+from gumiho.checkpoint import check_drafter_files, load_drafter_model, save_drafter, to_official
 from gumiho.config import DrafterConfig
 from gumiho.drafters import random_drafter_model
 from gumiho.errors import GumihoError
@@ -126,3 +126,30 @@ def test_truncated_file_is_a_clear_error(tmp_path, smollm2):
         load_drafter_model(tmp_path, smollm2)
     with pytest.raises(GumihoError, match="not a directory"):
         load_drafter_model(tmp_path / "missing", smollm2)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_official_checkpoint_of_another_method_is_named_from_its_keys(tmp_path, smollm2, fmt):
+    """Without a config.json the keys say the method: Gumiho's MLP heads, or a serial layer
+    alone (EAGLE-2). Asked for another, the dry run's check (keys only: the safetensors
+    header, a mapped .bin) and the load refuse in the same one line."""
+    write_official(tmp_path / "gumiho", SMOL, fmt=fmt)
+    write_official(tmp_path / "eagle2", {k: v for k, v in SMOL.items()
+                                          if not k.startswith("mlp.")}, fmt=fmt)
+    for folder, asked in (("gumiho", "eagle2"), ("gumiho", "medusa"), ("eagle2", "gumiho")):
+        line = f"checkpoint is a {folder} drafter, not {asked}"
+        with pytest.raises(GumihoError, match=f"^{line}$"):
+            check_drafter_files(tmp_path / folder, asked)
+        with pytest.raises(GumihoError, match=f"^{line}$"):
+            load_drafter_model(tmp_path / folder, smollm2, asked)
+    for folder in ("gumiho", "eagle2"):
+        assert check_drafter_files(tmp_path / folder, folder) == tmp_path / folder
+        assert load_drafter_model(tmp_path / folder, smollm2, folder).config.method == folder
+
+
+def test_dry_run_check_refuses_a_cut_bin(tmp_path):
+    write_official(tmp_path, SMOL, fmt="bin")
+    data = (tmp_path / "pytorch_model.bin").read_bytes()
+    (tmp_path / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(GumihoError, match="cannot read .*pytorch_model.bin: .* complete"):
+        check_drafter_files(tmp_path, "gumiho")
