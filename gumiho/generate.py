@@ -95,6 +95,7 @@ class SpeculativeGenerator:
         (load_target's `attn_implementation`; "sdpa_invariant" makes bf16 verifies on a CPU
         bit for bit sequential decoding's, attention.py)."""
         check_load_args(target, method, draft, tree_options)
+        asked_depth = tree_options.get("depth")
         float32 = (target.dtype if isinstance(target, Target)
                    else choose_device_dtype(device, dtype)[1]) == torch.float32
         tree_options = preset_options(preset, method, float32, tree_options)
@@ -127,6 +128,10 @@ class SpeculativeGenerator:
                      "(--draft-gate %.2f drafts only while that pays)", tree.total_tokens,
                      tree.depth, report["break_even"], report["break_even"])
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
+        reach = getattr(drafter, "draft_depth", None)
+        if asked_depth is not None and reach is not None and reach < asked_depth:
+            log.warning("depth %d is past what this drafter drafts: its trees stop at depth "
+                        "%d (the levels its network has)", asked_depth, reach)
         if verify_width is not None and verify_width < drafter.max_nodes:
             raise GumihoError(f"--verify-width {verify_width} is narrower than this tree's "
                               f"{drafter.max_nodes} tokens (root included): give at least "
@@ -296,7 +301,8 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pruning", type=positive_int, help="nodes kept per MLP level (35)")
     group.add_argument("--depth", type=positive_int, help="draft depth: gumiho 2 serial levels + "
                        "MLP levels (7; 1: serial level 1 alone), eagle2 serial levels (6), "
-                       "medusa tree depth (4)")
+                       "medusa tree depth (4); past the drafter's heads, a note and "
+                       "its deepest")
     group.add_argument("--serial-levels", type=positive_int,
                        help="gumiho: levels the serial head drafts before the MLP heads (2, "
                        "the paper's; S > 2: levels 3..S from serial steps too, MLP head j still "

@@ -530,3 +530,22 @@ def test_tau_script_refuses_bad_drafter_specs_before_generating(spec, words, tmp
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr
     assert lines[0].startswith("error: ") and not out.exists()
+
+
+def test_a_depth_past_the_drafters_levels_is_noted(tiny_target_dir, caplog):
+    """A depth the drafter cannot reach (Gumiho: 2 serial levels + its MLP heads; Medusa:
+    its heads) still runs, at the depth it can, and says so; one it reaches says nothing."""
+    import logging
+
+    from gumiho.generate import SpeculativeGenerator
+
+    with caplog.at_level(logging.WARNING, logger="gumiho"):
+        for method, reach in (("gumiho", 7), ("medusa", 4)):
+            caplog.clear()
+            gen = SpeculativeGenerator.load(tiny_target_dir, method, "random", depth=reach + 2)
+            assert gen.drafter.draft_depth == reach
+            assert f"depth {reach + 2} is past what this drafter drafts: its trees stop at " \
+                   f"depth {reach}" in caplog.text
+            caplog.clear()
+            SpeculativeGenerator.load(tiny_target_dir, method, "random", depth=reach)
+            assert "past what this drafter drafts" not in caplog.text
