@@ -164,14 +164,23 @@ def check_drafter_files(path: str | Path, method: str | None = None) -> Path:
 
             with safe_open(str(file), "pt") as weights:
                 keys = list(weights.keys())
-        else:  # mapped, not read: only the keys are wanted
-            keys = list(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+        else:
+            keys = list(bin_keys(file))
     except Exception as exc:  # noqa: BLE001 - any header failure means a broken file
         raise GumihoError(f"cannot read {file}: {type(exc).__name__} (is it complete?)") \
             from None
     if not (saved and saved.get("method")):
         check_keys_method(keys, method)
     return path
+
+
+def bin_keys(file: Path) -> dict:
+    """A pytorch_model.bin's state mapped, not read, where its format allows (torch's
+    zip format, since 1.6): the keys are what is wanted; an older file is read whole."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:
+        return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def check_keys_method(keys, method: str | None) -> None:

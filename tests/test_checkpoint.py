@@ -147,6 +147,15 @@ def test_official_checkpoint_of_another_method_is_named_from_its_keys(tmp_path, 
         assert load_drafter_model(tmp_path / folder, smollm2, folder).config.method == folder
 
 
+def test_dry_run_check_reads_an_old_format_bin_whole(tmp_path):
+    """torch's pre-1.6 format cannot be mapped: its keys are read from the whole file."""
+    torch.save({k: torch.zeros(1) for k in SMOL}, tmp_path / "pytorch_model.bin",
+               _use_new_zipfile_serialization=False)
+    assert check_drafter_files(tmp_path, "gumiho") == tmp_path
+    with pytest.raises(GumihoError, match="^checkpoint is a gumiho drafter, not eagle2$"):
+        check_drafter_files(tmp_path, "eagle2")
+
+
 def test_dry_run_check_refuses_a_cut_bin(tmp_path):
     write_official(tmp_path, SMOL, fmt="bin")
     data = (tmp_path / "pytorch_model.bin").read_bytes()
