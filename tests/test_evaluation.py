@@ -287,3 +287,26 @@ def test_the_eval_script_runs_gumiho_variants_side_by_side(smollm2, tmp_path, in
                          *(f"gumiho (tree 8, depth 7, confidence {v.split()[1]})"
                            for v in variants)}
     assert all(rows[label]["identical"] == [1, 1] for label in rows if label != "ar")
+
+
+def test_report_gives_no_speedup_across_answer_lengths_and_names_each_commit(tmp_path,
+                                                                            capsys):
+    """Answers capped at another --max-new-tokens are another workload (and another text:
+    "same text as plain 0/1" would read as a lossless failure): no speedup, one note. Runs
+    from two commits are named, since the header shows the first file's alone."""
+    ar = [record(1, "ar", 16, 16, 1.0, [1] * 16, text="a")]
+    gm = [record(1, "gumiho", 8, 4, 0.2, [1, 2, 3, 2], text="b")]
+    ar[0]["settings"]["max_new_tokens"], gm[0]["settings"]["max_new_tokens"] = 16, 8
+    ar[0]["env"]["git_commit"], gm[0]["env"]["git_commit"] = "aaa", "bbb"
+    files = write_files(tmp_path, {"ar": ar, "gm": gm})
+    notes: list[str] = []
+    row = speed.report(speed.read_answers(files), notes=notes)["0.0"]["mt_bench"]["gumiho"]
+    assert "speedup" not in row and "identical" not in row
+    assert notes == ["gumiho and ar on mt_bench ran differently (max_new_tokens=8 for "
+                     "gumiho, 16 for ar): no speedup for it"]
+    assert speed.commits(speed.read_answers(files)) == [
+        "the answers come from 2 commits: aaa: ar mt_bench; bbb: gumiho mt_bench"]
+    gm[0]["settings"]["max_new_tokens"], gm[0]["env"]["git_commit"] = 16, "aaa"
+    files = write_files(tmp_path, {"ar": ar, "gm": gm})
+    assert "speedup" in speed.report(speed.read_answers(files))["0.0"]["mt_bench"]["gumiho"]
+    assert speed.commits(speed.read_answers(files)) == []

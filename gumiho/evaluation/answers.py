@@ -106,14 +106,16 @@ def _refusal(path: Path, number: int, problem: str, has_records: bool, writing: 
                                                 "run this again"))
 
 
-def settings_mismatch(old: dict, new: dict, keys: tuple[str, ...] = RESUME_KEYS) -> str | None:
-    """The first of `keys` on which two records' settings differ."""
+def settings_mismatch(old: dict, new: dict, keys: tuple[str, ...] = RESUME_KEYS,
+                      sides: tuple[str, str] = ("in the file", "now")) -> str | None:
+    """The first of `keys` on which two records' settings differ, each value followed by
+    its side's name."""
     for key in keys:
         a, b = old.get(key), new.get(key)
         if key in ("target", "draft") and a != b and a and b and _same_path(a, b):
             continue
         if a != b:
-            return f"{key}={_show(a)} in the file, {_show(b)} now"
+            return f"{key}={_show(a)} {sides[0]}, {_show(b)} {sides[1]}"
     return None
 
 

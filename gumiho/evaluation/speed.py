@@ -92,7 +92,7 @@ def read_answers(paths: list[str]) -> dict[tuple, dict]:
             s = rec["settings"]
             key = (method_label(s), s["bench"], s["temperature"])
             where, ref = first.setdefault(key, (path, rec))
-            diff = run_mismatch(ref, rec, GROUP_KEYS)
+            diff = run_mismatch(ref, rec, GROUP_KEYS, (f"in {where}", f"in {path}"))
             if diff:
                 raise GumihoError(f"{where} and {path} both hold {key[0]} {key[1]} answers at "
                                   f"T={key[2]}, but made differently ({diff}): report them "
@@ -107,11 +107,12 @@ def read_answers(paths: list[str]) -> dict[tuple, dict]:
     return groups
 
 
-def run_mismatch(a: dict, b: dict, keys: tuple[str, ...]) -> str | None:
+def run_mismatch(a: dict, b: dict, keys: tuple[str, ...],
+                 sides: tuple[str, str] = ("in the file", "now")) -> str | None:
     """The first setting (or device/dtype/attention) on which two answer records' runs
     differ."""
-    return settings_mismatch(a["settings"], b["settings"], keys) or settings_mismatch(
-        a.get("env", {}), b.get("env", {}), ("device", "dtype", "attention"))
+    return settings_mismatch(a["settings"], b["settings"], keys, sides) or settings_mismatch(
+        a.get("env", {}), b.get("env", {}), ("device", "dtype", "attention"), sides)
 
 
 def stats(records: list[dict]) -> dict:
@@ -173,6 +174,19 @@ def rate(rec: dict) -> float:
     return tokens / max(wall, 1e-12)
 
 
+def commits(groups: dict[tuple, dict]) -> list[str]:
+    """A note when the answers came from more than one commit (the report's header names
+    the first file's): which runs each commit made."""
+    made: dict[str, set] = defaultdict(set)
+    for (label, bench, _), answers in groups.items():
+        for rec in answers.values():
+            made[rec.get("env", {}).get("git_commit", "unknown")].add(f"{label} {bench}")
+    if len(made) < 2:
+        return []
+    return ["the answers come from " + str(len(made)) + " commits: " + "; ".join(
+        f"{commit}: {', '.join(sorted(runs))}" for commit, runs in sorted(made.items()))]
+
+
 def slow_answers(groups: dict[tuple, dict]) -> list[str]:
     """A note per answer far below its run's median rate on its benchmark."""
     notes = []
@@ -210,7 +224,8 @@ def report(groups: dict[tuple, dict], baseline: str = "ar",
                          "no speedup for it (answer the same questions to compare)")
         row = stats([answers[q] for q in shared or answers])
         unfair = shared and run_mismatch(answers[shared[0]], base[shared[0]],
-                                         ("target", "engine"))
+                                         ("target", "engine", "max_new_tokens"),
+                                         (f"for {label}", f"for {baseline}"))
         if unfair:
             notes.append(f"{label} and {baseline} on {bench} ran differently ({unfair}): no "
                          "speedup for it")
@@ -351,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     if named and not any(label == args.versus for label, _, _ in groups):
         notes.append(f"no {args.versus!r} answers among the files: no per-question wins")
     rep = report(groups, args.baseline, notes, args.versus)
-    notes += slow_answers(groups)
+    notes += commits(groups) + slow_answers(groups)
     first = next(iter(next(iter(groups.values())).values()))
     out.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(rep, first.get("env", {}), first["settings"].get("engine", "eager"),
