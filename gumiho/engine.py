@@ -349,6 +349,9 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
     result = GenerationResult() if result is None else result
     timer = PhaseTimer(target.device, config.profile)
     start = last = time.perf_counter()
+    # The caller's time between cycles (a stream's printing) is its own, not the loop's:
+    # wall_s and cycle_s leave out every pause at `yield`.
+    away, paused_at = 0.0, None
     cycles = speculative_cycles(target, drafter, prompt_ids, config, timer, on_cycle)
     try:
         for new in cycles:
@@ -358,18 +361,20 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
                 new, result.stopped_by = new[: stops[0] + 1], "stop_token"
             elif len(new) >= room:
                 new, result.stopped_by = new[:room], "max_new_tokens"
-            now = time.perf_counter()
+            now = paused_at = time.perf_counter()
             result.token_ids += new
             result.accept_lengths.append(len(new))
             result.cycle_s.append(now - last)
-            last = now
             yield new
+            last = time.perf_counter()
+            away, paused_at = away + last - now, None
             if result.stopped_by:
                 break
     finally:  # also when the caller stops early: the result covers what it was given
         cycles.close()
         result.stopped_by = result.stopped_by or "closed"
-        result.wall_s = time.perf_counter() - start
+        end = time.perf_counter() if paused_at is None else paused_at  # closed at a yield
+        result.wall_s = end - start - away
         result.phase_s = dict(timer.totals)
         result.text = target.decode(result.token_ids)
     return result

@@ -35,7 +35,7 @@ from gumiho.config import (
 )
 from gumiho.drafter_api import Drafter
 from gumiho.drafters import load_drafter
-from gumiho.engine import GenerateConfig, GenerationResult, generate
+from gumiho.engine import GenerateConfig, GenerationResult, check_prompt, generate
 from gumiho.errors import (
     ArgumentParser,
     GumihoError,
@@ -171,7 +171,9 @@ class SpeculativeGenerator:
         config = GenerateConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                                 seed=seed, verify_width=self.verify_width,
                                 engine=self.engine)
-        return generate(self.target, self.drafter, self.prompt_ids(prompt), config, result)
+        ids = self.prompt_ids(prompt)
+        check_prompt(self.target, ids, max_new_tokens)  # now, not at the first piece
+        return generate(self.target, self.drafter, ids, config, result)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                  seed: int = 0) -> GenerationResult:
@@ -196,17 +198,24 @@ class SpeculativeGenerator:
     def _run(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int,
              pieces: bool) -> Iterator[str]:
         """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the
-        engine decodes the whole answer once, into `result.text`)."""
+        engine decodes the whole answer once, into `result.text`). The call itself, not
+        its first piece, supersedes an older stream and checks the prompt."""
         self.last_result = None
-        owner = self._active = object()  # which stream may use the shared caches now
+        # The caches belong to the target, which other generators may share: one owner.
+        owner = self._active = self.target.stream_owner = object()
         result = GenerationResult()
         steps = self._steps(prompt, max_new_tokens, temperature, seed, result)
+        return self._pieces(owner, steps, result, pieces)
+
+    def _pieces(self, owner: object, steps: Iterator[list[int]], result: GenerationResult,
+                pieces: bool) -> Iterator[str]:
         text = TextPieces(self.target.decode) if pieces else None
         try:
             while True:
-                if self._active is not owner:
+                if self.target.stream_owner is not owner:
                     raise GumihoError("this stream was superseded by a newer generate/stream "
-                                      "call on the same generator: finish one before the next")
+                                      "call on the same target (this generator or another "
+                                      "sharing it): finish one before the next")
                 try:
                     new = next(steps)
                 except StopIteration:

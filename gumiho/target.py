@@ -75,6 +75,9 @@ class Target:
     # The loop's TargetRunner per engine (engine.target_runner): its KV cache and captured
     # steps are bound to this model, so they live as long as the target does.
     runners: dict = field(default_factory=dict, repr=False, compare=False)
+    # The stream now driving those caches, of whichever generator sharing this target
+    # (SpeculativeGenerator._run): a newer call supersedes it.
+    stream_owner: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:

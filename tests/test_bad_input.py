@@ -442,6 +442,62 @@ def test_generate_decodes_once_and_stream_short_windows(plain_gen, monkeypatch):
     assert "".join(pieces) == plain_gen.last_result.text == result.text
 
 
+def test_a_stream_on_a_shared_target_is_superseded_by_another_generators_call(plain_gen,
+                                                                             smollm2):
+    """The KV cache is the target's: a call on another generator sharing it ends an older
+    stream (it raises when continued) instead of corrupting its text."""
+    from gumiho.drafters import PlainDrafter
+    from gumiho.generate import SpeculativeGenerator
+
+    other = SpeculativeGenerator(smollm2, PlainDrafter())
+    alone = plain_gen.generate("Name three colours.", max_new_tokens=12)
+    first = plain_gen.stream("Name three colours.", max_new_tokens=12)
+    head = next(first)
+    other.generate("Write a haiku about the sea.", max_new_tokens=12)
+    with pytest.raises(GumihoError, match="superseded .* another sharing it"):
+        next(first)
+    assert alone.text.startswith(head)
+    assert plain_gen.generate("Name three colours.", max_new_tokens=12).text == alone.text
+
+
+def test_stream_supersedes_and_checks_its_prompt_when_called(plain_gen):
+    """stream() itself, before its first piece: an older result is no longer
+    `last_result`, and a bad prompt raises at the call."""
+    plain_gen.generate([1, 2, 3], max_new_tokens=4)
+    pieces = plain_gen.stream("Hi", max_new_tokens=4)
+    assert plain_gen.last_result is None
+    pieces.close()
+    with pytest.raises(GumihoError, match="empty prompt"):
+        plain_gen.stream("", max_new_tokens=4)
+    with pytest.raises(GumihoError, match="exceeds"):
+        plain_gen.stream("Hi", max_new_tokens=10**12)
+
+
+def test_a_streams_speed_leaves_out_the_callers_time(plain_gen):
+    """wall_s (so tokens/s) and cycle_s count the loop, not what the caller does between
+    pieces (printing to a slow terminal, a notebook's output): at most the time the stream
+    took less the time the caller slept, whether it ran to the end or was closed."""
+    import time
+
+    def consume(stop_after=None):
+        slept, begin = 0.0, time.perf_counter()
+        for i, _ in enumerate(plain_gen.stream("Name three colours.", max_new_tokens=8)):
+            t = time.perf_counter()
+            time.sleep(0.1)
+            slept += time.perf_counter() - t
+            if i == stop_after:
+                break
+        return time.perf_counter() - begin - slept
+
+    own = consume()
+    result = plain_gen.last_result
+    assert result.stopped_by != "closed" and result.cycles >= 4
+    assert result.wall_s <= own and sum(result.cycle_s) <= own
+    own = consume(stop_after=2)
+    assert plain_gen.last_result.stopped_by == "closed"
+    assert plain_gen.last_result.wall_s <= own
+
+
 def test_a_newer_stream_supersedes_an_older_one(plain_gen):
     first = plain_gen.stream("Count to ten.", max_new_tokens=20)
     next(first)
