@@ -157,6 +157,20 @@ def preset_options(preset: str | None, method: str, float32: bool, options: dict
     return merged
 
 
+EAGER_ONLY = ("min_confidence", "extend_confidence", "draft_gate", "lookup_first")
+
+
+def check_engine_options(options: dict, engine: str) -> None:
+    """Refuse the tree flags that only the eager engine reads (each changes a cycle's shape
+    as it runs, where a captured step keeps one), rather than ignore them."""
+    asked = [k for k in EAGER_ONLY if options.get(k)]
+    if asked and engine != "eager":
+        flags = ", ".join("--" + k.replace("_", "-") for k in asked)
+        raise GumihoError(f"{flags} work on the eager engine only (a captured step keeps one "
+                          f"shape), not --engine {engine}: add --engine eager, or leave "
+                          f"{'it' if len(asked) == 1 else 'them'} out")
+
+
 def check_tree_options(method: str, options: dict) -> None:
     """Refuse tree flags that `method` does not use (e.g. --fta with eagle2): setting one
     is refused, not silently ignored."""

@@ -30,6 +30,7 @@ from gumiho.config import (
     FTA_MODES,
     PRESETS,
     TreeConfig,
+    check_engine_options,
     check_tree_options,
     preset_options,
 )
@@ -95,7 +96,7 @@ class SpeculativeGenerator:
         (load_target's `attn_implementation`; "sdpa_invariant" makes bf16 verifies on a CPU
         bit for bit sequential decoding's, attention.py)."""
         check_load_args(target, method, draft, tree_options)
-        asked_depth = tree_options.get("depth")
+        user_options, asked_depth = tree_options, tree_options.get("depth")
         float32 = (target.dtype if isinstance(target, Target)
                    else choose_device_dtype(device, dtype)[1]) == torch.float32
         tree_options = preset_options(preset, method, float32, tree_options)
@@ -114,11 +115,13 @@ class SpeculativeGenerator:
         if auto and draft is None:
             raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
         if not isinstance(target, Target):  # --engine graphs on a CPU, before the load
-            resolve_engine(engine, choose_device_dtype(device, dtype)[0])
+            check_engine_options(user_options, resolve_engine(
+                engine, choose_device_dtype(device, dtype)[0]))
         loaded = target if isinstance(target, Target) else load_target(
             str(target), device=device, dtype=dtype, chat_template=chat_template,
             attn_implementation=attention)
         engine = resolve_engine(engine, loaded.device)
+        check_engine_options(user_options, engine)  # the preset's are for eager alone
         tree.check_vocab(loaded.lm_head.weight.shape[0])
         report = None
         if auto:
