@@ -157,6 +157,13 @@ def preset_options(preset: str | None, method: str, float32: bool, options: dict
     return merged
 
 
+def check_number(name: str, value, integer: bool = True) -> None:
+    """A tree setting of the API's own type (the CLI's argparse converts): TypeError."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
+        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got "
+                        f"{value!r} ({type(value).__name__})")
+
+
 EAGER_ONLY = ("min_confidence", "extend_confidence", "draft_gate", "lookup_first")
 
 
@@ -230,37 +237,37 @@ class TreeConfig:
         for name in ("total_tokens", "top_k", "mlp_topk", "pruning", "depth"):
             value = getattr(self, name)
             flag = "--" + name.replace("_", "-")
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise GumihoError(f"{flag} must be an integer, got {value!r}")
+            check_number(name, value)
             if value < (2 if name == "total_tokens" else 1):
                 raise GumihoError(f"{flag} must be at least "
                                   f"{2 if name == 'total_tokens' else 1}, got {value}")
             if value > MAX_TREE_SETTING:
                 raise GumihoError(f"{flag} {value} is too large (at most {MAX_TREE_SETTING}: "
                                   "the reference trees verify 60-64 tokens)")
-        if isinstance(self.serial_levels, bool) or not isinstance(self.serial_levels, int) \
-                or not (self.serial_levels == 0 or 2 <= self.serial_levels <= MAX_TREE_SETTING):
+        check_number("serial_levels", self.serial_levels)
+        if not (self.serial_levels == 0 or 2 <= self.serial_levels <= MAX_TREE_SETTING):
             raise GumihoError(f"--serial-levels must be 0 (the method's own) or an integer "
                               f"from 2 to {MAX_TREE_SETTING}, got {self.serial_levels!r}")
         if self.serial_levels > 2 and self.fta == "exact":
             raise GumihoError("--fta exact completes paths from MLP level 3: it takes the "
                               "paper's 2 serial levels (leave --serial-levels out)")
-        if isinstance(self.lookup, bool) or not isinstance(self.lookup, int) or not (
-                0 <= self.lookup <= MAX_TREE_SETTING):
+        check_number("lookup", self.lookup)
+        if not 0 <= self.lookup <= MAX_TREE_SETTING:
             raise GumihoError(f"--lookup must be an integer from 0 to {MAX_TREE_SETTING}, "
                               f"got {self.lookup!r}")
         if not isinstance(self.lookup_first, bool):
-            raise GumihoError(f"lookup_first must be True or False, got {self.lookup_first!r}")
+            raise TypeError(f"lookup_first must be True or False, got {self.lookup_first!r}")
         if self.lookup_first and not self.lookup:
             raise GumihoError("--lookup-first needs a lookup chain: add --lookup N")
         gate = self.draft_gate
-        if isinstance(gate, bool) or not isinstance(gate, int | float) or not (
-                0 <= gate <= MAX_TREE_SETTING):
+        check_number("draft_gate", gate, integer=False)
+        if not 0 <= gate <= MAX_TREE_SETTING:
             raise GumihoError(f"--draft-gate must be a number from 0 to {MAX_TREE_SETTING} "
                               f"(tokens per drafter cycle), got {gate!r}")
         for name in ("min_confidence", "extend_confidence"):
             conf = getattr(self, name)
-            if isinstance(conf, bool) or not isinstance(conf, int | float) or not 0 <= conf < 1:
+            check_number(name, conf, integer=False)
+            if not 0 <= conf < 1:
                 raise GumihoError(f"--{name.replace('_', '-')} must be a probability from 0 "
                                   f"(off) up to but not including 1, got {conf!r}")
 

@@ -245,6 +245,9 @@ def choose_device_dtype(
     else:
         names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+        if not isinstance(dtype, str):
+            raise TypeError(f"dtype must be one of {', '.join(names)} or a torch dtype, got "
+                            f"{dtype!r} ({type(dtype).__name__})")
         if dtype not in names:
             raise GumihoError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
         torch_dtype = names[dtype]
@@ -314,10 +317,18 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
                 attn_implementation: str | None = None) -> Target:
     """Load a frozen target model and tokenizer from a local dir or an embedded alias.
     chat_template: 'vicuna' or a Jinja string, for tokenizers without their own.
-    attn_implementation: sdpa or eager (both take tree masks); default `default_attention`."""
+    attn_implementation: one of ATTENTION_CHOICES (sdpa or eager: both take tree masks;
+    sdpa_invariant: a CPU verify's rows each as in one-token decoding, attention.py);
+    default `default_attention`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    for name, value in (("chat_template", chat_template), ("attention", attn_implementation)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a string, got {value!r} ({type(value).__name__})")
+    if attn_implementation is not None and attn_implementation not in ATTENTION_CHOICES:
+        raise GumihoError(f"attention {attn_implementation!r} is not one the tree verify "
+                          f"drives: use {', '.join(ATTENTION_CHOICES)}")
     path = resolve_target_path(name_or_path)
     dev, torch_dtype = choose_device_dtype(device, dtype)
     log.info("target %s on %s in %s", name_or_path, dev, torch_dtype)

@@ -513,8 +513,20 @@ def test_a_newer_stream_supersedes_an_older_one(plain_gen):
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"target": 123}, TypeError, "target must be a path"),
     ({"method": "banana"}, GumihoError, "unknown method 'banana'"),
-    ({"method": "gumiho", "draft": "random", "total_tokens": "64"}, GumihoError,
-     "--total-tokens must be an integer"),
+    ({"method": "gumiho", "draft": "random", "total_tokens": "64"}, TypeError,
+     "total_tokens must be an int, got '64' \\(str\\)"),
+    ({"method": "gumiho", "draft": "random", "top_k": 2.5}, TypeError,
+     "top_k must be an int, got 2.5"),
+    ({"method": "gumiho", "draft": "random", "min_confidence": "0.1"}, TypeError,
+     "min_confidence must be a number"),
+    ({"method": "gumiho", "draft": "random", "lookup": 2, "lookup_first": 1}, TypeError,
+     "lookup_first must be True or False"),
+    ({"attention": "flash_attention_2"}, GumihoError,  # not "delete the converted model"
+     "^attention 'flash_attention_2' is not one the tree verify drives: use sdpa, eager, "
+     "sdpa_invariant$"),
+    ({"attention": 5}, TypeError, "attention must be a string"),
+    ({"chat_template": 5}, TypeError, "chat_template must be a string"),
+    ({"dtype": 5}, TypeError, "dtype must be one of float32"),
     ({"method": "gumiho", "draft": "random", "top_k": 0}, GumihoError,
      "--top-k must be at least 1"),
     ({"method": "eagle2", "draft": "random", "fta": "exact"}, GumihoError,
