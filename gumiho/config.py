@@ -283,7 +283,11 @@ class TreeConfig:
         """The method's reference tree (methods.py), with the overrides that are set."""
         spec = BY_NAME.get(method)
         base = cls(**spec.tree) if spec else cls()
-        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+        tree = replace(base, **{k: v for k, v in overrides.items() if v is not None})
+        if method == "lookup" and not tree.lookup:  # else plain decoding, named "lookup"
+            raise GumihoError("--method lookup needs a chain: --lookup of at least 1 (its "
+                              "default is 10; plain decoding is --method ar)")
+        return tree
 
 
 @dataclass(frozen=True)

@@ -525,6 +525,7 @@ def test_a_newer_stream_supersedes_an_older_one(plain_gen):
      "^attention 'flash_attention_2' is not one the tree verify drives: use sdpa, eager, "
      "sdpa_invariant$"),
     ({"attention": 5}, TypeError, "attention must be a string"),
+    ({"method": "lookup", "lookup": 0}, GumihoError, "--method lookup needs a chain"),
     ({"chat_template": 5}, TypeError, "chat_template must be a string"),
     ({"dtype": 5}, TypeError, "dtype must be one of float32"),
     ({"method": "gumiho", "draft": "random", "top_k": 0}, GumihoError,

@@ -310,3 +310,13 @@ def test_report_gives_no_speedup_across_answer_lengths_and_names_each_commit(tmp
     files = write_files(tmp_path, {"ar": ar, "gm": gm})
     assert "speedup" in speed.report(speed.read_answers(files))["0.0"]["mt_bench"]["gumiho"]
     assert speed.commits(speed.read_answers(files)) == []
+
+
+def test_a_question_end_past_the_benchmark_is_noted(capsys):
+    from gumiho.evaluation.gen_answers import pick_questions
+
+    assert len(pick_questions("mt_bench", 78, 1000)) == 2
+    assert capsys.readouterr().err == ("note: --question-end 1000 is past mt_bench's 80 "
+                                       "questions: answering 78..79\n")
+    assert len(pick_questions("mt_bench", 0, 80)) == 80
+    assert capsys.readouterr().err == ""

@@ -114,6 +114,9 @@ def pick_questions(bench: str, begin: int, end: int | None) -> list[dict]:
     if begin >= len(questions):
         raise GumihoError(f"--question-begin {begin} is beyond {bench}'s {len(questions)} "
                           f"questions (0..{len(questions) - 1})")
+    if end is not None and end > len(questions):  # a slice would quietly stop at the end
+        print(f"note: --question-end {end} is past {bench}'s {len(questions)} questions: "
+              f"answering {begin}..{len(questions) - 1}", file=sys.stderr)
     return questions[begin:end]
 
 
