@@ -26,6 +26,13 @@ from gumiho.tree import DraftTree
 
 
 class Drafter(Protocol):
+    """What the loop asks of a drafter (engine.py): `begin` once a generation, with the
+    target and the cache capacity; `observe` the target's features (N, H) for the tokens
+    just accepted and the tokens (N,) that follow each of them (`tokens`: the same as host
+    ints, where the loop has them); `propose` a DraftTree whose root is the newest token,
+    for the target to verify. Plain decoding, Gumiho, EAGLE-2, Medusa and the wrappers (a
+    prompt-lookup chain, the drafting gate) all are one."""
+
     name: str
     max_nodes: int  # the largest tree `propose` returns, root included
     draft_depth: int  # the deepest node such a tree can have

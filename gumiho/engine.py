@@ -37,12 +37,14 @@ HOST_MATCH = True  # greedy acceptance in Python on the eager CPU loop (False: m
 
 @dataclass(frozen=True)
 class GenerateConfig:
+    """One generation's settings (the tree is the drafter's): checked when made."""
+
     max_new_tokens: int = 256
     temperature: float = 0.0
     seed: int = 0
     profile: bool = False  # time each phase (adds a device sync around every phase)
     verify_width: int | None = None  # pad every verify step to this many tokens (static shape)
-    engine: str | None = None  # eager | graphs | compile (graphs.py); None: by device
+    engine: str | None = None  # graphs.ENGINES; None: graphs on a GPU, eager on a CPU
 
     def __post_init__(self):
         check_positive_int("max_new_tokens", self.max_new_tokens)
@@ -63,9 +65,12 @@ class GenerateConfig:
 
 @dataclass
 class GenerationResult:
+    """One answer: its tokens and text, and how the loop made them (tau, tokens/s, each
+    cycle's accept length and time; README, How tokens and tau are counted)."""
+
     token_ids: list[int] = field(default_factory=list)  # new tokens only
     accept_lengths: list[int] = field(default_factory=list)  # per cycle, prefill first
-    cycle_s: list[float] = field(default_factory=list)  # wall time of each cycle
+    cycle_s: list[float] = field(default_factory=list)  # each cycle's own time
     wall_s: float = 0.0
     text: str = ""
     # "stop_token", "max_new_tokens", or "closed" (the caller stopped a stream early)

@@ -71,7 +71,7 @@ class SpeculativeGenerator:
         self.target = target
         self.drafter = drafter
         self.verify_width = verify_width  # pad verify steps to one static shape
-        self.engine = engine  # eager | graphs | compile; None: graphs on GPU, eager on CPU
+        self.engine = engine  # graphs.ENGINES; None: graphs on GPU, eager on CPU
         self.last_result: GenerationResult | None = None
         self._active: object | None = None  # the stream now driving the caches
         self.auto_report: dict | None = None
@@ -181,9 +181,9 @@ class SpeculativeGenerator:
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                  seed: int = 0) -> GenerationResult:
         """The whole answer: text, token ids and statistics (tau, tokens/s, ...). The text
-        is decoded once, at the end: `stream` decodes the text so far after every cycle,
-        which on a GPU, where a small model's step takes a few milliseconds, costs plain
-        decoding (a cycle per token) a larger share than a drafter's fewer cycles."""
+        is decoded once, at the end: a decode after every cycle, as `stream` needs (of a
+        short window), would cost plain decoding (a cycle per token) a larger share than a
+        drafter's fewer cycles on a GPU, where a small model's step takes milliseconds."""
         for _ in self._run(prompt, max_new_tokens, temperature, seed, pieces=False):
             pass
         return self.last_result
@@ -286,8 +286,9 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
                         "(CPU: each row of a verify computed as in one-token decoding, so bf16 "
                         "output is bit for bit plain decoding's; slower verifies)")
     parser.add_argument("--engine", default=None, choices=ENGINES,
-                        help="how steps run: eager, graphs (CUDA graphs) or compile "
-                        "(torch.compile); default graphs on a GPU, eager on a CPU")
+                        help="how steps run: eager, graphs (CUDA graphs), compile "
+                        "(torch.compile) or static (a replay's data flow without capture, "
+                        "for checks on a CPU); default graphs on a GPU, eager on a CPU")
 
 
 def add_preset_arg(parser: argparse.ArgumentParser) -> None:

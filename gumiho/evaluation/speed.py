@@ -21,6 +21,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from gumiho.attention import SDPA_GQA
 from gumiho.config import TreeConfig
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors
 from gumiho.evaluation.answers import read_answer_file, settings_mismatch
@@ -261,10 +262,17 @@ def report(groups: dict[tuple, dict], baseline: str = "ar",
     return json.loads(json.dumps(out))
 
 
+def shown_attention(recorded: str) -> str:
+    """The --attention a user gave for what the answers record (the model's own name:
+    sdpa runs as our grouped form, attention.py)."""
+    return "sdpa" if recorded == SDPA_GQA else recorded
+
+
 def markdown(rep: dict, env: dict, engine: str = "eager", versus: str = "lookup") -> str:
     lines = [f"Device: {env.get('device_name', '?')} ({env.get('device', '?')}), dtype "
              f"{env.get('dtype', '?')}"
-             + (f", attention {env['attention']}" if env.get("attention") else "")
+             + (f", attention {shown_attention(env['attention'])}" if env.get("attention")
+                else "")
              + f", engine {engine}, torch {env.get('torch', '?')}, "
              f"transformers {env.get('transformers', '?')}, commit "
              f"{env.get('git_commit', '?')[:10]}.", ""]
@@ -351,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                        description=__doc__.split("\n")[0])
     p.add_argument("--answers", nargs="+", required=True, help="answer JSONL files")
     p.add_argument("--out", required=True, help="output path without extension")
-    p.add_argument("--baseline", default="ar")
+    p.add_argument("--baseline", default="ar", help="the method (or --label) every speedup "
+                   "is against (default: ar, plain decoding)")
     p.add_argument("--versus", default=None, help="count per question where each method "
                    "beats this one (default: lookup, prompt lookup alone, the drafter-free "
                    "peer)")
