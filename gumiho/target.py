@@ -327,8 +327,8 @@ def load_target(name_or_path: str = SMOLLM2_ALIAS, device: str | None = None,
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{name} must be a string, got {value!r} ({type(value).__name__})")
     if attn_implementation is not None and attn_implementation not in ATTENTION_CHOICES:
-        raise GumihoError(f"attention {attn_implementation!r} is not one the tree verify "
-                          f"drives: use {', '.join(ATTENTION_CHOICES)}")
+        raise GumihoError(f"attention implementation {attn_implementation!r} takes no tree "
+                          f"mask; load it with one of {', '.join(ATTENTION_CHOICES)}")
     path = resolve_target_path(name_or_path)
     dev, torch_dtype = choose_device_dtype(device, dtype)
     log.info("target %s on %s in %s", name_or_path, dev, torch_dtype)

@@ -522,8 +522,8 @@ def test_a_newer_stream_supersedes_an_older_one(plain_gen):
     ({"method": "gumiho", "draft": "random", "lookup": 2, "lookup_first": 1}, TypeError,
      "lookup_first must be True or False"),
     ({"attention": "flash_attention_2"}, GumihoError,  # not "delete the converted model"
-     "^attention 'flash_attention_2' is not one the tree verify drives: use sdpa, eager, "
-     "sdpa_invariant$"),
+     "^attention implementation 'flash_attention_2' takes no tree mask; load it with one "
+     "of sdpa, eager, sdpa_invariant$"),
     ({"attention": 5}, TypeError, "attention must be a string"),
     ({"method": "lookup", "lookup": 0}, GumihoError, "--method lookup needs a chain"),
     ({"chat_template": 5}, TypeError, "chat_template must be a string"),

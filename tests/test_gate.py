@@ -100,5 +100,9 @@ def test_captured_engines_and_a_zero_gate_always_draft(tiny_target_dir):
 @pytest.mark.host
 @pytest.mark.parametrize("bad", [-1, True, "auto", float("nan")])
 def test_a_bad_gate_is_one_line(bad):
-    with pytest.raises(GumihoError, match="--draft-gate must be a number"):
+    """Out of range: GumihoError naming the flag; of another type (the API): TypeError."""
+    wrong_type = isinstance(bad, bool | str)
+    with pytest.raises(TypeError if wrong_type else GumihoError,
+                       match="draft_gate must be a number" if wrong_type else
+                       "--draft-gate must be a number"):
         TreeConfig.for_method("gumiho", draft_gate=bad)
