@@ -1037,3 +1037,73 @@ def test_a_bad_training_number_names_its_flag(field, flag, value):
     """One line naming the flag at fault (it had listed every constraint at once)."""
     with pytest.raises(GumihoError, match=f"^{flag} must be (positive|at least 0) "):
         TrainConfig(online=True, **{field: value})
+
+
+def test_a_run_writes_only_into_a_new_empty_or_own_folder(tiny_target_dir, tiny_data_dir,
+                                                         tmp_path, capsys):
+    """A folder holding anything but a run (a model dir, an exported drafter) is refused at
+    the dry run and left as it was; an empty folder, one with only the log written before
+    a first save, and one with a saved state are a run's own."""
+    common = ["--target", tiny_target_dir, "--data", tiny_data_dir, "--dry-run",
+              "--output-dir"]
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    assert main([*common, str(model)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --output-dir {model} holds files but no training run (config.json, "
+        "model.safetensors): give a new or empty folder")
+    assert (model / "model.safetensors").read_bytes() == b"weights"
+    for name, own in (("empty", ()), ("logged", ("train_log.jsonl",)),
+                      ("saved", ("state/progress.json", "config.json", "model.safetensors"))):
+        folder = tmp_path / name
+        folder.mkdir()
+        for file in own:
+            (folder / file).parent.mkdir(exist_ok=True)
+            (folder / file).write_text("{}")
+        assert main([*common, str(folder)]) == 0, capsys.readouterr().err
+    assert main([*common, str(tmp_path / "new")]) == 0
+
+
+def test_ctrl_c_in_training_says_how_to_resume(monkeypatch, capsys):
+    from gumiho.train import __main__ as trainer
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(trainer, "train_config", interrupted)
+    assert main(["--online", "--output-dir", "x"]) == 130
+    assert capsys.readouterr().err.strip() == (
+        "interrupted: the run keeps its last save (each epoch's end, or every --save-every "
+        "steps); rerun the same command to resume from it")
+
+
+def test_data_made_for_another_target_is_refused_or_noted(tiny_target_dir, tiny_data_dir,
+                                                          tmp_path, capsys):
+    """Another vocabulary (the manifest records it since 2026-11-30) is refused before any
+    weights load; another target name of the same shape is a note, since a copy of the
+    same model elsewhere is fine."""
+    import shutil
+
+    vocab = json.loads((Path(tiny_target_dir) / "config.json").read_text())["vocab_size"]
+    assert json.loads((Path(tiny_data_dir) / "manifest.json").read_text())[
+        "vocab_size"] == vocab
+    other = tmp_path / "other"
+    shutil.copytree(tiny_data_dir, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    common = ["--target", tiny_target_dir, "--output-dir", str(tmp_path / "run"), "--dry-run",
+              "--data", str(other)]
+    (other / "manifest.json").write_text(json.dumps({**manifest, "target": "/models/x",
+                                                     "vocab_size": vocab + 2}))
+    assert main(common) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {other} was made with target '/models/x' (vocabulary {vocab + 2}), but "
+        f"{tiny_target_dir!r} has {vocab}: make data for this target")
+    del manifest["vocab_size"]  # made before the manifest recorded it
+    (other / "manifest.json").write_text(json.dumps({**manifest, "target": "/models/x"}))
+    assert main(common) == 0
+    assert capsys.readouterr().err.strip() == (
+        f"note: {other} was made with target '/models/x', not {tiny_target_dir!r}: the shapes "
+        "agree, so training goes on (make data for this target if it is another model)")
+    assert main([*common[:-1], tiny_data_dir]) == 0
+    assert "note:" not in capsys.readouterr().err

@@ -76,7 +76,8 @@ def plan(args: argparse.Namespace, notes: list[str] | None = None) -> dict:
                 "regenerate": args.regenerate, "regen_max_tokens": args.regen_max_tokens,
                 "regen_batch_size": args.regen_batch_size,
                 "dtype": args.dtype, "target_dtype": args.target_dtype,
-                "hidden_size": config.hidden_size, "code_version": code_version(short=True)}
+                "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+                "code_version": code_version(short=True)}
     conversations = planned_range(args, notes)
     check_template(args, conversations[0])
     manifest["end"] = manifest["start"] + len(conversations)

@@ -145,7 +145,8 @@ def schedule(step: int, warmup: int, total: int) -> float:
     return max(0.0, (total - step) / max(1, total - warmup))
 
 
-@cli_errors
+@cli_errors(resume="the run keeps its last save (each epoch's end, or every --save-every "
+            "steps); rerun the same command to resume from it")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
@@ -168,7 +169,7 @@ def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
     width and --draft-vocab against it), data and output dirs."""
     from gumiho.ge_data.shards import MANIFEST, read_manifest
     from gumiho.target import target_config
-    from gumiho.train.dataset import check_width
+    from gumiho.train.dataset import check_data_target, check_width
     from gumiho.train.start import check_draft_vocab_size
 
     target = target_config(config.target)  # an embedded target is converted once here
@@ -178,14 +179,32 @@ def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
             raise GumihoError(f"{data_dir}: no {MANIFEST}; make data with "
                               "python -m gumiho.ge_data.allocation --outdir DIR")
         check_width(manifest, data_dir, target.hidden_size)
+        note = check_data_target(manifest, data_dir, config.target, target)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     check_draft_vocab_size(config.draft_vocab, target.vocab_size)
     if config.init_from:
         check_drafter_files(config.init_from, config.method)
     if out.exists() and not out.is_dir():
         raise GumihoError(f"--output-dir {out} is a file: give a directory")
+    check_run_dir(out)
     parent = next(p for p in [out, *out.parents] if p.exists())
     if not os.access(parent, os.W_OK):
         raise GumihoError(f"--output-dir {out}: {parent} is not writable")
+
+
+def check_run_dir(out: Path) -> None:
+    """A run writes only into a new or empty folder, or its own: one with a saved state
+    (state, or state.old / state.tmp mid-save) or only a log written before the first save.
+    A model dir or an exported drafter there would be overwritten."""
+    if not out.is_dir():
+        return
+    entries = {p.name for p in out.iterdir()}
+    if entries & {"state", "state.old", "state.tmp"} or entries <= {LOG}:
+        return
+    shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+    raise GumihoError(f"--output-dir {out} holds files but no training run ({shown}): give "
+                      "a new or empty folder")
 
 
 def make_accelerator(config: TrainConfig):

@@ -45,6 +45,29 @@ def check_width(manifest: dict, data_dir: str, hidden_size: int) -> None:
                           f"but the target has {hidden_size}: make data for this target")
 
 
+def check_data_target(manifest: dict, data_dir: str, target: str, config) -> str | None:
+    """Data made for another target: one line where its vocabulary differs (recorded since
+    2026-11-30; its ids would fall outside this target's), else a note (None if none)
+    where the target it names is not this one: a copy of the same model elsewhere is fine,
+    another model of the same shape would train the drafter on the wrong features."""
+    made_for = manifest.get("target")
+    if manifest.get("vocab_size") not in (None, config.vocab_size):
+        raise GumihoError(f"{data_dir} was made with target {made_for!r} (vocabulary "
+                          f"{manifest['vocab_size']}), but {target!r} has {config.vocab_size}: "
+                          "make data for this target")
+    if made_for in (None, target) or _same_dir(made_for, target):
+        return None
+    return (f"{data_dir} was made with target {made_for!r}, not {target!r}: the shapes "
+            "agree, so training goes on (make data for this target if it is another model)")
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    except OSError:
+        return False
+
+
 def online_samples(target, source: str, count: int, max_len: int,
                    template: str | None = None, skip: int = 0, progress: bool = False,
                    cache: bool = True, threads: int | None = None) -> list[dict]:
