@@ -191,6 +191,18 @@ def check_keys_method(keys, method: str | None) -> None:
         check_method({"method": spec_from_keys(keys).name}, method)
 
 
+def trained_target(path: str | Path, given: str | None) -> str:
+    """The target a tool reading drafter `path` uses: `given` (--target), else the one its
+    config.json says it was trained for, else the embedded SmolLM2. A target of another
+    shape is refused at the load; one of the same shape would pass unnoticed (an export
+    would take its embedding)."""
+    if given is not None:
+        return given
+    saved = saved_config(Path(path)) if Path(path).is_dir() else None
+    trained = ((saved or {}).get("training") or {}).get("target")
+    return trained if isinstance(trained, str) and trained else "smollm2"
+
+
 def check_method(saved: dict | None, method: str | None) -> None:
     """One line if config.json names another method than the one asked for."""
     if method and saved and saved.get("method") and saved["method"] != method:

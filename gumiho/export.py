@@ -33,7 +33,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from gumiho.checkpoint import load_drafter_model, read_state, save_drafter, to_official
+from gumiho.checkpoint import (
+    load_drafter_model,
+    read_state,
+    save_drafter,
+    to_official,
+    trained_target,
+)
 from gumiho.config import DrafterConfig
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors
 from gumiho.methods import DRAFTER_METHODS, method_spec
@@ -255,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True, help="a drafter checkpoint dir")
     p.add_argument("--out", required=True, help="the dir to write")
     p.add_argument("--format", default="gumiho", choices=FORMATS)
-    p.add_argument("--target", default="smollm2", help="the drafter's target (dir or alias)")
+    p.add_argument("--target", default=None, help="the drafter's target, a dir or an alias "
+                   "(default: the one its config.json names, else smollm2)")
     p.add_argument("--method", choices=DRAFTER_METHODS, default=None)
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="default: the dtype the checkpoint was saved in")
@@ -282,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         raise GumihoError(f"--out {out} is not empty: give a new directory (or --overwrite)")
     from gumiho.train.start import vocabulary_samples
 
-    target = load_target(args.target, device="cpu", dtype="float32")
+    target = load_target(trained_target(args.draft, args.target), device="cpu",
+                         dtype="float32")
     samples = None if args.draft_vocab is None else vocabulary_samples(target, args)
     notes = export(args.draft, target, args.out, args.format, args.method,
                    DTYPES.get(args.dtype), args.draft_vocab, samples)

@@ -221,6 +221,14 @@ def test_export_cli(tiny_target_dir, tmp_path, capsys):
     assert state["embed_tokens.weight"].dtype == torch.bfloat16  # the stored dtype
     torch.testing.assert_close(state["embed_tokens.weight"].float(),
                                target.embed_tokens.weight.bfloat16().float().cpu())
+    # Without --target: the one the drafter's config.json says it was trained for (here
+    # the tiny target; the embedded SmolLM2, of another width, would be refused).
+    save_drafter(model, tmp_path / "trained", dtype=torch.bfloat16,
+                 extra_config={"training": {"method": "gumiho", "target": tiny_target_dir}})
+    assert main(["--draft", str(tmp_path / "trained"), "--out", str(tmp_path / "bin2"),
+                 "--format", "released"]) == 0, capsys.readouterr().err
+    again = torch.load(tmp_path / "bin2" / "pytorch_model.bin", weights_only=True)
+    assert torch.equal(again["embed_tokens.weight"], state["embed_tokens.weight"])
 
 
 def test_export_over_another_draft_vocabulary(tiny_target_dir, tmp_path, capsys, monkeypatch):

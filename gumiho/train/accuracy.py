@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from gumiho.checkpoint import load_drafter_model
+from gumiho.checkpoint import load_drafter_model, trained_target
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
 from gumiho.ge_data.shards import load_samples
 from gumiho.methods import DRAFTER_METHODS
@@ -40,7 +40,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--data", required=True, help="held-out data made by ge_data.allocation")
     p.add_argument("--method", choices=DRAFTER_METHODS, default=None,
                    help="default: the checkpoint's own")
-    p.add_argument("--target", default="smollm2")
+    p.add_argument("--target", default=None, help="the drafter's target, a dir or an alias "
+                   "(default: the one its config.json names, else smollm2)")
     p.add_argument("--batch-size", type=positive_int, default=4)
     p.add_argument("--against", default=None, metavar="DRAFT_DIR",
                    help="a second drafter (the same method) to compare with, sample by "
@@ -93,7 +94,7 @@ def outside_vocab(target, head: DraftHead, samples: list[dict]) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     manifest, samples = load_samples(args.data)
-    target = load_target(args.target)  # an accelerator when there is one
+    target = load_target(trained_target(args.draft, args.target))  # an accelerator if any
     check_width(manifest, args.data, target.hidden_size)
     counted = vocabulary_samples(target, args) if args.draft_vocab is not None else None
     model, head = read_drafter(args.draft, target, args.method, args.draft_vocab, counted)
