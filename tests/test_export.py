@@ -288,3 +288,37 @@ def test_export_keeps_the_training_record(tiny_target, tmp_path, fmt):
     save_drafter(model, tmp_path / "plain")
     export(tmp_path / "plain", tiny_target, tmp_path / "out2", fmt)
     assert "training" not in json.loads((tmp_path / "out2" / "config.json").read_text())
+
+
+def test_a_new_draft_vocabulary_is_counted_over_the_drafters_own_training(tiny_target,
+                                                                          tmp_path,
+                                                                          monkeypatch):
+    """--draft-vocab in export and the accuracy tool: unset, the conversations, template,
+    count, length and skip are the drafter's own online training's (so a larger vocabulary
+    holds every token it trained over); given, the flags win; without a record, ShareGPT."""
+    import argparse
+
+    from gumiho.train import start
+
+    seen = []
+    monkeypatch.setattr(start, "online_samples",
+                        lambda *a, **k: seen.append((a[1:], k)) or [])
+    monkeypatch.setattr(start, "check_draft_vocab", lambda target, size: 10 ** 6)  # its vocab
+    record = {"training": {"method": "gumiho", "online": True, "conversations": "mine.jsonl",
+                           "template": "vicuna", "num_conversations": 8, "max_len": 128,
+                           "skip_conversations": 4}}
+    model = perturbed_drafter(tiny_target, "gumiho")
+    save_drafter(model, tmp_path / "trained", extra_config=record)
+    save_drafter(model, tmp_path / "plain")
+
+    def args(draft, **given):
+        flags = {"draft_vocab": 64, "conversations": None, "template": None,
+                 "num_conversations": None, "max_len": None}
+        return argparse.Namespace(draft=str(tmp_path / draft), **{**flags, **given})
+    start.vocabulary_samples(tiny_target, args("trained"))
+    start.vocabulary_samples(tiny_target, args("trained", num_conversations=20,
+                                               template="chatml"))
+    start.vocabulary_samples(tiny_target, args("plain"))
+    assert seen == [(("mine.jsonl", 8, 128, "vicuna"), {"skip": 4}),
+                    (("mine.jsonl", 20, 128, "chatml"), {"skip": 4}),
+                    (("sharegpt", 17671, 512, None), {"skip": 0})]

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from gumiho.checkpoint import drafter_network, load_drafter_model
+from gumiho.checkpoint import drafter_network, load_drafter_model, saved_config
 from gumiho.config import TrainConfig
 from gumiho.drafters import random_drafter_model
 from gumiho.errors import GumihoError, nonnegative_int, positive_int
@@ -112,17 +113,38 @@ def add_vocabulary_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--draft-vocab", type=nonnegative_int, default=None, metavar="N",
                    help=f"{what} over a draft vocabulary of N tokens, the training split's "
                    "most frequent (0: the whole vocabulary); default: its own")
-    p.add_argument("--num-conversations", type=positive_int, default=17671,
-                   help="--draft-vocab: training conversations to count tokens in")
-    p.add_argument("--max-len", type=positive_int, default=512,
-                   help="--draft-vocab: tokens per counted conversation")
+    p.add_argument("--conversations", default=None,
+                   help="--draft-vocab: the conversations to count tokens in, as training's "
+                   "flag (default: the drafter's own training's, else sharegpt)")
+    p.add_argument("--template", default=None,
+                   help="--draft-vocab: a chat template for a tokenizer without one, as "
+                   "training's flag (default: the drafter's own training's)")
+    p.add_argument("--num-conversations", type=positive_int, default=None,
+                   help="--draft-vocab: training conversations to count tokens in (default: "
+                   "the drafter's own online training's, else 17671)")
+    p.add_argument("--max-len", type=positive_int, default=None,
+                   help="--draft-vocab: tokens per counted conversation (default: as "
+                   "--num-conversations, else 512)")
 
 
 def vocabulary_samples(target, args: argparse.Namespace) -> list[dict]:
     """The training samples whose tokens `add_vocabulary_args`' --draft-vocab counts, once
     the size is known to fit (before minutes of tokenizing); none for the whole vocabulary,
-    which needs no counting."""
+    which needs no counting. Unset flags take what the drafter's config.json records of an
+    online training, so a larger vocabulary holds every token it trained over."""
     if args.draft_vocab in (0, check_draft_vocab(target, args.draft_vocab)):
         return []
-    return online_samples(target, TrainConfig.conversations, args.num_conversations,
-                          args.max_len)
+    saved = saved_config(Path(args.draft)) if Path(args.draft).is_dir() else None
+    record = (saved or {}).get("training") or {}
+    online = bool(record.get("online"))
+
+    def value(name: str, default):
+        given = getattr(args, name)
+        if given is not None:
+            return given
+        return record.get(name, default) if online and record.get(name) is not None \
+            else default
+    return online_samples(target, value("conversations", TrainConfig.conversations),
+                          value("num_conversations", 17671), value("max_len", 512),
+                          value("template", None),
+                          skip=record.get("skip_conversations", 0) if online else 0)
