@@ -11,6 +11,7 @@ come without a Gumiho config: the shape is then derived from the target and the 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -18,10 +19,13 @@ import torch
 from torch import Tensor, nn
 
 from gumiho.config import DrafterConfig
+from gumiho.embedded import EMBEDDED
 from gumiho.errors import GumihoError
 from gumiho.methods import MethodSpec, method_spec, spec_from_keys
 from gumiho.modeling import DraftHead, build_draft_model, set_draft_vocabulary
-from gumiho.paths import write_atomically
+from gumiho.paths import same_place, write_atomically
+
+log = logging.getLogger("gumiho")
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Unused by every drafter here (layer 0 has no input norm), present in some EAGLE files.
@@ -260,6 +264,14 @@ def infer_config(state: dict[str, Tensor], target_config, method: str | None,
     return DrafterConfig.for_target(target_config, spec.name, **overrides)
 
 
+def another_target(a: str, b: str) -> bool:
+    """Whether two target names surely differ: two aliases, or two paths, that are not one
+    (an alias against a path would need the alias's model converted to tell: not known)."""
+    if (a in EMBEDDED) != (b in EMBEDDED):
+        return False
+    return not same_place(a, b)
+
+
 def check_drafter_dir(path: str | Path) -> Path:
     """The drafter checkpoint dir, or one line saying it is not one (before slow loads)."""
     path = Path(path)
@@ -283,6 +295,11 @@ def load_drafter_model(path: str | Path, target, method: str | None = None,
                           f"{target.name} has {target.hidden_size}: use a drafter trained "
                           "for this target")
     config = infer_config(state, target.config, method, saved)
+    trained = ((saved or {}).get("training") or {}).get("target")
+    if isinstance(trained, str) and another_target(trained, target.name):
+        log.warning("drafter %s was trained for target %r, not %r: the shapes agree, so it "
+                    "drafts, and the output stays the target's own, but fewer drafts may be "
+                    "accepted", path, trained, target.name)
     vocab = target.lm_head.weight.shape[0]
     if config.hidden_size != target.hidden_size or config.vocab_size != vocab:
         raise GumihoError(

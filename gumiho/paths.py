@@ -52,3 +52,14 @@ def write_atomically(path: Path, write: Callable[[Path], object], unique: bool =
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def same_place(a: str, b: str) -> bool:
+    """Two names of one target or folder: equal, or paths to the same directory (one may
+    be relative; a name that is no path here, an alias, only equals itself)."""
+    if a == b:
+        return True
+    try:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    except OSError:
+        return False

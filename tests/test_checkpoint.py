@@ -162,3 +162,22 @@ def test_dry_run_check_refuses_a_cut_bin(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
     with pytest.raises(GumihoError, match="cannot read .*pytorch_model.bin: .* complete"):
         check_drafter_files(tmp_path, "gumiho")
+
+
+def test_a_drafter_trained_for_another_target_of_its_shape_is_noted(tmp_path, smollm2,
+                                                                    caplog):
+    """It loads (the output stays the target's own) with a warning; a drafter trained for
+    this target, or with no record, loads without one. (Gemma-3-270M has another width: the
+    record alone is what differs here.)"""
+    import logging
+
+    model = random_drafter_model("eagle2", smollm2)
+    for name, trained in (("other", "gemma3-270m"), ("same", "smollm2"),
+                          ("unrecorded", None)):
+        record = {"training": {"method": "eagle2", "target": trained}} if trained else None
+        save_drafter(model, tmp_path / name, extra_config=record)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gumiho"):
+            load_drafter_model(tmp_path / name, smollm2, "eagle2")
+        noted = "was trained for target 'gemma3-270m', not 'smollm2'" in caplog.text
+        assert noted == (name == "other"), caplog.text

@@ -1107,3 +1107,15 @@ def test_data_made_for_another_target_is_refused_or_noted(tiny_target_dir, tiny_
         "agree, so training goes on (make data for this target if it is another model)")
     assert main([*common[:-1], tiny_data_dir]) == 0
     assert "note:" not in capsys.readouterr().err
+
+
+def test_resume_takes_the_same_target_named_relatively(tiny_target_dir, tiny_data_dir,
+                                                       tmp_path, capsys, monkeypatch):
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path, "--stop-after-steps", "1")) == 0
+    capsys.readouterr()
+    monkeypatch.chdir(Path(tiny_target_dir).parent)
+    args = train_args(data, tmp_path, "--stop-after-steps", "2")
+    args[args.index("--target") + 1] = Path(tiny_target_dir).name
+    assert main(args) == 0, capsys.readouterr().err
+    assert "resuming from step 1" in capsys.readouterr().out

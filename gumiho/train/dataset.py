@@ -21,7 +21,7 @@ from tqdm import tqdm
 from gumiho.errors import GumihoError
 from gumiho.ge_data.conversations import conversations_path, load_conversations, split
 from gumiho.ge_data.shards import load_samples
-from gumiho.paths import cache_dir, write_atomically
+from gumiho.paths import cache_dir, same_place, write_atomically
 from gumiho.templates import tokenize_conversation
 
 LENGTH_WINDOW = 16  # batches whose samples are sorted by length together (then shuffled)
@@ -55,17 +55,10 @@ def check_data_target(manifest: dict, data_dir: str, target: str, config) -> str
         raise GumihoError(f"{data_dir} was made with target {made_for!r} (vocabulary "
                           f"{manifest['vocab_size']}), but {target!r} has {config.vocab_size}: "
                           "make data for this target")
-    if made_for in (None, target) or _same_dir(made_for, target):
+    if made_for is None or same_place(made_for, target):
         return None
     return (f"{data_dir} was made with target {made_for!r}, not {target!r}: the shapes "
             "agree, so training goes on (make data for this target if it is another model)")
-
-
-def _same_dir(a: str, b: str) -> bool:
-    try:
-        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-    except OSError:
-        return False
 
 
 def online_samples(target, source: str, count: int, max_len: int,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from gumiho.errors import GumihoError
-from gumiho.paths import write_atomically
+from gumiho.paths import same_place, write_atomically
 
 PROGRESS = "progress.json"
 LOG = "train_log.jsonl"  # written by the training loop, one JSON row per line
@@ -57,6 +57,8 @@ def load_run_state(accelerator, out: Path, settings: dict, scheduler,
     defaults = defaults or {}
     for key, value in settings.items():
         was = old.get(key, defaults.get(key))
+        if key == "target" and isinstance(was, str) and same_place(was, value):
+            continue  # the same model dir, named relatively or not
         if json.dumps(was) != json.dumps(value):
             raise GumihoError(
                 f"{out} holds a run made with {key}={was!r}, not {value!r}: rerun "
