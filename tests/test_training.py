@@ -1043,7 +1043,7 @@ def test_a_run_writes_only_into_a_new_empty_or_own_folder(tiny_target_dir, tiny_
                                                          tmp_path, capsys):
     """A folder holding anything but a run (a model dir, an exported drafter) is refused at
     the dry run and left as it was; an empty folder, one with only the log written before
-    a first save, and one with a saved state are a run's own."""
+    a first save, and one with a state (here one cut off mid-save) are a run's own."""
     common = ["--target", tiny_target_dir, "--data", tiny_data_dir, "--dry-run",
               "--output-dir"]
     model = tmp_path / "model"
@@ -1056,7 +1056,8 @@ def test_a_run_writes_only_into_a_new_empty_or_own_folder(tiny_target_dir, tiny_
         "model.safetensors): give a new or empty folder")
     assert (model / "model.safetensors").read_bytes() == b"weights"
     for name, own in (("empty", ()), ("logged", ("train_log.jsonl",)),
-                      ("saved", ("state/progress.json", "config.json", "model.safetensors"))):
+                      ("mid-save", ("state.tmp/progress.json", "config.json",
+                                    "model.safetensors"))):
         folder = tmp_path / name
         folder.mkdir()
         for file in own:
@@ -1119,3 +1120,14 @@ def test_resume_takes_the_same_target_named_relatively(tiny_target_dir, tiny_dat
     args[args.index("--target") + 1] = Path(tiny_target_dir).name
     assert main(args) == 0, capsys.readouterr().err
     assert "resuming from step 1" in capsys.readouterr().out
+
+
+def test_the_dry_run_refuses_a_resume_with_other_settings(tiny_target_dir, tiny_data_dir,
+                                                          tmp_path, capsys):
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path, "--stop-after-steps", "1")) == 0
+    capsys.readouterr()
+    args = train_args(data, tmp_path, "--dry-run")
+    assert main(args) == 0
+    assert main([*args, "--lr", "0.5"]) == 2
+    assert "holds a run made with lr=" in capsys.readouterr().err

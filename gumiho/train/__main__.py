@@ -39,7 +39,14 @@ from gumiho.train.accel import (
 from gumiho.train.dataset import collate, epoch_batches, online_samples, stored_samples
 from gumiho.train.loss import LossWeights
 from gumiho.train.start import new_model
-from gumiho.train.state import LOG, RunState, load_run_state, save_run_state, wait_for_everyone
+from gumiho.train.state import (
+    LOG,
+    RunState,
+    check_run_settings,
+    load_run_state,
+    save_run_state,
+    wait_for_everyone,
+)
 from gumiho.train.step import batch_loss, evaluate, noise_device
 
 EXPORT_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -188,6 +195,7 @@ def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
     if out.exists() and not out.is_dir():
         raise GumihoError(f"--output-dir {out} is a file: give a directory")
     check_run_dir(out)
+    check_run_settings(out, asdict(config), {f.name: f.default for f in fields(TrainConfig)})
     parent = next(p for p in [out, *out.parents] if p.exists())
     if not os.access(parent, os.W_OK):
         raise GumihoError(f"--output-dir {out}: {parent} is not writable")

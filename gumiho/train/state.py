@@ -45,13 +45,12 @@ def state_dir(out: Path) -> Path | None:
     return None
 
 
-def load_run_state(accelerator, out: Path, settings: dict, scheduler,
-                   defaults: dict | None = None) -> RunState:
-    """Resume from OUT's saved state (checking its settings), or start at step 0. A setting
-    the saved run does not record (it predates the flag) counts as its `defaults` value."""
+def check_run_settings(out: Path, settings: dict, defaults: dict | None = None) -> dict:
+    """One line if OUT's saved run was made with other `settings` (the dry run checks all
+    but the process count, which only the launch knows); returns the saved progress."""
     found = state_dir(out)
     if found is None:
-        return RunState()
+        return {}
     saved = json.loads((found / PROGRESS).read_text())
     old = saved.get("settings", {})
     defaults = defaults or {}
@@ -63,6 +62,17 @@ def load_run_state(accelerator, out: Path, settings: dict, scheduler,
             raise GumihoError(
                 f"{out} holds a run made with {key}={was!r}, not {value!r}: rerun "
                 "with the same settings to resume it, or give another --output-dir")
+    return saved
+
+
+def load_run_state(accelerator, out: Path, settings: dict, scheduler,
+                   defaults: dict | None = None) -> RunState:
+    """Resume from OUT's saved state (checking its settings), or start at step 0. A setting
+    the saved run does not record (it predates the flag) counts as its `defaults` value."""
+    found = state_dir(out)
+    if found is None:
+        return RunState()
+    saved = check_run_settings(out, settings, defaults)
     accelerator.load_state(str(found))
     scheduler.load_state_dict(torch.load(found / "scheduler.pt", weights_only=True))
     state = RunState(**saved["progress"])
