@@ -131,10 +131,7 @@ class SpeculativeGenerator:
                      "(--draft-gate %.2f drafts only while that pays)", tree.total_tokens,
                      tree.depth, report["break_even"], report["break_even"])
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
-        reach = getattr(drafter, "draft_depth", None)
-        if asked_depth is not None and reach is not None and reach < asked_depth:
-            log.warning("depth %d is past what this drafter drafts: its trees stop at depth "
-                        "%d (the levels its network has)", asked_depth, reach)
+        note_depth(drafter, asked_depth)
         if verify_width is not None and verify_width < drafter.max_nodes:
             raise GumihoError(f"--verify-width {verify_width} is narrower than this tree's "
                               f"{drafter.max_nodes} tokens (root included): give at least "
@@ -233,6 +230,14 @@ class SpeculativeGenerator:
             if self._active is owner:
                 self.last_result = result
             raise
+
+
+def note_depth(drafter: Drafter, asked: int | None) -> None:
+    """A --depth past the drafter's levels runs at the depth it reaches, and says so."""
+    reach = getattr(drafter, "draft_depth", None)
+    if asked is not None and reach is not None and reach < asked:
+        log.warning("depth %d is past what this drafter drafts: its trees stop at depth %d "
+                    "(the levels its network has)", asked, reach)
 
 
 def check_load_args(target, method, draft, tree_options: dict) -> None:
