@@ -195,6 +195,17 @@ def check_keys_method(keys, method: str | None) -> None:
         check_method({"method": spec_from_keys(keys).name}, method)
 
 
+def training_record(saved: dict | None) -> dict:
+    """What a drafter's config.json records of its training (gumiho.train's settings,
+    TrainConfig's fields), {} for a drafter trained elsewhere (an official checkpoint)."""
+    return (saved or {}).get("training") or {}
+
+
+def recorded_training(path: str | Path) -> dict:
+    """`training_record` of drafter dir `path`, {} where it is no dir."""
+    return training_record(saved_config(Path(path)) if Path(path).is_dir() else None)
+
+
 def trained_target(path: str | Path, given: str | None) -> str:
     """The target a tool reading drafter `path` uses: `given` (--target), else the one its
     config.json says it was trained for, else the embedded SmolLM2. A target of another
@@ -202,8 +213,7 @@ def trained_target(path: str | Path, given: str | None) -> str:
     would take its embedding)."""
     if given is not None:
         return given
-    saved = saved_config(Path(path)) if Path(path).is_dir() else None
-    trained = ((saved or {}).get("training") or {}).get("target")
+    trained = recorded_training(path).get("target")
     return trained if isinstance(trained, str) and trained else "smollm2"
 
 
@@ -295,7 +305,7 @@ def load_drafter_model(path: str | Path, target, method: str | None = None,
                           f"{target.name} has {target.hidden_size}: use a drafter trained "
                           "for this target")
     config = infer_config(state, target.config, method, saved)
-    trained = ((saved or {}).get("training") or {}).get("target")
+    trained = training_record(saved).get("target")
     if isinstance(trained, str) and another_target(trained, target.name):
         log.warning("drafter %s was trained for target %r, not %r: the shapes agree, so it "
                     "drafts, and the output stays the target's own, but fewer drafts may be "

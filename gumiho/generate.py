@@ -97,9 +97,9 @@ class SpeculativeGenerator:
         bit for bit sequential decoding's, attention.py)."""
         check_load_args(target, method, draft, tree_options)
         user_options, asked_depth = tree_options, tree_options.get("depth")
-        float32 = (target.dtype if isinstance(target, Target)
-                   else choose_device_dtype(device, dtype)[1]) == torch.float32
-        tree_options = preset_options(preset, method, float32, tree_options)
+        place, kind = (target.device, target.dtype) if isinstance(target, Target) \
+            else choose_device_dtype(device, dtype)  # what the load will choose
+        tree_options = preset_options(preset, method, kind == torch.float32, tree_options)
         if isinstance(target, Target) and (device, dtype, chat_template, attention) != \
                 (None,) * 4:
             raise TypeError("device, dtype, chat_template and attention belong to loading a "
@@ -114,14 +114,13 @@ class SpeculativeGenerator:
         auto = auto and method_spec(method).drafter  # nothing to size without a drafter
         if auto and draft is None:
             raise GumihoError(f"--total-tokens auto needs --draft for --method {method}")
-        if not isinstance(target, Target):  # --engine graphs on a CPU, before the load
-            check_engine_options(user_options, resolve_engine(
-                engine, choose_device_dtype(device, dtype)[0]))
+        # before the load: --engine graphs on a CPU, and the user's flags that only the
+        # eager engine reads (the preset's are for eager alone)
+        engine = resolve_engine(engine, place)
+        check_engine_options(user_options, engine)
         loaded = target if isinstance(target, Target) else load_target(
             str(target), device=device, dtype=dtype, chat_template=chat_template,
             attn_implementation=attention)
-        engine = resolve_engine(engine, loaded.device)
-        check_engine_options(user_options, engine)  # the preset's are for eager alone
         tree.check_vocab(loaded.lm_head.weight.shape[0])
         report = None
         if auto:

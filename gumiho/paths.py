@@ -55,11 +55,12 @@ def write_atomically(path: Path, write: Callable[[Path], object], unique: bool =
 
 
 def same_place(a: str, b: str) -> bool:
-    """Two names of one target or folder: equal, or paths to the same directory (one may
-    be relative; a name that is no path here, an alias, only equals itself)."""
+    """Two names of one target, drafter or folder: equal, or paths to the same existing
+    file or directory (one may be relative; a name that is no path here, an alias, only
+    equals itself)."""
     if a == b:
         return True
     try:
-        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+        return os.path.samefile(a, b)
     except OSError:
         return False

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gumiho.errors import GumihoError
+from gumiho.paths import same_place
 
 TURN_KEYS = ("new_tokens", "cycles", "wall_s", "accept_lengths")
 # Settings that must agree for answers to share a file (and a row of the speed report).
@@ -112,18 +113,11 @@ def settings_mismatch(old: dict, new: dict, keys: tuple[str, ...] = RESUME_KEYS,
     its side's name."""
     for key in keys:
         a, b = old.get(key), new.get(key)
-        if key in ("target", "draft") and a != b and a and b and _same_path(a, b):
+        if key in ("target", "draft") and a and b and same_place(a, b):
             continue
         if a != b:
             return f"{key}={_show(a)} {sides[0]}, {_show(b)} {sides[1]}"
     return None
-
-
-def _same_path(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _show(value) -> str:

@@ -49,6 +49,8 @@ from gumiho.train.state import (
 )
 from gumiho.train.step import batch_loss, evaluate, noise_device
 
+# A setting a saved run does not record (it predates the flag) counts as its default.
+SETTING_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 EXPORT_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -195,7 +197,7 @@ def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
     if out.exists() and not out.is_dir():
         raise GumihoError(f"--output-dir {out} is a file: give a directory")
     check_run_dir(out)
-    check_run_settings(out, asdict(config), {f.name: f.default for f in fields(TrainConfig)})
+    check_run_settings(out, asdict(config), SETTING_DEFAULTS)
     parent = next(p for p in [out, *out.parents] if p.exists())
     if not os.access(parent, os.W_OK):
         raise GumihoError(f"--output-dir {out}: {parent} is not writable")
@@ -283,7 +285,7 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
     model, optimizer = accelerator.prepare(model, optimizer)
     settings = {**asdict(config), "processes": procs}
     state = load_run_state(accelerator, out, settings, scheduler,
-                           defaults={f.name: f.default for f in fields(TrainConfig)})
+                           defaults=SETTING_DEFAULTS)
     head = DraftHead.for_model(target, accelerator.unwrap_model(model))
     stop_at = min(total, stop_after or total)
     if state.step >= stop_at:  # a finished run again: its weights and summary stay as they are

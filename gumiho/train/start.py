@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from gumiho.checkpoint import drafter_network, load_drafter_model, saved_config
+from gumiho.checkpoint import drafter_network, load_drafter_model, recorded_training
 from gumiho.config import TrainConfig
 from gumiho.drafters import random_drafter_model
 from gumiho.errors import GumihoError, nonnegative_int, positive_int
@@ -134,16 +133,14 @@ def vocabulary_samples(target, args: argparse.Namespace) -> list[dict]:
     online training, so a larger vocabulary holds every token it trained over."""
     if args.draft_vocab in (0, check_draft_vocab(target, args.draft_vocab)):
         return []
-    saved = saved_config(Path(args.draft)) if Path(args.draft).is_dir() else None
-    record = (saved or {}).get("training") or {}
+    record = recorded_training(args.draft)
     online = bool(record.get("online"))
 
-    def value(name: str, default):
-        given = getattr(args, name)
-        if given is not None:
-            return given
-        return record.get(name, default) if online and record.get(name) is not None \
-            else default
+    def value(name: str, default):  # the flag, else the online training's, else `default`
+        for source in (vars(args), record if online else {}):
+            if source.get(name) is not None:
+                return source[name]
+        return default
     return online_samples(target, value("conversations", TrainConfig.conversations),
                           value("num_conversations", 17671), value("max_len", 512),
                           value("template", None),
