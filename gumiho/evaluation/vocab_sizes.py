@@ -25,14 +25,14 @@ from tqdm import tqdm
 
 from gumiho.config import TrainConfig, TreeConfig
 from gumiho.engine import GenerateConfig, run
-from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int, positive_int
+from gumiho.errors import ArgumentParser, cli_errors, nonnegative_int, positive_int
 from gumiho.ge_data.conversations import load_conversations, split
 from gumiho.modeling import draft_vocabulary
 from gumiho.serial_drafter import SerialDrafter
 from gumiho.target import load_target
 from gumiho.templates import tokenize_conversation
 from gumiho.train.dataset import token_counts
-from gumiho.train.start import new_model
+from gumiho.train.start import check_draft_vocab_size, new_model
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -112,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes
     torch.manual_seed(0)
     target = load_target(args.target)
-    vocab = target.lm_head.weight.shape[0]
-    if max(sizes) > vocab:
-        raise GumihoError(f"--sizes {max(sizes)} is larger than the target's vocabulary "
-                          f"({vocab} tokens): give at most {vocab} (or 0 for all)")
+    vocab = check_draft_vocab_size(max(sizes), target.lm_head.weight.shape[0], "--sizes")
     train, held = split(load_conversations("sharegpt"))
     counted = samples_of(target, train[: args.count], args.max_len, args.template)
     tested = samples_of(target, held[: args.test], args.max_len, args.template)

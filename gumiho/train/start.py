@@ -51,10 +51,11 @@ def check_draft_vocab(target, size: int) -> int:
     return check_draft_vocab_size(size, target.lm_head.weight.shape[0])
 
 
-def check_draft_vocab_size(size: int, vocab: int) -> int:
-    """`vocab`, once a --draft-vocab of `size` is known to fit in it (before loading)."""
+def check_draft_vocab_size(size: int, vocab: int, flag: str = "--draft-vocab") -> int:
+    """`vocab`, once a draft vocabulary of `size` (given by `flag`) is known to fit in it
+    (before loading)."""
     if size > vocab:
-        raise GumihoError(f"--draft-vocab {size} is larger than the target's "
+        raise GumihoError(f"{flag} {size} is larger than the target's "
                           f"vocabulary ({vocab} tokens): give at most {vocab} (or 0 for all)")
     return vocab
 
