@@ -20,7 +20,8 @@ EXIT_BAD_INPUT = 2
 EXIT_BUG = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 # Set by a parent command for its worker processes: errors go to this file, not stderr,
-# so the parent can report them as its own single line.
+# so the parent can report them as its own single line. A `{rank}` in it is replaced by
+# the process's RANK (processes started by torchrun: gumiho.train.launch).
 ERROR_FILE_ENV = "GUMIHO_ERROR_FILE"
 
 
@@ -40,7 +41,7 @@ def one_line(text: str) -> str:
 def _report(line: str) -> None:
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
-        with open(path, "w") as f:
+        with open(path.replace("{rank}", os.environ.get("RANK", "0")), "w") as f:
             f.write(line + "\n")
         return
     sys.stdout.flush()

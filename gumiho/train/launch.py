@@ -1,0 +1,160 @@
+"""Several training processes from an accelerate config, reported as one command:
+`python -m gumiho.train.launch --config-file YAML [gumiho.train flags]` (what
+`scripts/train.sh` runs for a multi-process config).
+
+`accelerate launch` starts the processes with torchrun; when one of them stops on bad input,
+each prints its `error: ...` line and torchrun then raises its ChildFailedError with a page of
+traceback. Here each process writes its line to its own file instead (`GUMIHO_ERROR_FILE`
+with `{rank}`, see `gumiho.errors`), the launcher's own logging is quiet, and the first
+failure is reported as the trainer reports it: its one line, its exit status. A process
+that died without a line (killed, out of memory) is named with its signal.
+
+The process count: `NUM_PROCESSES` if set, else the config's `num_processes`, else one per
+local GPU (the shipped multi-GPU configs name none); a config without a count on a machine
+without a GPU is refused, since it would otherwise start one process per core. A config
+that names no `main_process_port` gets a free one, so several launches can share a machine.
+`GUMIHO_DEBUG=1` launches plainly, tracebacks and all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from gumiho.errors import ERROR_FILE_ENV, ArgumentParser, GumihoError, cli_errors, debug, one_line
+
+RANK_FIELD = "{rank}"  # replaced by each process's RANK in GUMIHO_ERROR_FILE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="python -m gumiho.train.launch",
+                       description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--config-file", required=True,
+                   help="an accelerate config (configs/multi_gpu.yaml, "
+                   "configs/deepspeed_zero2.yaml or your own)")
+    return p
+
+
+def read_config(config: Path) -> dict:
+    import yaml
+
+    try:
+        values = yaml.safe_load(config.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise GumihoError(f"accelerate config {config}: {one_line(exc)}") from None
+    if not isinstance(values, dict):
+        raise GumihoError(f"accelerate config {config}: not a mapping of settings")
+    return values
+
+
+def free_port() -> int:
+    """A port no one listens on now: two launches on one machine (several trainings
+    sharing a GPU) would otherwise both take torchrun's 29500, and the second fail."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_count(config: dict, name: Path, env: dict[str, str], gpus: int) -> int:
+    """How many processes to start (see the module docstring)."""
+    if env.get("NUM_PROCESSES"):
+        try:
+            count = int(env["NUM_PROCESSES"])
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise GumihoError(f"NUM_PROCESSES={env['NUM_PROCESSES']}: expected a positive "
+                              "integer")
+        return count
+    count = config.get("num_processes")
+    if count not in (None, -1):
+        return int(count)
+    if gpus == 0:
+        raise GumihoError(f"accelerate config {name} starts one process per GPU and this "
+                          "machine has none: set NUM_PROCESSES=N for N CPU processes, or "
+                          "use configs/accelerate_single.yaml")
+    return gpus
+
+
+def failure_line(rank: int, exitcode: int, errors: str) -> str:
+    """The line a failed process left in its file (`errors` with its rank), or what ended
+    it."""
+    error_file = Path(errors.replace(RANK_FIELD, str(rank)))
+    if error_file.is_file():
+        text = error_file.read_text().strip()
+        if text:
+            return text.splitlines()[0]
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() \
+            else f"signal {-exitcode}"
+        hint = " (out of memory?)" if name == "SIGKILL" else ""
+        return f"error: training process {rank} was killed by {name}{hint}"
+    return (f"error: training process {rank} exited with status {exitcode}; rerun with "
+            "GUMIHO_DEBUG=1 for the launcher's report")
+
+
+def quiet_launcher_logs() -> None:
+    """torchrun's agent logs each stop (a worker's exit, the SIGTERM sent to the others, a
+    Ctrl-C) at WARNING and ERROR; the processes' own lines say what happened. Its loggers
+    carry their own levels, so each is set once its module has been imported."""
+    import torch.distributed.run  # noqa: F401 - imports the agent's modules and loggers
+
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("torch.distributed") and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.CRITICAL)
+
+
+def report_failure(rank: int, exitcode: int, errors: str) -> int:
+    """Print the failure's one line; return the exit status a shell would show for it."""
+    print(failure_line(rank, exitcode, errors), file=sys.stderr, flush=True)
+    return exitcode if exitcode > 0 else 128 + (-exitcode or 1)
+
+
+@cli_errors(resume="the run keeps its last save (each epoch's end, or every --save-every "
+            "steps); rerun the same command to resume from it")
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args, trainer_args = build_parser().parse_known_args(argv)
+    config = Path(args.config_file)
+    if not config.is_file():
+        raise GumihoError(f"accelerate config {config} not found")
+    values = read_config(config)
+    count = process_count(values, config, dict(os.environ), torch.cuda.device_count())
+    port = [] if "main_process_port" in values else ["--main_process_port", str(free_port())]
+    launch = launch_command_parser().parse_args(
+        ["--config_file", str(config), "--num_processes", str(count), *port,
+         "-m", "gumiho.train", *trainer_args])
+    if debug():
+        launch_command(launch)
+        return 0
+    quiet_launcher_logs()
+    with tempfile.TemporaryDirectory(prefix="gumiho-launch-") as tmp:
+        errors = str(Path(tmp) / f"error-{RANK_FIELD}")
+        os.environ[ERROR_FILE_ENV] = errors
+        try:
+            launch_command(launch)
+        except ChildFailedError as exc:
+            rank, failure = exc.get_first_failure()
+            return report_failure(rank, failure.exitcode, errors)
+        except subprocess.CalledProcessError as exc:  # one process, started without torchrun
+            return report_failure(0, exc.returncode, errors)
+        except SignalException:  # Ctrl-C or a kill reached the launcher: the processes stop
+            raise KeyboardInterrupt from None
+        finally:
+            os.environ.pop(ERROR_FILE_ENV, None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""gumiho.train.launch (scripts/train.sh's multi-process path): a process that stops on bad
+input is reported as the trainer reports it, one line and its exit status, with no launcher
+traceback; the process count comes from NUM_PROCESSES, the config, or the GPUs."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gumiho.errors import ERROR_FILE_ENV, GumihoError, cli_errors
+from gumiho.train.launch import (
+    RANK_FIELD,
+    failure_line,
+    free_port,
+    process_count,
+    read_config,
+    report_failure,
+)
+
+from conftest import child_env
+
+ROOT = Path(__file__).resolve().parents[1]
+MULTI = ROOT / "configs" / "multi_gpu.yaml"
+
+
+def test_process_count_comes_from_the_environment_the_config_or_the_gpus(tmp_path):
+    shipped = read_config(MULTI)
+    assert "num_processes" not in shipped  # one per GPU, not a fixed 8
+    assert process_count(shipped, MULTI, {}, gpus=4) == 4
+    assert process_count(shipped, MULTI, {"NUM_PROCESSES": "2"}, gpus=0) == 2
+    assert process_count(shipped, MULTI, {"NUM_PROCESSES": "3"}, gpus=8) == 3
+    assert process_count({**shipped, "num_processes": 6}, MULTI, {}, gpus=8) == 6
+    with pytest.raises(GumihoError, match="starts one process per GPU and this machine has "
+                                          "none: set NUM_PROCESSES=N"):
+        process_count(shipped, MULTI, {}, gpus=0)
+    for bad in ["0", "two", "-1"]:
+        with pytest.raises(GumihoError, match=f"NUM_PROCESSES={bad}: expected a positive"):
+            process_count(shipped, MULTI, {"NUM_PROCESSES": bad}, gpus=1)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("distributed_type: [MULTI_GPU\n")
+    with pytest.raises(GumihoError, match="accelerate config .*broken.yaml"):
+        read_config(broken)
+
+
+def test_a_failed_process_is_its_own_line_or_its_signal(tmp_path, capsys):
+    errors = str(tmp_path / f"error-{RANK_FIELD}")
+    (tmp_path / "error-1").write_text("error: --lr must be positive\n")
+    assert failure_line(1, 2, errors) == "error: --lr must be positive"
+    assert failure_line(0, -signal.SIGKILL, errors) == \
+        "error: training process 0 was killed by SIGKILL (out of memory?)"
+    assert failure_line(0, -signal.SIGSEGV, errors) == \
+        "error: training process 0 was killed by SIGSEGV"
+    assert failure_line(2, 3, errors).startswith("error: training process 2 exited with "
+                                                 "status 3; rerun with GUMIHO_DEBUG=1")
+    assert report_failure(1, 2, errors) == 2
+    assert report_failure(0, -signal.SIGKILL, errors) == 137
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --lr must be positive",
+        "error: training process 0 was killed by SIGKILL (out of memory?)"]
+
+
+def test_each_process_writes_its_line_to_its_own_file(tmp_path, monkeypatch, capsys):
+    """GUMIHO_ERROR_FILE with {rank}: a process under torchrun (RANK set) writes there, not
+    to stderr, so the launcher can print one line for all of them."""
+    monkeypatch.setenv(ERROR_FILE_ENV, str(tmp_path / f"error-{RANK_FIELD}"))
+    monkeypatch.setenv("RANK", "3")
+
+    @cli_errors
+    def fails(argv=None):
+        raise GumihoError("bad flag")
+
+    assert fails([]) == 2
+    assert (tmp_path / "error-3").read_text() == "error: bad flag\n"
+    assert capsys.readouterr().err == ""
+
+
+def test_free_port_is_free():
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_two_processes_stopping_on_bad_input_print_one_line(tmp_path):
+    """scripts/train.sh with the shipped multi-GPU config on 2 CPU processes: too few samples
+    for the global batch is found in each process after the launch; it used to print the
+    line twice and then torchrun's ChildFailedError traceback (exit 1)."""
+    env = child_env(NUM_PROCESSES="2", OMP_NUM_THREADS="1",
+                    ACCELERATE_CONFIG="configs/multi_gpu.yaml",
+                    PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "train.sh"), "--online",
+                           "--num-conversations", "2", "--batch-size", "4",
+                           "--output-dir", "run"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: 2 training samples do not fill one global batch of 64: lower --batch-size "
+        "or --grad-accum, or add data"], proc.stderr
