@@ -97,6 +97,8 @@ class SpeculativeGenerator:
         bit for bit sequential decoding's, attention.py)."""
         check_load_args(target, method, draft, tree_options)
         user_options, asked_depth = tree_options, tree_options.get("depth")
+        asked_tokens = tree_options.get("total_tokens")
+        asked_tokens = asked_tokens if isinstance(asked_tokens, int) else None  # not "auto"
         place, kind = (target.device, target.dtype) if isinstance(target, Target) \
             else choose_device_dtype(device, dtype)  # what the load will choose
         tree_options = preset_options(preset, method, kind == torch.float32, tree_options)
@@ -130,7 +132,7 @@ class SpeculativeGenerator:
                      "(--draft-gate %.2f drafts only while that pays)", tree.total_tokens,
                      tree.depth, report["break_even"], report["break_even"])
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
-        note_depth(drafter, asked_depth)
+        note_reach(drafter, asked_depth, asked_tokens)
         if verify_width is not None and verify_width < drafter.max_nodes:
             raise GumihoError(f"--verify-width {verify_width} is narrower than this tree's "
                               f"{drafter.max_nodes} tokens (root included): give at least "
@@ -231,12 +233,17 @@ class SpeculativeGenerator:
             raise
 
 
-def note_depth(drafter: Drafter, asked: int | None) -> None:
-    """A --depth past the drafter's levels runs at the depth it reaches, and says so."""
+def note_reach(drafter: Drafter, asked_depth: int | None, asked_tokens: int | None) -> None:
+    """A --depth past the drafter's levels, or a --total-tokens past the candidates its
+    tree settings give, runs at what the drafter reaches, and says so."""
     reach = getattr(drafter, "draft_depth", None)
-    if asked is not None and reach is not None and reach < asked:
+    if asked_depth is not None and reach is not None and reach < asked_depth:
         log.warning("depth %d is past what this drafter drafts: its trees stop at depth %d "
-                    "(the levels its network has)", asked, reach)
+                    "(the levels its network has)", asked_depth, reach)
+    if asked_tokens is not None and drafter.max_nodes < asked_tokens:
+        log.warning("total tokens %d is more than these tree settings draft: its trees stop "
+                    "at %d tokens (raise --top-k, --mlp-topk or --pruning for more "
+                    "candidates)", asked_tokens, drafter.max_nodes)
 
 
 def check_load_args(target, method, draft, tree_options: dict) -> None:

@@ -79,6 +79,8 @@ class SerialDrafter:
         self.mlp_rows = min(self.beam, budget - 1) if self.serial_depth <= 2 else self.beam
         self.mlp_topk = min(tree.mlp_topk, budget, words)
         self.pruning = min(tree.pruning, budget)
+        if tree.fta == "off":  # no tree outgrows its pool (the FTA modes complete levels)
+            self.max_nodes = min(self.max_nodes, 1 + self.pool_nodes())
         # --min-confidence as a log-prob floor on path scores; eager steps only (it reads
         # scores on the host and changes the tree's size, which captured steps cannot)
         eager = engine == "eager"
@@ -94,6 +96,18 @@ class SerialDrafter:
         self.star_trees, self.star = True, None
         self.cache: KVCache | None = None
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)  # the loop's, to profile
+
+    def pool_nodes(self) -> int:
+        """The most candidates a cycle's pool holds (root not counted), so the largest tree
+        it can select: `beam` nodes per serial level, then each MLP level at most `pruning`
+        of its rows x mlp_topk, from the heads' rows (`mlp_rows` below level 2, else the
+        beam). A --total-tokens past it verifies no more tokens."""
+        nodes = self.serial_depth * self.beam
+        rows = self.mlp_rows if self.serial_depth <= 2 else self.beam
+        for _ in range(self.heads):
+            rows = min(self.pruning, rows * self.mlp_topk)
+            nodes += rows
+        return nodes
 
     def begin(self, target, capacity: int) -> None:
         if getattr(self, "head_target", None) is not target:  # once per target

@@ -624,3 +624,36 @@ def test_a_depth_past_the_drafters_levels_is_noted(tiny_target_dir, caplog):
             caplog.clear()
             SpeculativeGenerator.load(tiny_target_dir, method, "random", depth=reach)
             assert "past what this drafter drafts" not in caplog.text
+
+
+@pytest.mark.parametrize("method, options", [
+    ("gumiho", {}), ("gumiho", {"top_k": 4, "mlp_topk": 3, "pruning": 7}),
+    ("gumiho", {"serial_levels": 3, "top_k": 3, "pruning": 5}),
+    ("gumiho", {"depth": 3}), ("eagle2", {"top_k": 5, "depth": 4})])
+def test_total_tokens_past_the_pool_is_noted_and_verifies_the_pool(tiny_target_dir, caplog,
+                                                                   method, options):
+    """--total-tokens past the candidates the tree settings draw runs at the pool's size
+    (pool_nodes: the trees are then the whole pool, every cycle), and says so; it used to be
+    recorded and shown as asked while the verify width padded the rest."""
+    import logging
+
+    from gumiho.generate import SpeculativeGenerator
+
+    with caplog.at_level(logging.WARNING, logger="gumiho"):
+        gen = SpeculativeGenerator.load(tiny_target_dir, method, "random", total_tokens=1000,
+                                        **options)
+    inner = gen.drafter
+    while not hasattr(inner, "pool_nodes"):
+        inner = inner.inner
+    assert gen.drafter.max_nodes == inner.pool_nodes() + 1 < 1000
+    assert f"total tokens 1000 is more than these tree settings draft: its trees stop at " \
+           f"{gen.drafter.max_nodes} tokens" in caplog.text
+    sizes, propose = [], inner.propose
+    inner.propose = lambda: sizes.append((tree := propose()).tokens.shape[0]) or tree
+    gen.generate([1, 2, 3], max_new_tokens=6)
+    assert sizes and set(sizes) == {gen.drafter.max_nodes}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gumiho"):
+        SpeculativeGenerator.load(tiny_target_dir, method, "random",
+                                  total_tokens=gen.drafter.max_nodes, **options)
+    assert "total tokens" not in caplog.text
