@@ -38,7 +38,16 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def _close_bars() -> None:
+    """End every open progress bar's line: tqdm draws on stderr without a newline, so a
+    report after Ctrl-C or an error mid-job would otherwise continue the bar's line."""
+    tqdm = sys.modules.get("tqdm")  # never imported here: no bars open
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
+
+
 def _report(line: str) -> None:
+    _close_bars()
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
         with open(path.replace("{rank}", os.environ.get("RANK", "0")), "w") as f:

@@ -657,3 +657,21 @@ def test_total_tokens_past_the_pool_is_noted_and_verifies_the_pool(tiny_target_d
         SpeculativeGenerator.load(tiny_target_dir, method, "random",
                                   total_tokens=gen.drafter.max_nodes, **options)
     assert "total tokens" not in caplog.text
+
+
+def test_an_open_progress_bar_ends_its_line_before_the_report(capsys):
+    """A report mid-job starts a line of its own: tqdm leaves its bar without a newline, and
+    `interrupted: ...` after Ctrl-C in training used to continue the bar's line."""
+    from tqdm import tqdm
+
+    from gumiho.errors import cli_errors
+
+    @cli_errors
+    def fails(argv=None):
+        bar = tqdm(total=10, desc="work")
+        bar.update(3)
+        raise GumihoError("bad flag")
+
+    assert fails([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("\rwork:") and err.endswith("]\nerror: bad flag\n"), repr(err)

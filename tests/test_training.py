@@ -623,6 +623,7 @@ def test_accuracy_tool_matches_trainings_evaluation(tiny_target_dir, tiny_data_d
                           "--target", tiny_target_dir, "--batch-size", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["samples"] > 0
+    assert report["measure"] == "mean over batches of 2 samples, token-weighted within each"
     for key, value in logged.items():
         assert report[key] == pytest.approx(value, abs=1e-3)
 
@@ -715,6 +716,7 @@ def test_accuracy_tool_compares_two_drafters_sample_by_sample(smollm2, tmp_path,
         return code, (json.loads(out) if code == 0 else err.strip().splitlines())
 
     _, same = compare(shipped, shipped)
+    assert same["measure"] == "mean over samples"  # not the plain report's batch mean
     assert same["draft_acc"] == same["against_acc"] and same["draft_acc"]["acc_serial1"] > 0.3
     assert all(v == [0.0, 0.0, 0.0] for v in same["difference"].values())
     _, report = compare(shipped, broken)

@@ -8,7 +8,10 @@ N` reads the drafter over another draft vocabulary, the N most frequent assistan
 of the training split as `python -m gumiho.train --init-from DIR --draft-vocab N --online`
 chooses it (0: the whole vocabulary; the serial layers and MLP heads do not depend on it).
 `outside_vocab` is the share of held-out target tokens the vocabulary cannot draft.
-`--against DIR` compares two drafters on the same samples: per position, the mean over
+Each output names its `measure`: training's evaluation averages batches (`--batch-size`
+samples, token-weighted within each), while `--against DIR`, which compares two drafters
+on the same samples, averages samples (each conversation weighs the same), so the two
+read slightly differently on the same drafter. Per position it gives the mean over
 samples of the first's top-1 less the second's, with a 95% interval from the spread of
 those per-sample differences (a paired test, so two drafters that differ by 0.01 on the
 same text can be told apart from noise).
@@ -108,12 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = [batch_accuracies(m, target, h, samples, method, 2, 1)
                 for m, h in ((model, head), (other, other_head))]
         print(json.dumps({"draft": args.draft, "against": args.against, "data": args.data,
-                          "samples": len(samples), "draft_acc": scored_mean(rows[0]),
+                          "samples": len(samples), "measure": "mean over samples",
+                          "draft_acc": scored_mean(rows[0]),
                           "against_acc": scored_mean(rows[1]),
                           "difference": paired_difference(*rows)}))
         return 0
     acc = evaluate(model, target, head, samples, model.config.method, 2, args.batch_size)
     print(json.dumps({"draft": args.draft, "data": args.data, "samples": len(samples),
+                      "measure": f"mean over batches of {args.batch_size} samples, "
+                                 "token-weighted within each",
                       "draft_vocab": head.size,
                       "outside_vocab": round(outside_vocab(target, head, samples), 4),
                       **{k: round(v, 4) for k, v in acc.items()}}))
