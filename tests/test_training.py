@@ -2,6 +2,7 @@
 pass matches inference, and a trained checkpoint decodes losslessly."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -1133,3 +1134,32 @@ def test_the_dry_run_refuses_a_resume_with_other_settings(tiny_target_dir, tiny_
     assert main(args) == 0
     assert main([*args, "--lr", "0.5"]) == 2
     assert "holds a run made with lr=" in capsys.readouterr().err
+
+
+def test_a_resume_on_data_made_again_differently_is_refused(tiny_target_dir, tiny_data_dir,
+                                                            tmp_path, capsys):
+    """The run records a digest of each --data dir's manifest.json: the same path made again
+    with other data (delete, make anew) is refused by the dry run and the resume, where it
+    used to train on the new data; a run saved before the digest resumes."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(tiny_data_dir, data_dir)
+    data, out = (tiny_target_dir, str(data_dir)), tmp_path / "run"
+    assert main(train_args(data, out, "--stop-after-steps", "1")) == 0
+    manifest = data_dir / "manifest.json"
+    kept = manifest.read_text()
+    manifest.write_text(json.dumps({**json.loads(kept), "start": 1}))  # another slice
+    capsys.readouterr()
+    for extra in (["--dry-run"], []):
+        assert main(train_args(data, out, *extra)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: {out} holds a run on other data: a --data dir's manifest.json "
+                       "changed since it began (made again?): resume with the data it began "
+                       "on, or give another --output-dir"]
+    manifest.write_text(kept)
+    progress = out / "state" / "progress.json"
+    saved = json.loads(progress.read_text())
+    assert saved["settings"]["data_digests"] and saved["settings"]["data"] == [str(data_dir)]
+    del saved["settings"]["data_digests"]  # as saved before the digests were recorded
+    progress.write_text(json.dumps(saved))
+    assert main(train_args(data, out, "--stop-after-steps", "2")) == 0
+    assert "resuming from step 1" in capsys.readouterr().out

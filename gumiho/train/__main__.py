@@ -12,6 +12,7 @@ fixed by the seed and each optimizer step covers the same global batches.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -197,10 +198,22 @@ def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
     if out.exists() and not out.is_dir():
         raise GumihoError(f"--output-dir {out} is a file: give a directory")
     check_run_dir(out)
-    check_run_settings(out, asdict(config), SETTING_DEFAULTS)
+    check_run_settings(out, run_settings(config), SETTING_DEFAULTS)
     parent = next(p for p in [out, *out.parents] if p.exists())
     if not os.access(parent, os.W_OK):
         raise GumihoError(f"--output-dir {out}: {parent} is not writable")
+
+
+def run_settings(config: TrainConfig, procs: int | None = None) -> dict:
+    """What a run records and its resume compares: the config, a digest of each --data
+    dir's manifest.json (the same path made again with other data is another run) and the
+    process count, which only the launch knows (None: the dry run, not compared)."""
+    from gumiho.ge_data.shards import MANIFEST
+
+    digests = [hashlib.sha256((Path(d) / MANIFEST).read_bytes()).hexdigest()[:16]
+               for d in config.data]
+    return {**asdict(config), "data_digests": digests,
+            **({} if procs is None else {"processes": procs})}
 
 
 def check_run_dir(out: Path) -> None:
@@ -283,7 +296,7 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: schedule(s, config.warmup_steps, total))
     model, optimizer = accelerator.prepare(model, optimizer)
-    settings = {**asdict(config), "processes": procs}
+    settings = run_settings(config, procs)
     state = load_run_state(accelerator, out, settings, scheduler,
                            defaults=SETTING_DEFAULTS)
     head = DraftHead.for_model(target, accelerator.unwrap_model(model))

@@ -55,9 +55,15 @@ def check_run_settings(out: Path, settings: dict, defaults: dict | None = None) 
     old = saved.get("settings", {})
     defaults = defaults or {}
     for key, value in settings.items():
+        if key not in old and key not in defaults:
+            continue  # recorded since the run began (data_digests): nothing to compare
         was = old.get(key, defaults.get(key))
         if key == "target" and isinstance(was, str) and same_place(was, value):
             continue  # the same model dir, named relatively or not
+        if key == "data_digests" and was != value:
+            raise GumihoError(f"{out} holds a run on other data: a --data dir's "
+                              "manifest.json changed since it began (made again?): resume "
+                              "with the data it began on, or give another --output-dir")
         if json.dumps(was) != json.dumps(value):
             raise GumihoError(
                 f"{out} holds a run made with {key}={was!r}, not {value!r}: rerun "
