@@ -110,8 +110,7 @@ def install_interrupt_hook() -> None:
 
     def hook(kind, value, tb):
         if issubclass(kind, KeyboardInterrupt) and not debug():
-            sys.stdout.flush()
-            print("interrupted", file=sys.stderr, flush=True)
+            _report("interrupted")  # a worker's goes to its parent's file, as errors do
             os._exit(EXIT_INTERRUPTED)
         previous(kind, value, tb)
 

@@ -4,8 +4,10 @@ Splits the conversation range [--start, --end) into fixed-size shards, writes a 
 prints the disk it will need, and runs one worker per GPU group (`--gpus 0,1 2,3`) or
 `--workers K` CPU processes (one CPU worker: this process). Rerunning the same command
 resumes: only missing or half-written shards are made again, and a finished shard that
-does not read back (truncated, corrupted) is made again too. Ctrl-C or a kill loses at
-most the shards being made.
+does not read back (truncated, corrupted) is made again too; a rerun with settings that
+change the shards (the data file by its content), or into a folder that is not a data dir,
+is refused. Ctrl-C or a kill loses at most the shards being made; the worker processes
+end with this one.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from gumiho.errors import (
     nonnegative_int,
     positive_int,
 )
-from gumiho.ge_data.conversations import load_conversations, split
+from gumiho.ge_data.conversations import data_identity, load_conversations, split
 from gumiho.ge_data.shards import (
     MANIFEST,
     check_same_plan,
@@ -42,7 +44,7 @@ from gumiho.ge_data.shards import (
 )
 from gumiho.paths import check_writable_dir
 from gumiho.target import choose_device_dtype, resolve_target_path, target_config
-from gumiho.templates import tokenize_conversation
+from gumiho.templates import TEMPLATES, render, tokenize_conversation
 from gumiho.version import code_version
 
 CHARS_PER_TOKEN = 3.5  # rough, for the disk estimate only
@@ -76,9 +78,11 @@ def plan(args: argparse.Namespace, notes: list[str] | None = None) -> dict:
                 "regenerate": args.regenerate, "regen_max_tokens": args.regen_max_tokens,
                 "regen_batch_size": args.regen_batch_size,
                 "dtype": args.dtype, "target_dtype": args.target_dtype,
+                "compute_dtype": compute_dtype(args),
                 "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
                 "code_version": code_version(short=True)}
     conversations = planned_range(args, notes)
+    manifest.update(data_identity(args.data))
     check_template(args, conversations[0])
     manifest["end"] = manifest["start"] + len(conversations)
     manifest["num_shards"] = math.ceil(len(conversations) / args.shard_size)
@@ -87,6 +91,13 @@ def plan(args: argparse.Namespace, notes: list[str] | None = None) -> dict:
                      / CHARS_PER_TOKEN) for c in conversations)
     manifest["estimated_bytes"] = int(tokens * per_token)
     return manifest
+
+
+def compute_dtype(args: argparse.Namespace) -> str:
+    """The dtype the workers run the target in (--target-dtype, else $GUMIHO_DTYPE, else
+    their device's default): it changes the features, so a resume must use the same."""
+    device = "cuda" if args.gpus else "cpu"  # check_gpus found them
+    return str(choose_device_dtype(device, args.target_dtype)[1]).removeprefix("torch.")
 
 
 def check_template(args: argparse.Namespace, conversation: dict) -> None:
@@ -99,19 +110,51 @@ def check_template(args: argparse.Namespace, conversation: dict) -> None:
         raise GumihoError(f"target {args.target!r} has no usable tokenizer "
                           f"({type(exc).__name__}): copy the model's tokenizer files into "
                           "its directory") from None
+    if args.template is not None:
+        check_template_writes_messages(tokenizer, args.template)
     tokenize_conversation(tokenizer, conversation["messages"], args.max_len, frozenset(),
                           args.template)
 
 
+def check_template_writes_messages(tokenizer, template: str) -> None:
+    """--template is a known name or a Jinja template that writes out each message's
+    content (a mistyped name is Jinja too, one that renders itself: no sample would
+    come of any conversation)."""
+    name = f"--template {template[:60]!r}"
+    if template not in TEMPLATES and "{{" not in template and "{%" not in template:
+        raise GumihoError(f"{name} is not a template: use one of {', '.join(TEMPLATES)}, or "
+                          "give a Jinja chat template string")
+    user, reply = "Zq7Xw9Kv", "Vb3Nm8Lp"
+    chat = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    text = tokenizer.decode(render(tokenizer, chat, False, template))
+    if user not in text or reply not in text:
+        raise GumihoError(f"{name} does not write out the messages' content: fix the "
+                          "template, or use --template vicuna")
+
+
+# What a run killed before its manifest was written can leave (paths.write_atomically's
+# temp names): such a folder is still resumed
+LEFTOVERS = (f"{MANIFEST}.tmp*", "shard_*.pt.tmp*")
+
+
 def check_outdir(outdir: Path) -> dict | None:
     """The output folder can hold the data; returns its manifest if it has one. A folder
-    with shard files but no manifest is not ours to write into."""
+    holding anything else but no manifest (shards of unknown settings, a model, a
+    drafter) is not ours to write into."""
     check_writable_dir(outdir, "--outdir")
     manifest = read_manifest(outdir) if outdir.is_dir() else None
-    if manifest is None and outdir.is_dir() and any(outdir.glob("shard_*.pt")):
+    if manifest is not None or not outdir.is_dir():
+        return manifest
+    if any(outdir.glob("shard_*.pt")):
         raise GumihoError(f"--outdir {outdir} holds shard files but no {MANIFEST}: use an "
                           "empty or new folder")
-    return manifest
+    foreign = sorted(p.name for p in outdir.iterdir()
+                     if not any(p.match(pattern) for pattern in LEFTOVERS))
+    if foreign:
+        raise GumihoError(f"--outdir {outdir} is not a data folder (it holds {foreign[0]}"
+                          f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}, "
+                          f"no {MANIFEST}): use an empty or new folder")
+    return None
 
 
 def check_gpus(groups: list[str]) -> None:
@@ -142,16 +185,17 @@ def remake_damaged(outdir: Path, count: int) -> None:
 STOP_GRACE_S = 5.0  # how long interrupted workers get to stop on their own signal
 
 
-def launch(outdir: Path, todo: list[int], slots: list[dict], manifest: dict) -> None:
+def launch(outdir: Path, todo: list[int], slots: list[dict], manifest: dict) -> int:
     """One worker process per slot (env overrides, e.g. CUDA_VISIBLE_DEVICES). A worker
-    reports its error in a file, so the user sees one line for the whole run. One CPU
-    slot runs in this process: a second interpreter would only add its start (~10 s of
-    imports on 2 cores) and a hop for Ctrl-C and errors."""
+    reports its error in a file, so the user sees one line for the whole run; returns the
+    exit status (a failed worker's). One CPU slot runs in this process: a second
+    interpreter would only add its start (~10 s of imports on 2 cores) and a hop for
+    Ctrl-C and errors."""
     if todo and len(slots) == 1 and slots[0]["GUMIHO_DEVICE"] == "cpu":
         from gumiho.ge_data.worker import make_shards  # torch and transformers: load late
 
         make_shards(outdir, manifest, todo, "cpu")
-        return
+        return 0
     procs = []
     with tempfile.TemporaryDirectory(prefix="gumiho-workers-") as errors:
         try:
@@ -160,20 +204,41 @@ def launch(outdir: Path, todo: list[int], slots: list[dict], manifest: dict) -> 
                 if mine:
                     cmd = [sys.executable, "-m", "gumiho.ge_data.worker", "--outdir",
                            str(outdir), "--shards", ",".join(map(str, mine)), "--rank",
-                           str(rank)]
-                    error_file = str(Path(errors) / f"worker{rank}.txt")
+                           str(rank), "--parent-pid", str(os.getpid())]
+                    error_file = Path(errors) / f"worker{rank}.txt"
                     procs.append((rank, error_file, subprocess.Popen(
-                        cmd, env={**os.environ, **env, ERROR_FILE_ENV: error_file})))
-            failed = [(rank, file) for rank, file, p in procs if p.wait() != 0]
+                        cmd, env={**os.environ, **env, ERROR_FILE_ENV: str(error_file)})))
+            failed = [(rank, file, p.wait()) for rank, file, p in procs]
         except KeyboardInterrupt:
             stop_workers([p for _, _, p in procs])
             raise
-        if failed:
-            rank, file = failed[0]
-            reason = Path(file).read_text().strip() if Path(file).exists() else "it crashed"
-            reason = reason.removeprefix("error: ")
-            raise GumihoError(f"{len(failed)} worker(s) failed (worker {rank}: {reason}); "
-                              "finished shards are kept: rerun the same command to resume")
+        failed = [failure for failure in failed if failure[2] != 0]
+        return report_failure(failed) if failed else 0
+
+
+def report_failure(failed: list[tuple[int, Path, int]]) -> int:
+    """Print the first failed worker's reason in one line; return the exit status a shell
+    would show for it: the worker's own (2 for bad input, 1 for a bug), or 128 + the signal
+    that killed it."""
+    rank, file, code = failed[0]
+    print(f"error: {len(failed)} worker(s) failed, {failure_reason(rank, code, file)}; "
+          "finished shards are kept: rerun the same command to resume", file=sys.stderr,
+          flush=True)
+    return code if code > 0 else 128 - code
+
+
+def failure_reason(rank: int, code: int, error_file: Path) -> str:
+    """The line a failed worker left in its file, or what ended it (gumiho.train.launch's
+    wording for the trainer's processes)."""
+    text = error_file.read_text().strip() if error_file.is_file() else ""
+    if text:
+        return f"worker {rank}: {text.splitlines()[0].removeprefix('error: ')}"
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() \
+            else f"signal {-code}"
+        hint = " (out of memory?)" if name == "SIGKILL" else ""
+        return f"worker {rank} was killed by {name}{hint}"
+    return f"worker {rank} exited with status {code}"
 
 
 def stop_workers(procs: list[subprocess.Popen]) -> None:
@@ -248,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}", file=sys.stderr)
     if old is not None:
         check_same_plan(old, manifest, outdir)
-        manifest = old
+        manifest = {**old, "data_path": manifest["data_path"]}  # the same data, found here
     outdir.mkdir(parents=True, exist_ok=True)
     write_manifest(outdir, manifest)
     remake_damaged(outdir, manifest["num_shards"])
@@ -270,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         slots = [{"OMP_NUM_THREADS": threads, "CUDA_VISIBLE_DEVICES": "",
                   "GUMIHO_DEVICE": "cpu"}] * args.workers
     start = time.perf_counter()
-    launch(outdir, todo, slots, manifest)
+    status = launch(outdir, todo, slots, manifest)
+    if status:
+        return status
     samples = count_samples(outdir, manifest["num_shards"])
     conversations = manifest["end"] - manifest["start"]
     if samples == 0:

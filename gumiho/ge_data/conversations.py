@@ -112,6 +112,25 @@ def conversations_path(source: str) -> Path:
     return sharegpt_path() if source == "sharegpt" else Path(source)
 
 
+def data_identity(source: str) -> dict:
+    """Where a `--data` file lies (resolved: a resume may run from another folder) and what
+    it holds (size and sha256, ~0.1 s for ShareGPT's 125 MB, less than parsing it), for a
+    data dir's manifest."""
+    path = conversations_path(source).resolve()
+    stat = path.stat()
+    return {"data_path": str(path), "data_bytes": stat.st_size,
+            "data_sha256": _sha256(str(path), stat.st_size, stat.st_mtime_ns)}
+
+
+@functools.lru_cache(maxsize=4)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def load_conversations(source: str = "sharegpt", notes: list[str] | None = None
                        ) -> list[dict]:
     """Usable conversations as {"id", "messages"} from the package (`sharegpt`) or a file.

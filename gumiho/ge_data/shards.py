@@ -9,18 +9,24 @@ A shard exists only once complete: it is written to a temporary name and renamed
 from __future__ import annotations
 
 import json
+import math
 import zipfile
 from pathlib import Path
 
 import torch
 
 from gumiho.errors import GumihoError
-from gumiho.paths import write_atomically
+from gumiho.paths import same_place, write_atomically
 
 MANIFEST = "manifest.json"
-# Settings that must agree between a manifest and a run that resumes it.
-PLAN_KEYS = ("target", "data", "split", "start", "end", "shard_size", "max_len", "template",
-             "regenerate", "dtype")
+# Settings that must agree between a manifest and a run that resumes it: all that change a
+# shard's bytes beyond rounding (how many workers or threads, or which device, change only
+# the order of float sums, as resuming on another machine would). A key that a manifest
+# made by older code lacks is not compared; the data file is compared by its content.
+PLAN_KEYS = ("target", "split", "start", "end", "shard_size", "max_len", "template",
+             "regenerate", "dtype", "compute_dtype")
+REGEN_KEYS = ("regen_max_tokens", "regen_batch_size")  # with --regenerate only
+DATA_KEYS = ("data_bytes", "data_sha256")  # the data file's content, wherever it lies now
 
 
 def shard_path(outdir: Path, index: int) -> Path:
@@ -52,11 +58,41 @@ def read_manifest(outdir: Path) -> dict | None:
         raise GumihoError(f"{path} is not a readable data manifest ({type(exc).__name__}): "
                           "this folder does not hold data made by gumiho.ge_data.allocation "
                           "(it was left untouched)") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("num_shards"), int):
+    if not isinstance(manifest, dict) or not is_count(manifest.get("num_shards")):
         raise GumihoError(f"{path} is not a data manifest (no num_shards): this folder does "
                           "not hold data made by gumiho.ge_data.allocation (it was left "
                           "untouched)")
+    problem = manifest_problem(outdir, manifest)
+    if problem:
+        raise GumihoError(f"{path} is inconsistent ({problem}): it was edited or damaged; "
+                          "restore it or make the data again in another --outdir")
     return manifest
+
+
+def is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def manifest_problem(outdir: Path, manifest: dict) -> str | None:
+    """Why a manifest's numbers disagree with each other or with the shards beside it, or
+    None. A hand-made manifest with num_shards alone is checked against its shards only."""
+    count = manifest["num_shards"]
+    if count < 1:
+        return f"num_shards {count}"
+    if all(k in manifest for k in ("start", "end", "shard_size")):
+        start, end, size = manifest["start"], manifest["end"], manifest["shard_size"]
+        if not all(map(is_count, (start, end, size))) or not 0 <= start < end or size < 1:
+            return f"start {start!r}, end {end!r}, shard_size {size!r}"
+        if count != math.ceil((end - start) / size):
+            return (f"num_shards {count}, but conversations {start}..{end - 1} in shards of "
+                    f"{size} make {math.ceil((end - start) / size)}")
+    beyond = sorted(p.name for p in outdir.glob("shard_*.pt") if shard_index(p) >= count)
+    return f"num_shards {count}, but {beyond[0]} is there" if beyond else None
+
+
+def shard_index(path: Path) -> int:
+    digits = path.name.removeprefix("shard_").removesuffix(".pt")
+    return int(digits) if digits.isdigit() else -1
 
 
 def write_manifest(outdir: Path, manifest: dict) -> None:
@@ -65,10 +101,32 @@ def write_manifest(outdir: Path, manifest: dict) -> None:
 
 
 def check_same_plan(old: dict, new: dict, outdir: Path) -> None:
-    for key in PLAN_KEYS:
+    """A resume's settings are the manifest's: each key both record, the data file by its
+    content (by its name where the manifest predates that)."""
+    keys = [k for k in PLAN_KEYS if k in old and k in new]
+    if "compute_dtype" not in keys:  # made before it was recorded: the flag as given
+        keys.append("target_dtype")
+    if old.get("regenerate") and new.get("regenerate"):
+        keys += [k for k in REGEN_KEYS if k in old and k in new]
+    for key in keys:
         if old.get(key) != new.get(key):
             raise GumihoError(f"{outdir} holds data made with {key}={old.get(key)!r}, not "
                               f"{new.get(key)!r}: use another --outdir or the same settings")
+    if not same_data(old, new):
+        raise GumihoError(f"{outdir} holds data made with data={describe_data(old)}, not "
+                          f"{describe_data(new)}: use another --outdir or the same settings")
+
+
+def same_data(old: dict, new: dict) -> bool:
+    if "data_sha256" in old and "data_sha256" in new:
+        return [old.get(k) for k in DATA_KEYS] == [new.get(k) for k in DATA_KEYS]
+    a, b = old.get("data"), new.get("data")
+    return a == b or (isinstance(a, str) and isinstance(b, str) and same_place(a, b))
+
+
+def describe_data(manifest: dict) -> str:
+    digest = manifest.get("data_sha256")
+    return f"{manifest.get('data')!r}" + (f" (sha256 {digest[:12]}...)" if digest else "")
 
 
 def shard_problem(path: Path) -> str | None:

@@ -7,8 +7,11 @@ from the manifest, skips finished shards, writes each shard atomically.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,11 +24,13 @@ from gumiho.target import Target, choose_device_dtype, load_target
 from gumiho.templates import render, tokenize_conversation
 
 STORE_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def planned_conversations(manifest: dict) -> list[dict]:
-    """The conversations the manifest's range covers, in order."""
-    train, held_out = split(load_conversations(manifest["data"]))
+    """The conversations the manifest's range covers, in order, from the file it was made
+    from (its resolved path; a manifest made before it was recorded: the name as given)."""
+    train, held_out = split(load_conversations(manifest.get("data_path") or manifest["data"]))
     chosen = held_out if manifest["split"] == "held_out" else train
     return chosen[manifest["start"] : manifest["end"]]
 
@@ -64,23 +69,35 @@ def first_user(conversation: dict) -> int:
     return next(i for i, m in enumerate(conversation["messages"]) if m["role"] == "user")
 
 
-def make_samples(target: Target, conversations: list[dict], manifest: dict) -> list[dict]:
+def make_samples(target: Target, conversations: list[dict], manifest: dict,
+                 advance: Callable[[int], object] = lambda n: None) -> list[dict]:
+    """The shard's samples; `advance(n)` as n more conversations are done (progress)."""
     if manifest["regenerate"]:
+        count = len(conversations)
         conversations = regenerate(target, conversations, manifest["template"],
                                    manifest["regen_max_tokens"], manifest["max_len"],
                                    manifest.get("regen_batch_size", 8))
-    dtype = STORE_DTYPE[manifest["dtype"]]
+        advance(count - len(conversations))  # no room to regenerate a reply: skipped
     samples = []
     for conv in conversations:
-        ids, mask = tokenize_conversation(target.tokenizer, conv["messages"],
-                                          manifest["max_len"], target.stop_token_ids,
-                                          manifest["template"])
-        if int(mask.sum()) == 0:
-            continue  # nothing to learn from (the reply was cut by max_len)
-        hidden = target.features(ids[None].to(target.device))[0]
-        samples.append({"id": conv["id"], "input_ids": ids.to(torch.int32),
-                        "hidden_state": hidden.to(dtype).cpu(), "loss_mask": mask.to(torch.uint8)})
+        sample = make_sample(target, conv, manifest)
+        samples += [sample] if sample else []
+        advance(1)
     return samples
+
+
+def make_sample(target: Target, conversation: dict, manifest: dict) -> dict | None:
+    """One conversation's ids, features and loss mask; None if nothing is left to learn
+    from (the reply was cut by max_len)."""
+    ids, mask = tokenize_conversation(target.tokenizer, conversation["messages"],
+                                      manifest["max_len"], target.stop_token_ids,
+                                      manifest["template"])
+    if int(mask.sum()) == 0:
+        return None
+    hidden = target.features(ids[None].to(target.device))[0]
+    return {"id": conversation["id"], "input_ids": ids.to(torch.int32),
+            "hidden_state": hidden.to(STORE_DTYPE[manifest["dtype"]]).cpu(),
+            "loss_mask": mask.to(torch.uint8)}
 
 
 def shards_arg(value: str) -> list[int]:
@@ -97,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", required=True, type=shards_arg,
                         help="comma-separated shard indices")
     parser.add_argument("--rank", type=nonnegative_int, default=0, help="progress-bar row")
+    parser.add_argument("--parent-pid", type=nonnegative_int, default=None,
+                        help="the allocation process: this worker ends when it does")
     args = parser.parse_args(argv)
+    if args.parent_pid is not None and not die_with_parent(args.parent_pid):
+        return 1  # allocation died before this worker started: nobody wants its shards
     outdir = Path(args.outdir)
     manifest = read_manifest(outdir) if outdir.is_dir() else None
     if manifest is None:
@@ -109,19 +130,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def die_with_parent(parent_pid: int) -> bool:
+    """On Linux the kernel kills this worker when its parent dies (even by kill -9), so no
+    orphan goes on writing shards that a rerun makes too; elsewhere nothing. False if the
+    parent is already gone (it can die before this runs)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL),
+                                                     0, 0, 0)
+        except (OSError, AttributeError):  # no prctl in this libc
+            pass
+    return os.getppid() == parent_pid
+
+
 def make_shards(outdir: Path, manifest: dict, shards: list[int], device: str,
                 rank: int = 0) -> None:
     """Make the shards of `shards` that are not there yet, each written atomically, with
     the target on `device` (a worker process's work; allocation's own for one CPU
-    worker)."""
-    target = load_target(manifest["target"], device=device, dtype=manifest.get("target_dtype"))
+    worker). Progress counts conversations (a shard of 100 takes minutes on a CPU)."""
+    dtype = manifest.get("compute_dtype") or manifest.get("target_dtype")
+    target = load_target(manifest["target"], device=device, dtype=dtype)
     conversations = planned_conversations(manifest)
     size = manifest["shard_size"]
-    for index in tqdm(shards, desc=f"worker {rank}", position=rank, unit="shard"):
-        if shard_path(outdir, index).exists():
-            continue
-        chunk = conversations[index * size : (index + 1) * size]
-        write_shard(outdir, index, make_samples(target, chunk, manifest))
+    chunks = {i: conversations[i * size : (i + 1) * size] for i in shards}
+    with tqdm(total=sum(map(len, chunks.values())), desc=f"worker {rank}", position=rank,
+              unit="conv") as bar:
+        for index, chunk in chunks.items():
+            if shard_path(outdir, index).exists():
+                bar.update(len(chunk))
+                continue
+            write_shard(outdir, index, make_samples(target, chunk, manifest, bar.update))
 
 
 if __name__ == "__main__":
