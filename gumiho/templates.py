@@ -40,6 +40,22 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool,
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def check_template_writes_messages(tokenizer, template: str) -> None:
+    """--template is a known name or a Jinja template that writes out each message's
+    content (a mistyped name is Jinja too, one that renders itself: no sample would
+    come of any conversation)."""
+    name = f"--template {template[:60]!r}"
+    if template not in TEMPLATES and "{{" not in template and "{%" not in template:
+        raise GumihoError(f"{name} is not a template: use one of {', '.join(TEMPLATES)}, or "
+                          "give a Jinja chat template string")
+    user, reply = "Zq7Xw9Kv", "Vb3Nm8Lp"
+    chat = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    text = tokenizer.decode(render(tokenizer, chat, False, template))
+    if user not in text or reply not in text:
+        raise GumihoError(f"{name} does not write out the messages' content: fix the "
+                          "template, or use --template vicuna")
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], max_len: int,
                           stop_token_ids: frozenset[int], template: str | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1163,3 +1163,16 @@ def test_a_resume_on_data_made_again_differently_is_refused(tiny_target_dir, tin
     progress.write_text(json.dumps(saved))
     assert main(train_args(data, out, "--stop-after-steps", "2")) == 0
     assert "resuming from step 1" in capsys.readouterr().out
+
+
+def test_online_training_refuses_a_template_that_writes_no_messages(tiny_target_dir,
+                                                                   tmp_path, capsys):
+    """`--online --template nosuch` (neither a known name nor Jinja) is one line naming the
+    flag before any sample is made; it used to give no sample and blame --max-len."""
+    code = main(["--target", tiny_target_dir, "--online", "--num-conversations", "4",
+                 "--max-len", "64", "--output-dir", str(tmp_path / "r"),
+                 "--template", "nosuch"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --template 'nosuch' is not a template: use one of vicuna, or give a Jinja "
+        "chat template string"]

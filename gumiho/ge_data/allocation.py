@@ -44,7 +44,7 @@ from gumiho.ge_data.shards import (
 )
 from gumiho.paths import check_writable_dir
 from gumiho.target import choose_device_dtype, resolve_target_path, target_config
-from gumiho.templates import TEMPLATES, render, tokenize_conversation
+from gumiho.templates import check_template_writes_messages, tokenize_conversation
 from gumiho.version import code_version
 
 CHARS_PER_TOKEN = 3.5  # rough, for the disk estimate only
@@ -114,22 +114,6 @@ def check_template(args: argparse.Namespace, conversation: dict) -> None:
         check_template_writes_messages(tokenizer, args.template)
     tokenize_conversation(tokenizer, conversation["messages"], args.max_len, frozenset(),
                           args.template)
-
-
-def check_template_writes_messages(tokenizer, template: str) -> None:
-    """--template is a known name or a Jinja template that writes out each message's
-    content (a mistyped name is Jinja too, one that renders itself: no sample would
-    come of any conversation)."""
-    name = f"--template {template[:60]!r}"
-    if template not in TEMPLATES and "{{" not in template and "{%" not in template:
-        raise GumihoError(f"{name} is not a template: use one of {', '.join(TEMPLATES)}, or "
-                          "give a Jinja chat template string")
-    user, reply = "Zq7Xw9Kv", "Vb3Nm8Lp"
-    chat = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
-    text = tokenizer.decode(render(tokenizer, chat, False, template))
-    if user not in text or reply not in text:
-        raise GumihoError(f"{name} does not write out the messages' content: fix the "
-                          "template, or use --template vicuna")
 
 
 # What a run killed before its manifest was written can leave (paths.write_atomically's

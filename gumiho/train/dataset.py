@@ -22,7 +22,7 @@ from gumiho.errors import GumihoError
 from gumiho.ge_data.conversations import conversations_path, load_conversations, split
 from gumiho.ge_data.shards import load_samples
 from gumiho.paths import cache_dir, same_place, write_atomically
-from gumiho.templates import tokenize_conversation
+from gumiho.templates import check_template_writes_messages, tokenize_conversation
 
 LENGTH_WINDOW = 16  # batches whose samples are sorted by length together (then shuffled)
 TOKENIZE_THREADS = 8  # the encoder runs without the GIL; the chat template's rendering not
@@ -70,6 +70,8 @@ def online_samples(target, source: str, count: int, max_len: int,
     the CPUs, at most TOKENIZE_THREADS). With `cache`, the result is kept under the cache
     dir (`samples/`) and read back by a run that asks for the same samples of the same file
     with the same tokenizer and code: a resumed or repeated run starts at once."""
+    if template is not None:
+        check_template_writes_messages(target.tokenizer, template)
     path = conversations_path(source)
     file = samples_cache_file(target, path, count, max_len, template, skip) \
         if cache and path.is_file() else None
