@@ -2,10 +2,12 @@
 # tau of one Gumiho drafter with --fta off, exact and official on held-out ShareGPT prompts
 # (greedy). Plain decoding runs too, so the report also has speedups.
 #   DRAFT=gumiho/assets/smollm2/gumiho QEND=10 bash scripts/compare_fta.sh
+# Paths are the caller's: the script stays in the caller's folder.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+root="$(cd "$(dirname "$0")/.." && pwd)"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # gumiho from this tree, installed or not
 TARGET=${TARGET:-smollm2}
-DRAFT=${DRAFT:-gumiho/assets/smollm2/gumiho}
+DRAFT=${DRAFT:-$root/gumiho/assets/smollm2/gumiho}
 OUT=${OUT:-runs/compare_fta}
 QEND=${QEND:-10}
 MAXNEW=${MAXNEW:-128}

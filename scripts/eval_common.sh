@@ -63,7 +63,9 @@ run_all() {
       fi
     done
   done
-  python3 -m gumiho.evaluation.speed --answers "$OUT"/T*/*.jsonl --out "$OUT/report"
+  # the questions this run asked for (OUT may hold an earlier run's answers to more)
+  python3 -m gumiho.evaluation.speed --answers "$OUT"/T*/*.jsonl --out "$OUT/report" \
+    --question-end "$QEND"
 }
 
 need_dir() {  # variable-name description

@@ -7,10 +7,14 @@
 #   GUMIHO_ARGS="--total-tokens 24" (README's CPU table names the settings it used), or
 #   GUMIHO_ARGS="--preset demo" EAGLE_ARGS="--preset demo" MEDUSA_ARGS="--preset demo"
 #   for what `gumiho demo` runs (an auto-sized tree, lookup first, float32 floors).
+# Paths (OUT, the *_DRAFT variables, paths in *_ARGS) are the caller's: the script stays in
+# the caller's folder (it once moved to the repository root, so GUMIHO_DRAFT=tr1 was looked
+# for there); the shipped drafters are found from anywhere.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-source scripts/eval_common.sh
-ASSETS=gumiho/assets/smollm2
+root="$(cd "$(dirname "$0")/.." && pwd)"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # gumiho from this tree, installed or not
+source "$root/scripts/eval_common.sh"
+ASSETS=$root/gumiho/assets/smollm2
 TARGET=smollm2
 GUMIHO_DRAFT=${GUMIHO_DRAFT-$ASSETS/gumiho}
 EAGLE_DRAFT=${EAGLE_DRAFT-$ASSETS/eagle2}

@@ -6,8 +6,10 @@
 #          eagle2_1k:eagle2:gumiho/assets/smollm2/eagle2
 # QEND (10) prompts, MAXNEW (96) new tokens; extra gen_answers flags in ARGS (e.g. --total-tokens auto).
 # Answers already complete in OUT are kept, so a cut-off run resumes where it stopped.
+# Paths are the caller's: the script stays in the caller's folder.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+root="$(cd "$(dirname "$0")/.." && pwd)"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # gumiho from this tree, installed or not
 [[ $# -ge 2 ]] || { echo "usage: bash scripts/tau_heldout.sh OUT NAME:METHOD:DRAFT_DIR ..." >&2; exit 2; }
 OUT=$1; shift
 QEND=${QEND:-10}; MAXNEW=${MAXNEW:-96}

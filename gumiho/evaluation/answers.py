@@ -21,8 +21,11 @@ TURN_KEYS = ("new_tokens", "cycles", "wall_s", "accept_lengths")
 # Settings that must agree for answers to share a file (and a row of the speed report).
 # How every record line starts (json.dumps of a dict whose first key is question_id).
 RECORD_START = b'{"question_id": '
-RESUME_KEYS = ("target", "method", "draft", "bench", "temperature", "max_new_tokens", "seed",
-               "tree", "engine")
+RESUME_KEYS = ("target", "method", "draft", "draft_sha256", "bench", "temperature",
+               "max_new_tokens", "seed", "tree", "engine")
+# Settings recorded since a later version: a record without one (older code's) is not
+# compared on it, so its file still resumes and still pools in a report.
+LATER_KEYS = ("draft_sha256",)
 
 
 @dataclass
@@ -31,6 +34,7 @@ class AnswerFile:
     lines: list[int]  # the 1-based line number of each record
     keep_bytes: int  # file length without a half-written last line
     needs_newline: bool  # the last record lacks its newline (killed right after writing it)
+    half_line: int | None = None  # the 1-based number of a half-written last line, dropped
 
 
 def record_problem(rec) -> str | None:
@@ -69,7 +73,7 @@ def read_answer_file(path: Path, writing: bool = True) -> AnswerFile:
     except OSError as exc:
         raise GumihoError(f"cannot read answer file {path}: {exc.strerror}") from None
     records, numbers = [], []
-    offset, keep, needs_newline = 0, 0, False
+    offset, keep, needs_newline, half_line = 0, 0, False, None
     raw_lines = data.split(b"\n")
     for number, raw in enumerate(raw_lines, 1):
         last = number == len(raw_lines)
@@ -83,6 +87,7 @@ def read_answer_file(path: Path, writing: bool = True) -> AnswerFile:
             rec = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             if last and raw.startswith(RECORD_START):  # cut short by an interrupted run
+                half_line = number
                 break
             what = "binary data" if isinstance(exc, UnicodeDecodeError) else "not JSON"
             raise GumihoError(_refusal(path, number, what, bool(records), writing)
@@ -94,7 +99,7 @@ def read_answer_file(path: Path, writing: bool = True) -> AnswerFile:
         numbers.append(number)
         keep, offset = end, end
         needs_newline = last
-    return AnswerFile(records, numbers, keep, needs_newline)
+    return AnswerFile(records, numbers, keep, needs_newline, half_line)
 
 
 def _refusal(path: Path, number: int, problem: str, has_records: bool, writing: bool) -> str:
@@ -115,9 +120,18 @@ def settings_mismatch(old: dict, new: dict, keys: tuple[str, ...] = RESUME_KEYS,
         a, b = old.get(key), new.get(key)
         if key in ("target", "draft") and a and b and same_place(a, b):
             continue
+        if key in LATER_KEYS and (key not in old or key not in new):
+            continue  # one side predates the setting: nothing to compare
+        if a != b and key == "draft_sha256":  # the path is the same (checked before)
+            return (f"the weights of drafter {new.get('draft')!r}: sha256 {_digest(a)} "
+                    f"{sides[0]}, {_digest(b)} {sides[1]}")
         if a != b:
             return f"{key}={_show(a)} {sides[0]}, {_show(b)} {sides[1]}"
     return None
+
+
+def _digest(value) -> str:
+    return f"{value[:12]}..." if isinstance(value, str) else repr(value)
 
 
 def _show(value) -> str:

@@ -7,6 +7,7 @@ second turn is asked after the model's own first answer.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from gumiho.errors import GumihoError
@@ -40,3 +41,18 @@ def held_out_questions(count: int = 80) -> list[dict]:
               for c in held]
     return [{"question_id": cid, "category": "sharegpt", "turns": [text]}
             for cid, text in firsts if 0 < len(text) <= MAX_HELD_OUT_CHARS][:count]
+
+
+def pick_questions(bench: str, begin: int, end: int | None, doing: str = "answering"
+                   ) -> list[dict]:
+    """Questions begin..end-1 of `bench` (--question-begin, --question-end), checked."""
+    questions = load_questions(bench)
+    if end is not None and end <= begin:
+        raise GumihoError(f"--question-end {end} must be greater than --question-begin {begin}")
+    if begin >= len(questions):
+        raise GumihoError(f"--question-begin {begin} is beyond {bench}'s {len(questions)} "
+                          f"questions (0..{len(questions) - 1})")
+    if end is not None and end > len(questions):  # a slice would quietly stop at the end
+        print(f"note: --question-end {end} is past {bench}'s {len(questions)} questions: "
+              f"{doing} {begin}..{len(questions) - 1}", file=sys.stderr)
+    return questions[begin:end]

@@ -12,6 +12,7 @@ untouched (`--overwrite` starts an answer file over).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from gumiho.checkpoint import check_drafter_dir, weights_file
 from gumiho.errors import (
     ArgumentParser,
     GumihoError,
@@ -36,7 +38,7 @@ from gumiho.evaluation.answers import (
     read_answer_file,
     settings_mismatch,
 )
-from gumiho.evaluation.benchmarks import LABELS, load_questions
+from gumiho.evaluation.benchmarks import LABELS, pick_questions
 from gumiho.generate import (
     SpeculativeGenerator,
     add_preset_arg,
@@ -64,6 +66,16 @@ def environment(gen: SpeculativeGenerator) -> dict:
             "attention": gen.target.config._attn_implementation,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "git_commit": code_version(), "threads": torch.get_num_threads()}
+
+
+def drafter_sha256(draft: str | None) -> str | None:
+    """The sha256 of a drafter dir's weights file (None: no drafter, or 'random'): the path
+    alone would let a resume append answers from other weights put in the same folder. It
+    reads the whole file: the shipped drafters (3-39 MB) in a fraction of a second."""
+    if draft is None or draft == "random":
+        return None
+    with weights_file(check_drafter_dir(draft)).open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def answer(gen: SpeculativeGenerator, question: dict, max_new_tokens: int,
@@ -105,19 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_preset_arg(p)
     add_tree_args(p)
     return p
-
-
-def pick_questions(bench: str, begin: int, end: int | None) -> list[dict]:
-    questions = load_questions(bench)
-    if end is not None and end <= begin:
-        raise GumihoError(f"--question-end {end} must be greater than --question-begin {begin}")
-    if begin >= len(questions):
-        raise GumihoError(f"--question-begin {begin} is beyond {bench}'s {len(questions)} "
-                          f"questions (0..{len(questions) - 1})")
-    if end is not None and end > len(questions):  # a slice would quietly stop at the end
-        print(f"note: --question-end {end} is past {bench}'s {len(questions)} questions: "
-              f"answering {begin}..{len(questions) - 1}", file=sys.stderr)
-    return questions[begin:end]
 
 
 def existing_answers(path: Path, overwrite: bool) -> AnswerFile | None:
@@ -179,8 +178,9 @@ class AnswerWriter:
             self.file.close()
 
 
-RESUME_IDENTITY = ("target", "method", "draft", "bench", "temperature", "max_new_tokens",
-                   "seed")  # checked before the slow load; the tree and device after it
+# checked before the slow load (the tree and device after it)
+RESUME_IDENTITY = ("target", "method", "draft", "draft_sha256", "bench", "temperature",
+                   "max_new_tokens", "seed")
 
 
 class Job:
@@ -192,8 +192,9 @@ class Job:
         self.questions = pick_questions(args.bench, args.question_begin, args.question_end)
         self.path = Path(args.answer_file)
         self.found = existing_answers(self.path, args.overwrite)
-        check_resume(self.path, self.found, {k: getattr(args, k) for k in RESUME_IDENTITY},
-                     keys=RESUME_IDENTITY)
+        self.identity = {k: getattr(args, k, None) for k in RESUME_IDENTITY}
+        self.identity["draft_sha256"] = drafter_sha256(args.draft)
+        check_resume(self.path, self.found, self.identity, keys=RESUME_IDENTITY)
         done = {rec["question_id"] for rec in self.found.records} if self.found else set()
         self.todo = [q for q in self.questions if q["question_id"] not in done]
         self.gen = self.writer = None
@@ -212,8 +213,7 @@ class Job:
         """Check the full settings against the file, warm up, open the writer."""
         a = self.args
         tree = getattr(gen.drafter, "tree", None)  # the settings the drafter was built with
-        self.settings = {**{k: getattr(a, k) for k in RESUME_IDENTITY},
-                         "tree": vars(tree) if tree is not None else None,
+        self.settings = {**self.identity, "tree": vars(tree) if tree is not None else None,
                          "engine": gen.engine, "auto_tree": gen.auto_report}
         if a.label:  # a name for the report only: resuming does not compare it
             self.settings["label"] = a.label

@@ -9,8 +9,14 @@ figure) and conditional a_i / a_{i-1}; at T=0, how many answers are the same tex
 decoding's (every turn). Paired by question: a 90% bootstrap interval of each speedup (over
 the questions; it does not cover drift between separate runs, which the interleaved runner
 removes), and on how many questions each method was faster than prompt lookup alone
-(`--versus`). Notes (on stderr and under the table) name answers far slower than their
-run's median on the benchmark: a busy machine. Writes R.md, R.json and R.png.
+(`--versus`). Each row covers the questions it shares with the baseline; its last column
+says how many, and where they are fewer than the baseline row's, the baseline's rate on
+them (what its speedup divides by). Notes (on stderr and under the table) name answers far
+slower than their run's median on the benchmark (a busy machine), answers left out (no
+baseline answer to pair with, a half-written last line, questions outside
+--question-begin/--question-end: a run's own range, where its files hold an earlier run's
+answers too), and mean rows over fewer benchmarks than the report's (each method's mean
+averages the benchmarks it ran). Writes R.md, R.json and R.png.
 """
 
 from __future__ import annotations
@@ -21,11 +27,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from gumiho.attention import SDPA_GQA
 from gumiho.config import TreeConfig
-from gumiho.errors import ArgumentParser, GumihoError, cli_errors
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int
 from gumiho.evaluation.answers import read_answer_file, settings_mismatch
-from gumiho.evaluation.benchmarks import LABELS
+from gumiho.evaluation.benchmarks import LABELS, pick_questions
+from gumiho.evaluation.speed_tables import markdown, plot
 from gumiho.methods import BY_NAME
 
 MAX_POSITIONS = 8
@@ -35,7 +41,7 @@ MAX_POSITIONS = 8
 SLOW_ANSWER = 0.5
 RESAMPLES = 2000  # bootstrap draws for a speedup's interval (seeded: reports reproduce)
 # Answers pooled into one row must come from one kind of run.
-GROUP_KEYS = ("target", "draft", "max_new_tokens", "seed", "tree", "engine")
+GROUP_KEYS = ("target", "draft", "draft_sha256", "max_new_tokens", "seed", "tree", "engine")
 
 
 def method_label(settings: dict) -> str:
@@ -80,8 +86,9 @@ def method_label(settings: dict) -> str:
     return settings["method"] + (f" ({', '.join(notes)})" if notes else "")
 
 
-def read_answers(paths: list[str]) -> dict[tuple, dict]:
-    """{(label, bench, temperature): {question_id: record}}."""
+def read_answers(paths: list[str], notes: list[str] | None = None) -> dict[tuple, dict]:
+    """{(label, bench, temperature): {question_id: record}}; a half-written last line (an
+    interrupted run's) is left out with a line in `notes`."""
     groups: dict[tuple, dict] = defaultdict(dict)
     first: dict[tuple, tuple[str, dict]] = {}  # group -> (file, record) it started with
     source: dict[tuple, str] = {}  # (group, question) -> the file that answered it
@@ -89,7 +96,11 @@ def read_answers(paths: list[str]) -> dict[tuple, dict]:
         if not Path(path).is_file():
             raise GumihoError(f"answer file {path} not found (give the .jsonl files that "
                               "gen_answers wrote)")
-        for rec in read_answer_file(Path(path), writing=False).records:
+        found = read_answer_file(Path(path), writing=False)
+        if found.half_line and notes is not None:
+            notes.append(f"{path} line {found.half_line} is half-written (a run stopped while "
+                         "writing it): left out (rerunning that run answers it again)")
+        for rec in found.records:
             s = rec["settings"]
             key = (method_label(s), s["bench"], s["temperature"])
             where, ref = first.setdefault(key, (path, rec))
@@ -106,6 +117,30 @@ def read_answers(paths: list[str]) -> dict[tuple, dict]:
     if not groups:
         raise GumihoError(f"no answers in {', '.join(paths)}: run gen_answers first")
     return groups
+
+
+def asked_questions(groups: dict[tuple, dict], begin: int, end: int | None,
+                    notes: list[str]) -> dict[tuple, dict]:
+    """Only the answers to questions begin..end-1 of each benchmark: what a run asked for
+    (its files may hold more, from an earlier run); a line in `notes` counts the rest."""
+    asked: dict[str, set] = {}
+    kept, left = {}, 0
+    for key, answers in groups.items():
+        if key[1] not in asked:
+            asked[key[1]] = {q["question_id"] for q in pick_questions(key[1], begin, end,
+                                                                      "reporting")}
+        mine = {q: rec for q, rec in answers.items() if q in asked[key[1]]}
+        left += len(answers) - len(mine)
+        if mine:
+            kept[key] = mine
+    flags = f"--question-begin {begin}" + (f" --question-end {end}" if end is not None else "")
+    if not kept:
+        raise GumihoError(f"no answers in the files to the questions {flags} asks for: "
+                          "answer them first, or give the range the files hold")
+    if left:
+        notes.append(f"{left} answers in the files are to other questions than {flags} asks "
+                     "for: left out of the report")
+    return kept
 
 
 def run_mismatch(a: dict, b: dict, keys: tuple[str, ...],
@@ -217,113 +252,87 @@ def report(groups: dict[tuple, dict], baseline: str = "ar",
     the baseline and `versus` count their per-question wins over `versus` where it ran."""
     notes = [] if notes is None else notes
     out: dict = defaultdict(lambda: defaultdict(dict))
-    for (label, bench, temp), answers in groups.items():
-        base = groups.get((baseline, bench, temp), {})
-        shared = sorted(set(answers) & set(base), key=str)
-        if base and not shared:
-            notes.append(f"{label} and {baseline} share no {bench} question at T={temp}: "
-                         "no speedup for it (answer the same questions to compare)")
-        row = stats([answers[q] for q in shared or answers])
-        unfair = shared and run_mismatch(answers[shared[0]], base[shared[0]],
-                                         ("target", "engine", "max_new_tokens"),
-                                         (f"for {label}", f"for {baseline}"))
-        if unfair:
-            notes.append(f"{label} and {baseline} on {bench} ran differently ({unfair}): no "
-                         "speedup for it")
-        if shared and not unfair:
-            base_row = stats([base[q] for q in shared])
-            if base_row["tokens_per_s"] > 0:
-                row["speedup"] = row["tokens_per_s"] / base_row["tokens_per_s"]
-                if label != baseline:
-                    row["speedup_interval"] = speedup_interval(answers, base, shared)
-            # Greedy output must equal plain decoding's (SPEC: lossless); sampled need not.
-            if float(temp) == 0.0 and label != baseline:
-                same = identical_count(answers, base, shared)
-                if same is not None:
-                    row["identical"] = same
+    for key, answers in groups.items():
+        label, bench, temp = key
+        row = paired_row(key, answers, groups.get((baseline, bench, temp), {}), baseline,
+                         notes)
         other = groups.get((versus, bench, temp))
         if other and label not in (baseline, versus) and set(answers) & set(other):
             row["wins_vs"] = wins(answers, other)
         out[temp][bench][label] = row
-    for benches in out.values():
-        labels = {label for rows in benches.values() for label in rows}
-        mean = {}
-        for label in labels:
-            rows = [rows[label] for rows in benches.values() if label in rows]
-            mean[label] = {k: sum(r[k] for r in rows) / len(rows)
-                           for k in ("tokens_per_s", "tau", "tau_official", "speedup")
-                           if all(k in r for r in rows)}
-            mean[label]["acceptance"] = [sum(v) / len(rows) for v in
-                                         zip(*(r["acceptance"] for r in rows), strict=True)]
-            for key in ("identical", "wins_vs"):
-                if all(key in r for r in rows):
-                    mean[label][key] = [sum(r[key][i] for r in rows) for i in (0, 1)]
-        benches["mean"] = mean
+    for temp, benches in out.items():
+        benches["mean"] = mean_rows(benches, temp, notes)
     return json.loads(json.dumps(out))
 
 
-def shown_attention(recorded: str) -> str:
-    """The --attention a user gave for what the answers record (the model's own name:
-    sdpa runs as our grouped form, attention.py)."""
-    return "sdpa" if recorded == SDPA_GQA else recorded
+def paired_row(key: tuple, answers: dict, base: dict, baseline: str, notes: list[str]
+               ) -> dict:
+    """One run's stats on the questions the baseline answered too (all of its own where
+    they share none), with its speedup over the baseline's rate on those same questions
+    (`baseline_tokens_per_s`); `notes` names the answers left out and unfair pairings."""
+    label, bench, temp = key
+    shared = sorted(set(answers) & set(base), key=str)
+    if base and not shared:
+        notes.append(f"{label} and {baseline} share no {bench} question at T={temp}: "
+                     "no speedup for it (answer the same questions to compare)")
+    left = sorted(set(answers) - set(base), key=str) if shared else []
+    if left:
+        notes.append(f"{bench} at T={temp}: {len(left)} {label} answer"
+                     f"{'s' if len(left) > 1 else ''} ({_ids(left)}) left out of its row (no "
+                     f"{baseline} answer to pair with)")
+    row = stats([answers[q] for q in shared or answers])
+    unfair = shared and run_mismatch(answers[shared[0]], base[shared[0]],
+                                     ("target", "engine", "max_new_tokens"),
+                                     (f"for {label}", f"for {baseline}"))
+    if unfair:
+        notes.append(f"{label} and {baseline} on {bench} ran differently ({unfair}): no "
+                     "speedup for it")
+    if not shared or unfair:
+        return row
+    base_rate = stats([base[q] for q in shared])["tokens_per_s"]
+    if base_rate > 0:
+        row["speedup"], row["baseline_tokens_per_s"] = row["tokens_per_s"] / base_rate, base_rate
+        if label != baseline and len(shared) > 1:  # one question: no spread to bound
+            row["speedup_interval"] = speedup_interval(answers, base, shared)
+    # Greedy output must equal plain decoding's (SPEC: lossless); sampled need not.
+    if float(temp) == 0.0 and label != baseline:
+        same = identical_count(answers, base, shared)
+        if same is not None:
+            row["identical"] = same
+    return row
 
 
-def markdown(rep: dict, env: dict, engine: str = "eager", versus: str = "lookup") -> str:
-    lines = [f"Device: {env.get('device_name', '?')} ({env.get('device', '?')}), dtype "
-             f"{env.get('dtype', '?')}"
-             + (f", attention {shown_attention(env['attention'])}" if env.get("attention")
-                else "")
-             + f", engine {engine}, torch {env.get('torch', '?')}, "
-             f"transformers {env.get('transformers', '?')}, commit "
-             f"{env.get('git_commit', '?')[:10]}.", ""]
-    for temp, benches in rep.items():
-        lines += [f"### T = {temp}", "",
-                  "| benchmark | method | tokens/s | speedup | 90% interval | tau | "
-                  "tau (official formula) | same text as plain | faster than "
-                  f"{versus} (questions) | acceptance a1..a7 (unconditional) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        order = [b for b in LABELS if b in benches] + ["mean"]
-        for bench in order:
-            for label, row in sorted(benches[bench].items()):
-                acc = " ".join(f"{a:.2f}" for a in row.get("acceptance", []))
-                speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
-                same = "{}/{}".format(*row["identical"]) if "identical" in row else "-"
-                won = "{}/{}".format(*row["wins_vs"]) if "wins_vs" in row else "-"
-                span = "{:.2f}-{:.2f}".format(*row["speedup_interval"]) \
-                    if "speedup_interval" in row else "-"
-                name = LABELS.get(bench, "**mean**")
-                lines.append(f"| {name} | {label} | {row['tokens_per_s']:.1f} | {speedup} | "
-                             f"{span} | {row['tau']:.2f} | {row['tau_official']:.2f} | "
-                             f"{same} | {won} | {acc} |")
-        lines.append("")
-    return "\n".join(lines)
+def _ids(questions: list) -> str:
+    return ("questions " if len(questions) > 1 else "question ") + ", ".join(
+        map(str, questions[:5])) + (", ..." if len(questions) > 5 else "")
 
 
-def plot(rep: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    temps = list(rep)
-    fig, axes = plt.subplots(len(temps), 2, figsize=(11, 4 * len(temps)), squeeze=False)
-    for ax_row, temp in zip(axes, temps, strict=True):
-        mean = rep[temp]["mean"]
-        labels = sorted(mean)
-        ax_row[0].bar(labels, [mean[k]["tau"] for k in labels], color="tab:blue")
-        ax_row[0].set_title(f"mean tau over benchmarks (T = {temp})")
-        ax_row[0].tick_params(axis="x", rotation=20)
-        for label in labels:
-            acc = mean[label]["acceptance"]
-            ax_row[1].plot(range(1, len(acc) + 1), acc, marker="o", label=label)
-        ax_row[1].set_title("per-position acceptance (unconditional)")
-        ax_row[1].set_xlabel("draft position")
-        ax_row[1].set_ylim(0, 1)
-        ax_row[1].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return True
+def mean_rows(benches: dict, temp, notes: list[str]) -> dict:
+    """Each method's mean over the benchmarks it ran (`benchmarks`); `notes` names the
+    methods that ran fewer than the report holds, whose means average other benchmarks."""
+    rank = {b: i for i, b in enumerate(LABELS)}
+    order = sorted(benches, key=lambda b: (rank.get(b, len(rank)), b))
+    mean, partial = {}, []
+    for label in sorted({label for rows in benches.values() for label in rows}):
+        ran = [b for b in order if label in benches[b]]
+        rows = [benches[b][label] for b in ran]
+        mean[label] = {k: sum(r[k] for r in rows) / len(rows)
+                       for k in ("tokens_per_s", "tau", "tau_official", "speedup")
+                       if all(k in r for r in rows)}
+        mean[label]["acceptance"] = [sum(v) / len(rows) for v in
+                                     zip(*(r["acceptance"] for r in rows), strict=True)]
+        for key in ("identical", "wins_vs"):
+            if all(key in r for r in rows):
+                mean[label][key] = [sum(r[key][i] for r in rows) for i in (0, 1)]
+        mean[label]["questions"] = sum(r["questions"] for r in rows)
+        mean[label]["benchmarks"] = ran
+        if len(ran) < len(order):
+            partial.append(f"{label}: {', '.join(LABELS.get(b, b) for b in ran)}")
+    if partial:
+        notes.append(f"mean rows at T={temp} over fewer benchmarks than the report's "
+                     f"{len(order)} ({', '.join(LABELS.get(b, b) for b in order)}): "
+                     f"{'; '.join(partial)} (each mean averages only what its method ran)")
+    return mean
 
 
 def check_outputs(out: Path) -> None:
@@ -364,12 +373,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--versus", default=None, help="count per question where each method "
                    "beats this one (default: lookup, prompt lookup alone, the drafter-free "
                    "peer)")
+    p.add_argument("--question-begin", type=nonnegative_int, default=0,
+                   help="report only questions from this one of each benchmark on (as "
+                   "gen_answers': files may hold more, from an earlier run)")
+    p.add_argument("--question-end", type=nonnegative_int, default=None,
+                   help="report only questions before this one of each benchmark")
     args = p.parse_args(argv)
     named, args.versus = args.versus is not None, args.versus or "lookup"
     out = Path(args.out)
     check_outputs(out)
-    groups = read_answers(args.answers)
     notes: list[str] = []
+    groups = read_answers(args.answers, notes)
+    if args.question_begin or args.question_end is not None:
+        groups = asked_questions(groups, args.question_begin, args.question_end, notes)
     if not any(label == args.baseline for label, _, _ in groups):
         notes.append(f"no {args.baseline!r} answers among the files: no speedups")
     if named and not any(label == args.versus for label, _, _ in groups):
@@ -379,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     first = next(iter(next(iter(groups.values())).values()))
     out.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(rep, first.get("env", {}), first["settings"].get("engine", "eager"),
-                    args.versus)
+                    args.versus, args.baseline)
     out.with_suffix(".md").write_text(text + "".join(f"\nNote: {note}" for note in notes))
     out.with_suffix(".json").write_text(json.dumps({"env": first.get("env", {}),
                                                     "results": rep}, indent=2))
