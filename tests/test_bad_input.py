@@ -646,6 +646,7 @@ def test_total_tokens_past_the_pool_is_noted_and_verifies_the_pool(tiny_target_d
     while not hasattr(inner, "pool_nodes"):
         inner = inner.inner
     assert gen.drafter.max_nodes == inner.pool_nodes() + 1 < 1000
+    assert inner.tree.total_tokens == gen.drafter.max_nodes  # what answer files record
     assert f"total tokens 1000 is more than these tree settings draft: its trees stop at " \
            f"{gen.drafter.max_nodes} tokens" in caplog.text
     sizes, propose = [], inner.propose
