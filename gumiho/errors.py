@@ -13,6 +13,7 @@ import argparse
 import functools
 import math
 import os
+import signal
 import sys
 import traceback
 
@@ -36,6 +37,21 @@ def debug() -> bool:
 def one_line(text: str) -> str:
     """A message squeezed onto one line (library messages often span several)."""
     return " ".join(str(text).split())
+
+
+def how_it_ended(status: int) -> str:
+    """How a child process with this exit status (Popen's: -N for signal N) ended, for a
+    one-line report: `was killed by SIGKILL (out of memory?)`, `exited with status 3`."""
+    if status >= 0:
+        return f"exited with status {status}"
+    name = signal.Signals(-status).name if -status in signal.valid_signals() \
+        else f"signal {-status}"
+    return f"was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+
+
+def shell_status(status: int) -> int:
+    """The exit status a shell shows for a child's (Popen's -N: 128 + N)."""
+    return status if status >= 0 else 128 - status
 
 
 def _close_bars() -> None:

@@ -18,6 +18,7 @@ from gumiho.train.launch import (
     process_count,
     read_config,
     report_failure,
+    root_failure,
 )
 
 from conftest import child_env
@@ -100,3 +101,15 @@ def test_two_processes_stopping_on_bad_input_print_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "error: 2 training samples do not fill one global batch of 64: lower --batch-size "
         "or --grad-accum, or add data"], proc.stderr
+
+
+def test_the_failure_reported_is_the_one_that_left_its_line(tmp_path):
+    """torchrun orders failures by whole seconds, so a process it stopped (SIGTERM) because
+    another failed can come first; the report names the one that left its line."""
+    errors = str(tmp_path / f"error-{RANK_FIELD}")
+    (tmp_path / "error-1").write_text("error: too few samples\n")
+    assert root_failure({0: -signal.SIGTERM, 1: 2}, errors) == (1, 2)
+    (tmp_path / "error-1").unlink()
+    assert root_failure({0: -signal.SIGTERM, 1: 3}, errors) == (1, 3)  # ended on its own
+    assert root_failure({0: -signal.SIGTERM, 1: -signal.SIGKILL}, errors) == \
+        (0, -signal.SIGTERM)

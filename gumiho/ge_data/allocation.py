@@ -28,8 +28,10 @@ from gumiho.errors import (
     ArgumentParser,
     GumihoError,
     cli_errors,
+    how_it_ended,
     nonnegative_int,
     positive_int,
+    shell_status,
 )
 from gumiho.ge_data.conversations import data_identity, load_conversations, split
 from gumiho.ge_data.shards import (
@@ -208,7 +210,7 @@ def report_failure(failed: list[tuple[int, Path, int]]) -> int:
     print(f"error: {len(failed)} worker(s) failed, {failure_reason(rank, code, file)}; "
           "finished shards are kept: rerun the same command to resume", file=sys.stderr,
           flush=True)
-    return code if code > 0 else 128 - code
+    return shell_status(code)
 
 
 def failure_reason(rank: int, code: int, error_file: Path) -> str:
@@ -217,12 +219,7 @@ def failure_reason(rank: int, code: int, error_file: Path) -> str:
     text = error_file.read_text().strip() if error_file.is_file() else ""
     if text:
         return f"worker {rank}: {text.splitlines()[0].removeprefix('error: ')}"
-    if code < 0:
-        name = signal.Signals(-code).name if -code in signal.valid_signals() \
-            else f"signal {-code}"
-        hint = " (out of memory?)" if name == "SIGKILL" else ""
-        return f"worker {rank} was killed by {name}{hint}"
-    return f"worker {rank} exited with status {code}"
+    return f"worker {rank} {how_it_ended(code)}"
 
 
 def stop_workers(procs: list[subprocess.Popen]) -> None:

@@ -21,14 +21,22 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from gumiho.errors import ERROR_FILE_ENV, ArgumentParser, GumihoError, cli_errors, debug, one_line
+from gumiho.errors import (
+    ERROR_FILE_ENV,
+    ArgumentParser,
+    GumihoError,
+    cli_errors,
+    debug,
+    how_it_ended,
+    one_line,
+    shell_status,
+)
 
 RANK_FIELD = "{rank}"  # replaced by each process's RANK in GUMIHO_ERROR_FILE
 
@@ -91,13 +99,8 @@ def failure_line(rank: int, exitcode: int, errors: str) -> str:
         text = error_file.read_text().strip()
         if text:
             return text.splitlines()[0]
-    if exitcode < 0:
-        name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() \
-            else f"signal {-exitcode}"
-        hint = " (out of memory?)" if name == "SIGKILL" else ""
-        return f"error: training process {rank} was killed by {name}{hint}"
-    return (f"error: training process {rank} exited with status {exitcode}; rerun with "
-            "GUMIHO_DEBUG=1 for the launcher's report")
+    hint = "" if exitcode < 0 else "; rerun with GUMIHO_DEBUG=1 for the launcher's report"
+    return f"error: training process {rank} {how_it_ended(exitcode)}{hint}"
 
 
 def quiet_launcher_logs() -> None:
@@ -111,10 +114,25 @@ def quiet_launcher_logs() -> None:
             logger.setLevel(logging.CRITICAL)
 
 
+def root_failure(failures: dict[int, int], errors: str) -> tuple[int, int]:
+    """The failure to report, (rank, exit status): the first process that left its line,
+    else the first that ended on its own, else the first. Not torchrun's first by time: its
+    clock counts whole seconds, so a process it stopped because another failed can look
+    first (the test saw `training process 0 was killed by SIGTERM` once)."""
+    def left_a_line(rank: int) -> bool:
+        return Path(errors.replace(RANK_FIELD, str(rank))).is_file()
+
+    ranks = sorted(failures)
+    rank = next((r for r in ranks if left_a_line(r)), None)
+    if rank is None:
+        rank = next((r for r in ranks if failures[r] > 0), ranks[0])
+    return rank, failures[rank]
+
+
 def report_failure(rank: int, exitcode: int, errors: str) -> int:
     """Print the failure's one line; return the exit status a shell would show for it."""
     print(failure_line(rank, exitcode, errors), file=sys.stderr, flush=True)
-    return exitcode if exitcode > 0 else 128 + (-exitcode or 1)
+    return shell_status(exitcode) or 1
 
 
 @cli_errors(resume="the run keeps its last save (each epoch's end, or every --save-every "
@@ -145,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             launch_command(launch)
         except ChildFailedError as exc:
-            rank, failure = exc.get_first_failure()
-            return report_failure(rank, failure.exitcode, errors)
+            rank, exitcode = root_failure(
+                {rank: f.exitcode for rank, f in exc.failures.items()}, errors)
+            return report_failure(rank, exitcode, errors)
         except subprocess.CalledProcessError as exc:  # one process, started without torchrun
             return report_failure(0, exc.returncode, errors)
         except SignalException:  # Ctrl-C or a kill reached the launcher: the processes stop
