@@ -5,6 +5,7 @@ killed one is named with its signal, and progress counts conversations."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -115,6 +116,32 @@ def test_the_data_file_is_compared_by_content_not_by_name(tmp_path, tiny_target_
     os.replace(tmp_path / "a" / "c.json", moved)
     assert alloc(out, tiny_target_dir, "--data", str(moved)) == 0
     assert {s["id"] for s in load_samples(out)[1]} <= {f"c{i}" for i in range(4)}
+
+
+def test_the_target_is_compared_by_where_it_is_not_by_name(tmp_path, tiny_target_dir,
+                                                           monkeypatch, capsys):
+    """The same relative --target from another folder is another model dir: refused (it
+    used to mix two models' features in one data dir). The same dir by its absolute path,
+    or moved, resumes, and the workers load it from where it is."""
+    for folder in ("a", "b"):
+        shutil.copytree(tiny_target_dir, tmp_path / folder / "t")
+    out = tmp_path / "d"
+    monkeypatch.chdir(tmp_path / "a")
+    assert alloc(out, "t") == 0
+    shard_path(out, 1).unlink()
+    monkeypatch.chdir(tmp_path / "b")
+    capsys.readouterr()
+    assert alloc(out, "t") == 2
+    [line] = error_lines(capsys)
+    assert f"holds data made with target='t' ({tmp_path / 'a' / 't'}), not 't' " \
+           f"({tmp_path / 'b' / 't'})" in line
+    assert not shard_path(out, 1).exists()
+    assert alloc(out, str(tmp_path / "a" / "t")) == 0
+    shard_path(out, 1).unlink()
+    os.replace(tmp_path / "a", tmp_path / "c")  # the dir moved: the name as typed, from there
+    monkeypatch.chdir(tmp_path / "c")
+    assert alloc(out, "t") == 0 and shard_path(out, 1).exists()
+    assert json.loads((out / MANIFEST).read_text())["target_path"] == str(tmp_path / "c" / "t")
 
 
 @pytest.mark.parametrize("changes, said", [

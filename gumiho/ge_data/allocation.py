@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from gumiho.embedded import EMBEDDED
 from gumiho.errors import (
     ERROR_FILE_ENV,
     ArgumentParser,
@@ -85,6 +86,8 @@ def plan(args: argparse.Namespace, notes: list[str] | None = None) -> dict:
                 "code_version": code_version(short=True)}
     conversations = planned_range(args, notes)
     manifest.update(data_identity(args.data))
+    if args.target not in EMBEDDED:  # a model dir: where it is (a resume from elsewhere)
+        manifest["target_path"] = str(resolve_target_path(args.target).resolve())
     check_template(args, conversations[0])
     manifest["end"] = manifest["start"] + len(conversations)
     manifest["num_shards"] = math.ceil(len(conversations) / args.shard_size)
@@ -294,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}", file=sys.stderr)
     if old is not None:
         check_same_plan(old, manifest, outdir)
-        manifest = {**old, "data_path": manifest["data_path"]}  # the same data, found here
+        # the same data and target, found from here
+        manifest = {**old, **{k: manifest[k] for k in ("data_path", "target_path")
+                              if k in manifest}}
     outdir.mkdir(parents=True, exist_ok=True)
     write_manifest(outdir, manifest)
     remake_damaged(outdir, manifest["num_shards"])

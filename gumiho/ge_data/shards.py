@@ -23,7 +23,7 @@ MANIFEST = "manifest.json"
 # shard's bytes beyond rounding (how many workers or threads, or which device, change only
 # the order of float sums, as resuming on another machine would). A key that a manifest
 # made by older code lacks is not compared; the data file is compared by its content.
-PLAN_KEYS = ("target", "split", "start", "end", "shard_size", "max_len", "template",
+PLAN_KEYS = ("split", "start", "end", "shard_size", "max_len", "template",
              "regenerate", "dtype", "compute_dtype")
 REGEN_KEYS = ("regen_max_tokens", "regen_batch_size")  # with --regenerate only
 DATA_KEYS = ("data_bytes", "data_sha256")  # the data file's content, wherever it lies now
@@ -112,9 +112,26 @@ def check_same_plan(old: dict, new: dict, outdir: Path) -> None:
         if old.get(key) != new.get(key):
             raise GumihoError(f"{outdir} holds data made with {key}={old.get(key)!r}, not "
                               f"{new.get(key)!r}: use another --outdir or the same settings")
+    if not same_target(old, new):
+        raise GumihoError(f"{outdir} holds data made with target={describe_target(old)}, not "
+                          f"{describe_target(new)}: use another --outdir or the same settings")
     if not same_data(old, new):
         raise GumihoError(f"{outdir} holds data made with data={describe_data(old)}, not "
                           f"{describe_data(new)}: use another --outdir or the same settings")
+
+
+def same_target(old: dict, new: dict) -> bool:
+    """The same model dir (by where it is: one name from two folders is two models), or,
+    where the manifest predates the path or the dir has moved since, the same name."""
+    a, b = old.get("target_path"), new.get("target_path")
+    if a and b and Path(a).exists():
+        return same_place(a, b)
+    return old.get("target") == new.get("target")
+
+
+def describe_target(manifest: dict) -> str:
+    where = manifest.get("target_path")
+    return f"{manifest.get('target')!r}" + (f" ({where})" if where else "")
 
 
 def same_data(old: dict, new: dict) -> bool:

@@ -149,7 +149,8 @@ def make_shards(outdir: Path, manifest: dict, shards: list[int], device: str,
     the target on `device` (a worker process's work; allocation's own for one CPU
     worker). Progress counts conversations (a shard of 100 takes minutes on a CPU)."""
     dtype = manifest.get("compute_dtype") or manifest.get("target_dtype")
-    target = load_target(manifest["target"], device=device, dtype=dtype)
+    target = load_target(manifest.get("target_path") or manifest["target"], device=device,
+                         dtype=dtype)
     conversations = planned_conversations(manifest)
     size = manifest["shard_size"]
     chunks = {i: conversations[i * size : (i + 1) * size] for i in shards}
