@@ -91,10 +91,15 @@ def process_count(config: dict, name: Path, env: dict[str, str], gpus: int) -> i
     return gpus
 
 
+def rank_file(errors: str, rank: int) -> Path:
+    """The file where process `rank` leaves its line (`errors` with its rank)."""
+    return Path(errors.replace(RANK_FIELD, str(rank)))
+
+
 def failure_line(rank: int, exitcode: int, errors: str) -> str:
     """The line a failed process left in its file (`errors` with its rank), or what ended
     it."""
-    error_file = Path(errors.replace(RANK_FIELD, str(rank)))
+    error_file = rank_file(errors, rank)
     if error_file.is_file():
         text = error_file.read_text().strip()
         if text:
@@ -119,11 +124,8 @@ def root_failure(failures: dict[int, int], errors: str) -> tuple[int, int]:
     else the first that ended on its own, else the first. Not torchrun's first by time: its
     clock counts whole seconds, so a process it stopped because another failed can look
     first (the test saw `training process 0 was killed by SIGTERM` once)."""
-    def left_a_line(rank: int) -> bool:
-        return Path(errors.replace(RANK_FIELD, str(rank))).is_file()
-
     ranks = sorted(failures)
-    rank = next((r for r in ranks if left_a_line(r)), None)
+    rank = next((r for r in ranks if rank_file(errors, r).is_file()), None)
     if rank is None:
         rank = next((r for r in ranks if failures[r] > 0), ranks[0])
     return rank, failures[rank]
