@@ -291,3 +291,10 @@ def test_progress_counts_conversations(tmp_path, tiny_target_dir, monkeypatch):
     shard_path(out, 0).unlink()
     assert alloc(out, tiny_target_dir, "--end", "5", "--shard-size", "3") == 0
     assert bars[1].kwargs["total"] == 3 and bars[1].done == 3
+    # with --regenerate the bar moves as replies are generated (most of the time), batch by
+    # batch, each conversation counted once
+    steps = []
+    monkeypatch.setattr(Bar, "update", lambda self, n=1: steps.append(n) or None)
+    assert alloc(tmp_path / "r", tiny_target_dir, *REGEN, "--end", "5", "--shard-size", "5",
+                 "--regen-max-tokens", "2", "--regen-batch-size", "2") == 0
+    assert sum(steps) == 5 and steps[-3:] == [2, 2, 1], steps

@@ -37,16 +37,20 @@ def planned_conversations(manifest: dict) -> list[dict]:
 
 @torch.inference_mode()
 def regenerate(target: Target, conversations: list[dict], template: str | None,
-               max_new_tokens: int, max_len: int, batch_size: int = 8) -> list[dict]:
+               max_new_tokens: int, max_len: int, batch_size: int = 8,
+               advance: Callable[[int], object] = lambda n: None) -> list[dict]:
     """Replace each conversation's first assistant turn with the target's own greedy reply
     (self-distillation) and drop later turns. Prompts that leave no room for a reply within
-    max_len are skipped before generating; batches group similar lengths (less padding)."""
+    max_len are skipped before generating; batches group similar lengths (less padding).
+    `advance(n)` as n more conversations are done or skipped (progress: generating is most
+    of a shard's time)."""
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(target.stop_token_ids)
     prompts = [render(tok, c["messages"][: first_user(c) + 1], True, template)
                for c in conversations]
     keep = sorted((i for i, p in enumerate(prompts) if len(p) <= max_len - 32),
                   key=lambda i: len(prompts[i]))
+    advance(len(conversations) - len(keep))
     out = []
     for start in range(0, len(keep), batch_size):
         rows = keep[start : start + batch_size]
@@ -62,6 +66,7 @@ def regenerate(target: Target, conversations: list[dict], template: str | None,
             reply = tok.decode(row, skip_special_tokens=True).strip()
             history = conv["messages"][: first_user(conv) + 1]
             out.append({**conv, "messages": history + [{"role": "assistant", "content": reply}]})
+        advance(len(rows))
     return out
 
 
@@ -72,12 +77,11 @@ def first_user(conversation: dict) -> int:
 def make_samples(target: Target, conversations: list[dict], manifest: dict,
                  advance: Callable[[int], object] = lambda n: None) -> list[dict]:
     """The shard's samples; `advance(n)` as n more conversations are done (progress)."""
-    if manifest["regenerate"]:
-        count = len(conversations)
+    if manifest["regenerate"]:  # progress counts the generating, the slow part
         conversations = regenerate(target, conversations, manifest["template"],
                                    manifest["regen_max_tokens"], manifest["max_len"],
-                                   manifest.get("regen_batch_size", 8))
-        advance(count - len(conversations))  # no room to regenerate a reply: skipped
+                                   manifest.get("regen_batch_size", 8), advance)
+        advance = lambda n: None  # noqa: E731 - each conversation is counted once
     samples = []
     for conv in conversations:
         sample = make_sample(target, conv, manifest)
