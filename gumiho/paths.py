@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from collections.abc import Callable
@@ -64,3 +65,10 @@ def same_place(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, hex (read in blocks: a data file or drafter's weights,
+    what a resume compares where a name alone could now mean other content)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

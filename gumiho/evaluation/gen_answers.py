@@ -12,7 +12,6 @@ untouched (`--overwrite` starts an answer file over).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -48,7 +47,7 @@ from gumiho.generate import (
     tree_options,
 )
 from gumiho.methods import METHODS
-from gumiho.paths import write_atomically
+from gumiho.paths import file_sha256, write_atomically
 from gumiho.version import code_version
 
 # answers timed elsewhere, or by other code, must not share a file: their speeds would not
@@ -74,8 +73,7 @@ def drafter_sha256(draft: str | None) -> str | None:
     reads the whole file: the shipped drafters (3-39 MB) in a fraction of a second."""
     if draft is None or draft == "random":
         return None
-    with weights_file(check_drafter_dir(draft)).open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    return file_sha256(weights_file(check_drafter_dir(draft)))
 
 
 def answer(gen: SpeculativeGenerator, question: dict, max_new_tokens: int,

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from gumiho.errors import GumihoError
+from gumiho.paths import file_sha256
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
          "assistant": "assistant", "bard": "assistant", "bing": "assistant",
@@ -123,12 +124,8 @@ def data_identity(source: str) -> dict:
 
 
 @functools.lru_cache(maxsize=4)
-def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def _sha256(path: str, size: int, mtime_ns: int) -> str:  # once per file version
+    return file_sha256(path)
 
 
 def load_conversations(source: str = "sharegpt", notes: list[str] | None = None

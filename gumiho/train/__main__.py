@@ -12,7 +12,6 @@ fixed by the seed and each optimizer step covers the same global batches.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ from gumiho.config import TrainConfig
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int
 from gumiho.methods import DRAFTER_METHODS
 from gumiho.modeling import DraftHead
+from gumiho.paths import file_sha256
 from gumiho.target import choose_device_dtype, load_target
 from gumiho.train.accel import (
     check_process_group,
@@ -210,8 +210,7 @@ def run_settings(config: TrainConfig, procs: int | None = None) -> dict:
     process count, which only the launch knows (None: the dry run, not compared)."""
     from gumiho.ge_data.shards import MANIFEST
 
-    digests = [hashlib.sha256((Path(d) / MANIFEST).read_bytes()).hexdigest()[:16]
-               for d in config.data]
+    digests = [file_sha256(Path(d) / MANIFEST)[:16] for d in config.data]
     return {**asdict(config), "data_digests": digests,
             **({} if procs is None else {"processes": procs})}
 
