@@ -80,11 +80,12 @@ class SerialDrafter:
         self.mlp_rows = min(self.beam, budget - 1) if self.serial_depth <= 2 else self.beam
         self.mlp_topk = min(tree.mlp_topk, budget, words)
         self.pruning = min(tree.pruning, budget)
-        if tree.fta == "off" and 1 + self.pool_nodes() < tree.total_tokens:
+        largest = 1 + self.pool_nodes()
+        if tree.fta == "off" and largest < tree.total_tokens:
             # no tree outgrows its pool (the FTA modes complete levels): the size it runs
             # at is its tree's, as answer files record it
-            self.max_nodes = 1 + self.pool_nodes()
-            self.tree = replace(tree, total_tokens=self.max_nodes)
+            self.max_nodes = largest
+            self.tree = replace(tree, total_tokens=largest)
         # --min-confidence as a log-prob floor on path scores; eager steps only (it reads
         # scores on the host and changes the tree's size, which captured steps cannot)
         eager = engine == "eager"
