@@ -16,14 +16,16 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 EXIT_BAD_INPUT = 2
 EXIT_BUG = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 # Set by a parent command for its worker processes: errors go to this file, not stderr,
-# so the parent can report them as its own single line. A `{rank}` in it is replaced by
+# so the parent can report them as its own single line. A RANK_FIELD in it is replaced by
 # the process's RANK (processes started by torchrun: gumiho.train.launch).
 ERROR_FILE_ENV = "GUMIHO_ERROR_FILE"
+RANK_FIELD = "{rank}"
 
 
 class GumihoError(Exception):
@@ -54,6 +56,18 @@ def shell_status(status: int) -> int:
     return status if status >= 0 else 128 - status
 
 
+def error_file(pattern: str, rank: int | str = 0) -> Path:
+    """Where process `rank` leaves its line, for an ERROR_FILE_ENV of `pattern`."""
+    return Path(pattern.replace(RANK_FIELD, str(rank)))
+
+
+def left_line(path: Path) -> str | None:
+    """The line a worker process left in its error file, or None (it left none: it was
+    killed, or ended without an error)."""
+    text = path.read_text().strip() if path.is_file() else ""
+    return text.splitlines()[0] if text else None
+
+
 def _close_bars() -> None:
     """End every open progress bar's line: tqdm draws on stderr without a newline, so a
     report after Ctrl-C or an error mid-job would otherwise continue the bar's line."""
@@ -66,7 +80,7 @@ def _report(line: str) -> None:
     _close_bars()
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
-        with open(path.replace("{rank}", os.environ.get("RANK", "0")), "w") as f:
+        with error_file(path, os.environ.get("RANK", "0")).open("w") as f:
             f.write(line + "\n")
         return
     sys.stdout.flush()

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gumiho.errors import ERROR_FILE_ENV, GumihoError, cli_errors
+from gumiho.errors import ERROR_FILE_ENV, RANK_FIELD, GumihoError, cli_errors
 from gumiho.train.launch import (
-    RANK_FIELD,
     failure_line,
     free_port,
     process_count,
@@ -112,4 +111,10 @@ def test_the_failure_reported_is_the_one_that_left_its_line(tmp_path):
     (tmp_path / "error-1").unlink()
     assert root_failure({0: -signal.SIGTERM, 1: 3}, errors) == (1, 3)  # ended on its own
     assert root_failure({0: -signal.SIGTERM, 1: -signal.SIGKILL}, errors) == \
+        (0, -signal.SIGTERM)
+    # both left the line, and rank 0 was stopped before it could exit: rank 1's status
+    for rank in (0, 1):
+        (tmp_path / f"error-{rank}").write_text("error: too few samples\n")
+    assert root_failure({0: -signal.SIGTERM, 1: 2}, errors) == (1, 2)
+    assert root_failure({0: -signal.SIGTERM, 1: -signal.SIGTERM}, errors) == \
         (0, -signal.SIGTERM)

@@ -30,6 +30,7 @@ from gumiho.errors import (
     GumihoError,
     cli_errors,
     how_it_ended,
+    left_line,
     nonnegative_int,
     positive_int,
     shell_status,
@@ -219,9 +220,9 @@ def report_failure(failed: list[tuple[int, Path, int]]) -> int:
 def failure_reason(rank: int, code: int, error_file: Path) -> str:
     """The line a failed worker left in its file, or what ended it (gumiho.train.launch's
     wording for the trainer's processes)."""
-    text = error_file.read_text().strip() if error_file.is_file() else ""
-    if text:
-        return f"worker {rank}: {text.splitlines()[0].removeprefix('error: ')}"
+    line = left_line(error_file)
+    if line:
+        return f"worker {rank}: {line.removeprefix('error: ')}"
     return f"worker {rank} {how_it_ended(code)}"
 
 

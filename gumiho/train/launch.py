@@ -29,16 +29,17 @@ from pathlib import Path
 
 from gumiho.errors import (
     ERROR_FILE_ENV,
+    RANK_FIELD,
     ArgumentParser,
     GumihoError,
     cli_errors,
     debug,
+    error_file,
     how_it_ended,
+    left_line,
     one_line,
     shell_status,
 )
-
-RANK_FIELD = "{rank}"  # replaced by each process's RANK in GUMIHO_ERROR_FILE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,19 +92,12 @@ def process_count(config: dict, name: Path, env: dict[str, str], gpus: int) -> i
     return gpus
 
 
-def rank_file(errors: str, rank: int) -> Path:
-    """The file where process `rank` leaves its line (`errors` with its rank)."""
-    return Path(errors.replace(RANK_FIELD, str(rank)))
-
-
 def failure_line(rank: int, exitcode: int, errors: str) -> str:
     """The line a failed process left in its file (`errors` with its rank), or what ended
     it."""
-    error_file = rank_file(errors, rank)
-    if error_file.is_file():
-        text = error_file.read_text().strip()
-        if text:
-            return text.splitlines()[0]
+    line = left_line(error_file(errors, rank))
+    if line:
+        return line
     hint = "" if exitcode < 0 else "; rerun with GUMIHO_DEBUG=1 for the launcher's report"
     return f"error: training process {rank} {how_it_ended(exitcode)}{hint}"
 
@@ -120,14 +114,17 @@ def quiet_launcher_logs() -> None:
 
 
 def root_failure(failures: dict[int, int], errors: str) -> tuple[int, int]:
-    """The failure to report, (rank, exit status): the first process that left its line,
-    else the first that ended on its own, else the first. Not torchrun's first by time: its
-    clock counts whole seconds, so a process it stopped because another failed can look
-    first (the test saw `training process 0 was killed by SIGTERM` once)."""
+    """The failure to report, (rank, exit status): the first process that left its line and
+    ended on its own, else one that left its line, else one that ended on its own, else
+    the first. Not torchrun's first by time: its clock counts whole seconds, so a process it
+    stopped because another failed can look first (seen once: `training process 0 was
+    killed by SIGTERM`), and a process can leave its line and be stopped before it exits
+    (seen once: the line, with exit status 143)."""
     ranks = sorted(failures)
-    rank = next((r for r in ranks if rank_file(errors, r).is_file()), None)
-    if rank is None:
-        rank = next((r for r in ranks if failures[r] > 0), ranks[0])
+    spoke = [r for r in ranks if left_line(error_file(errors, r))]
+    own = [r for r in ranks if failures[r] > 0]
+    rank = next((r for r in spoke if r in own), None)
+    rank = rank if rank is not None else (spoke or own or ranks)[0]
     return rank, failures[rank]
 
 
