@@ -61,6 +61,18 @@ def resolve_engine(engine: str | None, device: torch.device) -> str:
     return engine
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The one side stream of the current GPU that every step is warmed up and captured on
+    (one, not one a capture: cuBLAS keeps a workspace for each stream it has run on)."""
+    index = torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream()
+    return _CAPTURE_STREAMS[index]
+
+
 class _Graph:
     """One CUDA graph of fn over static input buffers."""
 
@@ -70,7 +82,7 @@ class _Graph:
         # One call on the current stream first: without it, capturing the draft tree step
         # failed on an H200 (capture invalidated, cause not pinned down); with it, it held.
         fn(*self.inputs)
-        stream = torch.cuda.Stream()
+        stream = capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         # Side-stream warm-up before capture, as PyTorch's CUDA graphs notes prescribe.
         with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits, autotuning
@@ -78,7 +90,15 @@ class _Graph:
                 fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # Captured on the stream the warm-up ran on, not torch's own capture stream: cuBLAS
+        # keeps a workspace per stream and allocates it at the stream's first product, which
+        # on a fresh capture stream falls inside the capture. Both unexplained failures of
+        # the suite on a GPU (an H200 shared with a training, 2026-11-28 and 11-30) were
+        # CUBLAS_STATUS_INTERNAL_ERROR at a process's first capture, which fits that
+        # allocation failing there (docs/gpu.md, "The cuBLAS capture error"); a failed
+        # capture also leaves torch's CUDA generator marked as capturing, so every later
+        # sampling step in that process failed ("Offset increment outside graph capture").
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.outputs = fn(*self.inputs)
 
     def __call__(self) -> tuple[Tensor, ...]:

@@ -3,6 +3,7 @@ change outputs). On a CPU: `static` (every step through its replay buffers) on t
 SmolLM2 with oracle drafters that accept up to 8 tokens a cycle, and `compile` (inductor)
 on a tiny Llama. On a GPU (`device`): CUDA graphs."""
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -124,6 +125,49 @@ def test_graphs_engine_refused_without_a_gpu():
     with pytest.raises(GumihoError, match="needs a CUDA or ROCm device"):
         resolve_engine("graphs", torch.device("cpu"))
     assert resolve_engine(None, torch.device("cpu")) == "eager"
+
+
+@pytest.mark.host
+def test_every_capture_runs_on_the_stream_its_warm_up_ran_on(monkeypatch):
+    """cuBLAS allocates a stream's workspace at the stream's first product, so a capture on
+    a stream no product has run on allocates inside the capture (the GPU suite's cuBLAS
+    internal errors). Each step is warmed up and captured on one side stream, the same for
+    every step of the device. torch.cuda stood in for, so it runs without a GPU."""
+    from gumiho import graphs
+
+    events = []
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    main = Stream()
+
+    @contextlib.contextmanager
+    def on(stream):
+        events.append(("warm-up", stream))
+        yield
+
+    class capture:
+        def __init__(self, graph, pool=None, stream=None):
+            self.stream = stream
+
+        def __enter__(self):
+            events.append(("capture", self.stream))
+
+        def __exit__(self, *exc):
+            return False
+
+    for name, value in [("Stream", Stream), ("current_stream", lambda: main),
+                        ("current_device", lambda: 0), ("stream", on),
+                        ("CUDAGraph", object), ("graph", capture)]:
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(graphs, "_CAPTURE_STREAMS", {})
+    for fn in (lambda x: (x + 1,), lambda x: (x * 2,)):
+        graphs._Graph(fn, (torch.zeros(2),), pool=None)
+    assert [kind for kind, _ in events] == ["warm-up", "capture"] * 2
+    streams = {stream for _, stream in events}
+    assert len(streams) == 1 and not streams & {main, None}
 
 
 @pytest.mark.host

@@ -170,8 +170,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.eval_every < 0 or args.save_every < 0:
         raise GumihoError("--eval-every and --save-every must be at least 0")
-    return train(config, out, args.stop_after_steps, args.eval_data or [],
-                 args.eval_each_epoch, args.log_every, args.eval_every, args.save_every)
+    try:
+        result = train(config, out, args.stop_after_steps, args.eval_data or [],
+                       args.eval_each_epoch, args.log_every, args.eval_every, args.save_every)
+    except GumihoError:  # bad input, found alike by every process: nothing left in flight
+        leave_process_group()
+        raise
+    leave_process_group()
+    return result
+
+
+def leave_process_group() -> None:
+    """End a launched process's group before it exits: left up, NCCL prints a warning per
+    process at exit ("destroy_process_group() was not called", seen under the 2-process test
+    on an H200, 2026-11-30). Not after an unexpected failure, where another process may still
+    wait in a collective and the teardown could wait with it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def check_inputs(config: TrainConfig, out: Path, eval_data: list[str]) -> None:
