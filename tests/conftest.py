@@ -8,6 +8,7 @@ tensors, or a machine without a GPU simulated) stay on the CPU.
 """
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,52 @@ def _test_device(request, monkeypatch):
     else:
         with DEVICE:
             yield
+
+
+def cuda_unusable() -> str | None:
+    """Why this process can no longer use its GPU, or None while it can. A device-side
+    assert, or a failed capture that leaves torch's CUDA generator marked as capturing, lasts
+    for the process: every later CUDA test of an xdist worker failed the same way (the GPU
+    suite of 2026-11-30 lost 140 tests of one worker to one assert, 8 of another to one
+    failed capture). Draws one number and puts the generator's state back."""
+    try:
+        torch.cuda.synchronize()
+        state = torch.cuda.get_rng_state()
+        torch.rand(1, device="cuda")
+        torch.cuda.set_rng_state(state)
+        torch.cuda.synchronize()
+    except Exception as e:  # torch.AcceleratorError, RuntimeError
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    return None
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if outcome.get_result().failed:
+        item.stash[_FAILED] = True
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After a failed test on a GPU, end the worker if its GPU is unusable: xdist starts a
+    fresh one for the tests left (the crash is charged to this test, which failed anyway);
+    without xdist the run stops with the reason."""
+    yield
+    if DEVICE.type != "cuda" or not item.stash.get(_FAILED, False):
+        return
+    why = cuda_unusable()
+    if why is None:
+        return
+    line = f"the GPU is unusable in this process after {item.nodeid}: {why}"
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        sys.stderr.write(f"{line}; ending worker {os.environ['PYTEST_XDIST_WORKER']}\n")
+        sys.stderr.flush()
+        os._exit(3)
+    pytest.exit(line, returncode=1)
 
 
 def pytest_runtest_logreport(report):

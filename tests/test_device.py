@@ -228,3 +228,29 @@ def test_the_default_device_and_dtype_follow_the_environment(monkeypatch):
     monkeypatch.setenv("GUMIHO_DTYPE", "float8")
     with pytest.raises(GumihoError, match="unknown dtype 'float8'"):
         choose_device_dtype()
+
+
+@pytest.mark.host
+def test_a_gpu_left_unusable_is_named(monkeypatch):
+    """The suite's probe after a failed GPU test (conftest.cuda_unusable): an error from the
+    device names why the worker ends; a device that answers keeps it."""
+    from conftest import cuda_unusable
+
+    def asserted():
+        raise RuntimeError("CUDA error: device-side assert triggered\nCUDA kernel errors ...")
+
+    for name, value in [("synchronize", lambda: None), ("get_rng_state", lambda: None),
+                        ("set_rng_state", lambda state: None)]:
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch, "rand", lambda *shape, device: None)
+    assert cuda_unusable() is None
+    monkeypatch.setattr(torch.cuda, "synchronize", asserted)
+    assert cuda_unusable() == "RuntimeError: CUDA error: device-side assert triggered"
+
+    def captured(*shape, device):
+        raise RuntimeError("Offset increment outside graph capture encountered unexpectedly.")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch, "rand", captured)
+    assert cuda_unusable() == ("RuntimeError: Offset increment outside graph capture "
+                               "encountered unexpectedly.")
