@@ -76,74 +76,45 @@
 # tests again + the six-benchmark testbed (QEND=2) in 284 s. The training ran 6.4 steps a
 # second beside the suite (~50k tokens/s), so 900 steps ended inside call 4's first minute.
 # Its heads rose and serial 2 fell: the reference tree's tau on the CPU stayed at 2.90.
+# The ninth lease (H200, 833 s, docs/results/gpu_h200_ninth): the plan below it had been,
+# tried first at toy size on the CPU: .stage/1 (50 s with the start), .stage/3, .stage/2
+# with selfdistill (held-out answers, 54 s) + two campaigns from the shipped drafter
+# (`_heads`: --heads-only; `_s2`: --serial2-weight 1 --grad-clip 1.25; both DRAFT_VOCAB=32768
+# BATCH=32 LR=3e-4 --mlp-ploss-weight 0.1) + the whole suite beside them (SUITE_WORKERS=12:
+# 710 passed, 176 failed from five causes, 148 of them in two workers a failure had left
+# without a usable GPU; all mended on the CPU side since) + wait, 554 s; then sleep + both
+# fetches (177 s: the second archive's last part did not come back, a call returns 64 MiB
+# together) and `_s2`'s fetch again (3 s). `_heads` ran its 2,400 steps (62k tokens/s);
+# `_s2` 1,750 saved (42k). On this CPU at the reference tree `_s2` read tau 3.07 (3.17 by
+# the released formula), `_heads` 2.95, the shipped drafter 2.93: `_s2` was shipped.
 # Next lease (what is still open), calls back to back, ~820 s of the 900 with the start.
-# Issue 12's tau 3.0 at the reference tree (2.89-2.90 on this CPU): the MLP heads are the
-# short part and have seen ~3.5 epochs of the split (the paper's drafters 20 of 68k), so
-# the lease's training time goes to two runs side by side from the shipped drafter:
-# `_heads` trains the heads alone (`--heads-only`: the eighth lease's weighting traded
-# serial 2 for the heads), `_s2` trains everything with the heads weighted as the eighth
-# lease did and serial step 2 scored too (`--serial2-weight 1`, so the heads' pull on the
-# shared layers is answered by step 2's own loss). Why both: on this CPU heads-only
-# training levels off early (240 + 160 steps raised MLP 1 / 2 by 0.012 / 0.008 with the
-# serial head kept, tau 2.89 -> 2.90; 180 steps at lr 1e-3 on the same batches trailed lr
-# 3e-4 by 0.009 at MLP 1 after 90 steps, led by 0.003 after 180, and read +0.012 against
-# the shipped drafter: docs/training_recipe.md), while the eighth lease's joint run was
-# still rising at step 900 (MLP 1 +0.041). A `_self` run on the target's own answers was
-# dropped from this plan: one such epoch on this CPU raised the serial steps' self-text
-# top-1 (0.765 / 0.669 -> 0.789 / 0.718) and left tau at 2.89
-# (docs/results/campaign/self_text_cpu_finetune.md). The suite on CUDA again beside them
-# (clean expected since e9613a4: issue 11's "the whole suite runs on a GPU"; since session
-# 43 it also puts a depth-1 tree's fixed shape, tree.Star, inside CUDA graphs:
-# test_depth_1_trees_keep_plain_output_on_the_lean_cycle runs the graphs engine there;
-# `budget.verify_step` now times each width with the pick's argmax; since session 46 the
-# CPU kernels' probes are made on the CPU under the suite's CUDA default device, which
-# on an AMX host had crashed or raised once a test cleared their caches: be860c3).
-#   1  .stage/1 (receive, ~45 s with the start)
-#   2  .stage/3 (receive the drafters, ~5 s)
-#   3  .stage/2 (~560 s): REGEN_SPLITS=held_out bash scripts/gpu_lease.sh selfdistill
-#        (the target's own held-out answers, to evaluate on: the shipped network scores
-#        0.765 / 0.669 / 0.394 there, docs/results/campaign/self_text_top1.md); then, with
-#        C="EVAL_DATA=/root/lease/data/self_heldout512 CAMPAIGN_METHODS=gumiho
+# Issue 11's suite on CUDA with the ninth lease's mends (the cuBLAS capture error's remedy,
+# graphs.capture_stream, has never run on a GPU); issue 12's 2x on a GPU (1.72x with the
+# drafter shipped before, a lookup chain beside it) with the drafter shipped since; and
+# `_s2` trained on (its serial steps were still rising at its last evaluation).
+#   1  .stage/1 (receive, ~50 s with the start)
+#   2  .stage/3 (receive the drafters, ~1 s)
+#   3  .stage/2 (~560 s): REGEN_SPLITS=held_out bash scripts/gpu_lease.sh selfdistill;
+#        env EVAL_DATA=/root/lease/data/self_heldout512 CAMPAIGN_METHODS=gumiho
 #        INIT=gumiho/assets/smollm2 DRAFT_VOCAB=32768 MAX_LEN=512 BATCH=32 ACCUM=1 LR=3e-4
-#        WARMUP=20 MAX_STEPS=2400 EVAL_EVERY=200 SETTLE=60":
-#        env $C RUN_SUFFIX=_heads TRAIN_ARGS="--mlp-ploss-weight 0.1 --heads-only" bash
-#        scripts/gpu_lease.sh campaign; env $C SETTLE=30 RUN_SUFFIX=_s2
+#        WARMUP=20 MAX_STEPS=3000 EVAL_EVERY=250 SETTLE=60 RUN_SUFFIX=_s2
 #        TRAIN_ARGS="--mlp-ploss-weight 0.1 --serial2-weight 1 --grad-clip 1.25" bash
-#        scripts/gpu_lease.sh campaign (the split's tokens are cached by then; the clip
-#        raised because scoring step 2 makes the norm before clipping ~2.5x as large,
-#        docs/results/campaign/serial2_cpu.md, which at 0.5 would shrink every update); SUITE_WORKERS=12 SUITE_LIMIT=220
-#        bash scripts/gpu_lease.sh suite; CAMPAIGN_METHODS=gumiho WAIT_LIMIT=150 bash
-#        scripts/gpu_lease.sh wait (2,400 steps are ~5 epochs of the split; the eighth
-#        lease's run went 6.4 steps a second beside the suite, so ~6.5 minutes alone; two
-#        side by side will not both finish: `fetch` stops each at its last save)
-#   4  (~240 s) CAMPAIGN_METHODS=gumiho WAIT_LIMIT=200 bash scripts/gpu_lease.sh wait;
-#        then CAMPAIGN_METHODS=gumiho bash scripts/gpu_lease.sh fetch with
-#        RUN_SUFFIX=_heads, then with RUN_SUFFIX=_s2 (the first fetch stops both runs, each
-#        at its last save, every 50 steps; two archives of 3 parts each and the curves fit
-#        a call's 8 files; train_log.jsonl's grad_norm says whether the clip at 0.5 acted on
-#        the heavier heads' loss). Tried on this CPU (2026-11-29: DEVICE=cpu
-#        LEASE_ROOT=/tmp/lease_cpu, the two packages linked into its site/, MAX_LEN=64
-#        BATCH=2 MAX_STEPS=4 CONVERSATIONS=16 PRECISION=fp32, no EVAL_DATA): both campaigns
-#        trained side by side, wait, and the two fetches gave drafters_heads.tgz.part-a{a,b,c},
-#        drafters_s2.tgz.part-a{a,b,c} and campaign.png.
-#        Since session 47 the losses' soft cross-entropy runs fused (gumiho.train.loss:
-#        1.63x training tokens/s on the AMX Xeon in bf16 over 32,768, never measured on a
-#        GPU): the runs' tokens/s against the eighth lease's ~50k says what it does there
-#        (`python scripts/train_loss_ab.py --device cuda --batch-size 32` if a call has
-#        a minute to spare). Since session 49 the head's product runs inside that loss
-#        (head_soft_cross_entropy: a term keeps dL/dhidden, not a tokens x vocabulary
-#        gradient; CPU-tested only): the suite's tests/test_loss.py is its first CUDA run,
-#        and `python scripts/train_loss_ab.py --device cuda --loss-only 16000 --draft-vocab
-#        49152 --forms head,torch,unfused --pairs 3` prints each form's peak memory there.
-#   here: unpack, then the reference tree's tau on this CPU over 8 questions a benchmark
-#   (2.89 / 2.90 / 2.89 / 2.90 for the seventh, eighth, CPU self-text and CPU heads-only
-#   drafters; the bar is 3.0), and
-#   `python -m gumiho.export --draft-vocab 8192` for the shipped asset if one is better.
-#   Not in this plan, for a lease after: the GPU testbed with the better drafter (2x; 1.72x
-#   with a lookup chain on the eighth lease) and the compile engine's cycle at the 8B shape
-#   (issue 11's 1.3 plain steps; never finished on a GPU): CYCLE_METHODS=gumiho
-#   CYCLE_DRAFT_VOCAB=0 CYCLE_TAG=_compile CYCLE_ARGS="--engine compile --widths 1,64"
-#   CYCLE_LIMIT=150 bash scripts/gpu_lease.sh cycle (needs nothing staged: call 1's place).
+#        scripts/gpu_lease.sh campaign; SUITE_WORKERS=12 SUITE_LIMIT=230 bash
+#        scripts/gpu_lease.sh suite (the 176 tests of docs/results/gpu_next_first.txt are
+#        among them; a worker whose GPU a failure leaves unusable now ends and is replaced);
+#        CAMPAIGN_METHODS=gumiho WAIT_LIMIT=$((545 - SECONDS)) bash scripts/gpu_lease.sh wait
+#   4  (~200 s) CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_s2 bash scripts/gpu_lease.sh fetch (it
+#        stops the training: the testbed then has the GPU alone; 36 MB, one variant a call);
+#        then TESTBED_VOCAB=32768 GUMIHO_VARIANTS="--lookup 10" QEND=2 MAXNEW=128
+#        TESTBED_LIMIT=170 BENCHES="mt_bench humaneval gsm8k_like alpaca_like cnndm_like
+#        nq_like" bash scripts/gpu_lease.sh testbed (the shipped drafters, Gumiho's network
+#        over the 32,768 tokens it trained over).
+#   here: unpack; the reference tree's tau on this CPU (QEND=4 and 8, float32; 3.07 and
+#   3.02 for the drafter shipped 2026-11-30) and, if better, export over 8,192 and ship.
+#   Not in this plan: the compile engine's cycle at the 8B shape (issue 11's 1.3 plain
+#   steps, whose floor by arithmetic at the 64-token tree is 1.36; docs/gpu.md):
+#   CYCLE_METHODS=gumiho CYCLE_DRAFT_VOCAB=0 CYCLE_TAG=_compile CYCLE_ARGS="--engine compile
+#   --widths 1,64" CYCLE_LIMIT=150 bash scripts/gpu_lease.sh cycle.
 # USE_CAMPAIGN=1 runs the testbed with the campaign's drafters instead of the shipped ones.
 #
 # Every phase first takes in whatever pieces were carried (`receive`), so any order works
@@ -569,6 +540,11 @@ fetch() {  # stop the campaign (each run keeps its last save) and send its draft
   ((${#logged[@]} == 0)) || python3 -m gumiho.train.plot "${logged[@]}" \
     --out "$RESULTS/campaign.png" --title "held-out top-1, GPU campaign" || true
   ls -la "$RESULTS"
+  # a call brings back 8 files and 64 MiB together: two 32,768-token Gumiho drafters are
+  # 72 MB (the ninth lease lost the second's last part), so one variant a call
+  local mib
+  mib=$(du -sm "$RESULTS" | cut -f1)
+  ((mib <= 64)) || echo "warning: $RESULTS holds $mib MiB; a call brings back 64: fetch one RUN_SUFFIX a call" >&2
 }
 
 unpack() {  # here: the fetched drafters into runs/gpu_campaign/
