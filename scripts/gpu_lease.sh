@@ -76,8 +76,8 @@
 # tests again + the six-benchmark testbed (QEND=2) in 284 s. The training ran 6.4 steps a
 # second beside the suite (~50k tokens/s), so 900 steps ended inside call 4's first minute.
 # Its heads rose and serial 2 fell: the reference tree's tau on the CPU stayed at 2.90.
-# The ninth lease (H200, 833 s, docs/results/gpu_h200_ninth): the plan below it had been,
-# tried first at toy size on the CPU: .stage/1 (50 s with the start), .stage/3, .stage/2
+# The ninth lease (H200, 833 s, docs/results/gpu_h200_ninth), the plan written for it, tried
+# first at toy size on the CPU: .stage/1 (50 s with the start), .stage/3, .stage/2
 # with selfdistill (held-out answers, 54 s) + two campaigns from the shipped drafter
 # (`_heads`: --heads-only; `_s2`: --serial2-weight 1 --grad-clip 1.25; both DRAFT_VOCAB=32768
 # BATCH=32 LR=3e-4 --mlp-ploss-weight 0.1) + the whole suite beside them (SUITE_WORKERS=12:
@@ -92,6 +92,8 @@
 # graphs.capture_stream, has never run on a GPU); issue 12's 2x on a GPU (1.72x with the
 # drafter shipped before, a lookup chain beside it) with the drafter shipped since; and
 # `_s2` trained on (its serial steps were still rising at its last evaluation).
+#   here first: `pack` again (the shipped Gumiho changed on 2026-11-30, and .stage/3 carries
+#   the drafters), then mv gumiho/assets /tmp/assets.hold
 #   1  .stage/1 (receive, ~50 s with the start)
 #   2  .stage/3 (receive the drafters, ~1 s)
 #   3  .stage/2 (~560 s): REGEN_SPLITS=held_out bash scripts/gpu_lease.sh selfdistill;
