@@ -108,16 +108,16 @@ def check_same_plan(old: dict, new: dict, outdir: Path) -> None:
         keys.append("target_dtype")
     if old.get("regenerate") and new.get("regenerate"):
         keys += [k for k in REGEN_KEYS if k in old and k in new]
-    for key in keys:
-        if old.get(key) != new.get(key):
-            raise GumihoError(f"{outdir} holds data made with {key}={old.get(key)!r}, not "
-                              f"{new.get(key)!r}: use another --outdir or the same settings")
+    differs = [(key, repr(old.get(key)), repr(new.get(key))) for key in keys
+               if old.get(key) != new.get(key)]
     if not same_target(old, new):
-        raise GumihoError(f"{outdir} holds data made with target={describe_target(old)}, not "
-                          f"{describe_target(new)}: use another --outdir or the same settings")
+        differs.append(("target", describe_target(old), describe_target(new)))
     if not same_data(old, new):
-        raise GumihoError(f"{outdir} holds data made with data={describe_data(old)}, not "
-                          f"{describe_data(new)}: use another --outdir or the same settings")
+        differs.append(("data", describe_data(old), describe_data(new)))
+    if differs:
+        key, was, now = differs[0]
+        raise GumihoError(f"{outdir} holds data made with {key}={was}, not {now}: use another "
+                          "--outdir or the same settings")
 
 
 def same_target(old: dict, new: dict) -> bool:
