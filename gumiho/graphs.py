@@ -64,12 +64,12 @@ def resolve_engine(engine: str | None, device: torch.device) -> str:
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def capture_stream() -> torch.cuda.Stream:
-    """The one side stream of the current GPU that every step is warmed up and captured on
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream of a GPU that every step on it is warmed up and captured on
     (one, not one a capture: cuBLAS keeps a workspace for each stream it has run on)."""
-    index = torch.cuda.current_device()
+    index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[index] = torch.cuda.Stream()
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _CAPTURE_STREAMS[index]
 
 
@@ -77,12 +77,18 @@ class _Graph:
     """One CUDA graph of fn over static input buffers."""
 
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...],
-                 pool):
+                 pool, device: torch.device):
+        # Everything on the inputs' GPU: a kernel runs on the current stream of its
+        # tensors' device, so a stream (or a capture) on another GPU would miss it
+        # (a target on cuda:1 while cuda:0 is current).
+        with torch.cuda.device(device):
+            self._record(fn, inputs, pool, capture_stream(device))
+
+    def _record(self, fn, inputs: tuple[Tensor, ...], pool, stream: torch.cuda.Stream):
         self.inputs = tuple(x.clone() for x in inputs)
         # One call on the current stream first: without it, capturing the draft tree step
         # failed on an H200 (capture invalidated, cause not pinned down); with it, it held.
         fn(*self.inputs)
-        stream = capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         # Side-stream warm-up before capture, as PyTorch's CUDA graphs notes prescribe.
         with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits, autotuning
@@ -270,4 +276,4 @@ class StaticStep:
             self._pool = torch.cuda.graph_pool_handle()
         # `_Graph` calls fn three times before it records: a compiled fn compiles and
         # autotunes there, never inside the capture
-        return _Graph(fn, inputs, self._pool)
+        return _Graph(fn, inputs, self._pool, inputs[0].device)

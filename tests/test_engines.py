@@ -132,12 +132,18 @@ def test_every_capture_runs_on_the_stream_its_warm_up_ran_on(monkeypatch):
     """cuBLAS allocates a stream's workspace at the stream's first product, so a capture on
     a stream no product has run on allocates inside the capture (the GPU suite's cuBLAS
     internal errors). Each step is warmed up and captured on one side stream, the same for
-    every step of the device. torch.cuda stood in for, so it runs without a GPU."""
+    every step of a device, made on that device and used with it current (a kernel runs
+    on the current stream of its tensors' GPU: a step of a target on cuda:1 while cuda:0 is
+    current would otherwise run outside the capture). torch.cuda stood in for, so it runs
+    without a GPU."""
     from gumiho import graphs
 
-    events = []
+    events, current = [], [0]
 
     class Stream:
+        def __init__(self, device=None):
+            self.device = device
+
         def wait_stream(self, other):
             pass
 
@@ -145,29 +151,41 @@ def test_every_capture_runs_on_the_stream_its_warm_up_ran_on(monkeypatch):
 
     @contextlib.contextmanager
     def on(stream):
-        events.append(("warm-up", stream))
+        events.append(("warm-up", stream, current[0]))
         yield
+
+    @contextlib.contextmanager
+    def device(gpu):  # as torch's: a device without an index leaves the current one
+        before = current[0]
+        current[0] = before if gpu.index is None else gpu.index
+        yield
+        current[0] = before
 
     class capture:
         def __init__(self, graph, pool=None, stream=None):
             self.stream = stream
 
         def __enter__(self):
-            events.append(("capture", self.stream))
+            events.append(("capture", self.stream, current[0]))
 
         def __exit__(self, *exc):
             return False
 
     for name, value in [("Stream", Stream), ("current_stream", lambda: main),
-                        ("current_device", lambda: 0), ("stream", on),
-                        ("CUDAGraph", object), ("graph", capture)]:
+                        ("current_device", lambda: current[0]), ("stream", on),
+                        ("device", device), ("CUDAGraph", object), ("graph", capture)]:
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(graphs, "_CAPTURE_STREAMS", {})
-    for fn in (lambda x: (x + 1,), lambda x: (x * 2,)):
-        graphs._Graph(fn, (torch.zeros(2),), pool=None)
-    assert [kind for kind, _ in events] == ["warm-up", "capture"] * 2
-    streams = {stream for _, stream in events}
-    assert len(streams) == 1 and not streams & {main, None}
+    for gpu in ("cuda:1", "cuda", "cuda:1"):  # bare "cuda": the current device, 0
+        for fn in (lambda x: (x + 1,), lambda x: (x * 2,)):
+            graphs._Graph(fn, (torch.zeros(2),), pool=None, device=torch.device(gpu))
+    assert [kind for kind, _, _ in events] == ["warm-up", "capture"] * 6
+    streams = {stream for _, stream, _ in events}
+    assert len(streams) == 2 and not streams & {main, None}
+    for _, stream, current_device in events:
+        assert stream.device == current_device
+    assert [gpu for _, _, gpu in events] == [1] * 4 + [0] * 4 + [1] * 4
+    assert current[0] == 0  # put back
 
 
 @pytest.mark.host
