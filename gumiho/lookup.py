@@ -17,7 +17,6 @@ chain reaches the device in one non-blocking copy.
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 
 import numpy as np
 import torch
@@ -67,36 +66,59 @@ class NgramIndex:
         return n, found if n == self.max_n else found[:short]
 
 
-def attach_chain(tree: DraftTree, chain: Tensor, valid: Tensor, max_depth: int) -> DraftTree:
+def attach_chain(tree: DraftTree, chain: Tensor, valid: Tensor) -> DraftTree:
     """The tree with a chain of L candidate tokens below its root (L more nodes).
 
-    chain (L,) tokens, valid (L,) bool (a shorter chain is padded). The chain's leading
-    tokens that the tree already holds as a path from the root become dead slots, the rest
-    hangs below the deepest shared node; padding is dead too. Tensor ops only, a fixed
-    number of them (no host sync). max_depth bounds the new tree's depth.
+    chain (L,) tokens, valid (L,) bool: True for a prefix of the slots (a shorter chain is
+    padded at the end, as `chain_to_device` packs it). The chain's leading
+    tokens that the tree already holds as a path from the root become dead slots (each a
+    sibling of the node it repeats), the rest hangs below the deepest shared node; padding
+    is dead too. Chain slot d always sits at depth d + 1.
+
+    A fixed, small number of tensor ops whatever L (no host sync, no loop over the chain):
+    on a GPU a recorded step costs about what its kernels number, and walking the chain a
+    slot at a time took ~14 kernels a slot (157 for the demo's 10 slots on a 64-node tree,
+    against ~30 now). The merged mask is built from the tree's own: slot d's ancestors are
+    those of its parent plus the live slots above it. Should two siblings hold the same
+    token (no drafter here makes such a tree), the deepest shared node is taken, the
+    lowest index among equals.
     """
     k, length = tree.size, chain.shape[0]
-    cur = torch.zeros((), dtype=torch.long, device=chain.device)  # where the chain sits
-    merging = torch.ones((), dtype=torch.bool, device=chain.device)
-    parents, dead = [], []
-    for d in range(length):
-        match = (tree.parents == cur) & (tree.tokens == chain[d])  # (K,) the same child
-        found = match.any() & merging & valid[d]
-        # a new node hangs below `cur` while still merging, else below the previous one
-        parents.append(torch.where(merging, cur, k + d - 1))
-        dead.append(found | ~valid[d])
-        cur = torch.where(found, match.long().argmax(), cur)
-        merging = merging & found
-    parents_t, dead_t = torch.stack(parents), torch.stack(dead)
+    if length == 0:
+        return tree
+    device = chain.device
+    slots = torch.arange(length, device=device)  # (L,)
+    depths = tree.depths
+    # A tree node at depth t >= 1 repeats chain slot t - 1 when their tokens agree and the
+    # slot is valid (so are those before it); the root agrees with the empty prefix.
+    slot_of = (depths - 1).clamp(0, length - 1)  # (K,)
+    agrees = ((tree.tokens == chain[slot_of]) & valid[slot_of] & (depths <= length)
+              | (depths == 0))
+    shared = ~(tree.mask & ~agrees).any(1)  # (K,) the node's whole path is a chain prefix
+    order = torch.arange(k - 1, -1, -1, device=device)  # ties: the lowest index wins
+    deepest = torch.where(shared, depths * k + order, -1).argmax(0, keepdim=True)  # (1,)
+    matched = depths[deepest]  # (1,) slots 0 .. matched - 1 repeat the tree's path
+    path = tree.mask[deepest]  # (1, K) the deepest shared node and its ancestors
+    on_path = (path & (depths == slots[:, None])).long().argmax(1)  # (L,) the path at depth d
+    merging = slots <= matched  # slot d hangs below the path's node at depth d
+    parents = torch.where(merging, on_path, k + slots - 1)
+    # ancestors of each slot: its parent's (the path's, above the first new slot) ...
+    above = tree.mask[torch.where(merging, on_path, deepest)]  # (L, K)
+    # ... and itself and the new slots above it
+    later = slots[None, :]  # (1, L) the slot seen; slots[:, None]: the one seeing
+    among_new = (later <= slots[:, None]) & ((later == slots[:, None]) | (later >= matched))
+    mask = torch.cat([torch.cat([tree.mask, tree.mask.new_zeros(k, length)], 1),
+                      torch.cat([above, among_new], 1)])
     tokens = torch.where(valid, chain, tree.tokens[0])  # dead slots still need a real id
-    merged = DraftTree.from_parents(torch.cat([tree.tokens, tokens]),
-                                    torch.cat([tree.parents, parents_t]), max_depth)
     old_dead = tree.dead if tree.dead is not None else torch.zeros(k, dtype=torch.bool,
-                                                                   device=chain.device)
+                                                                   device=device)
     priority = None
     if tree.priority is not None:  # lookup nodes come last for a smaller budget
         priority = torch.cat([tree.priority, tree.priority.new_full((length,), -float("inf"))])
-    return replace(merged, dead=torch.cat([old_dead, dead_t]), priority=priority)
+    return DraftTree(tokens=torch.cat([tree.tokens, tokens]),
+                     parents=torch.cat([tree.parents, parents]),
+                     depths=torch.cat([depths, slots + 1]), mask=mask,
+                     dead=torch.cat([old_dead, (slots < matched) | ~valid]), priority=priority)
 
 
 def chain_to_device(tokens: list[int], length: int, device: torch.device) -> Tensor:
@@ -115,15 +137,15 @@ def unpack_chain(packed: Tensor) -> tuple[Tensor, Tensor]:
     return packed[:length], packed[length:].bool()
 
 
-def attach_fn(max_depth: int, tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor,
-              *rest: Tensor) -> tuple[Tensor, ...]:
+def attach_fn(tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor, *rest: Tensor
+              ) -> tuple[Tensor, ...]:
     """`attach_chain` on a tree's fields, tensors only (a recorded step): rest is the tree's
     `dead` (bool) and `priority` (float), those it has, then the packed chain. Returns the
     merged tree's tokens, parents, depths, mask, dead and (if the tree had one) priority."""
     *extra, packed = rest
     fields = {"dead" if x.dtype == torch.bool else "priority": x for x in extra}
     merged = attach_chain(DraftTree(tokens, parents, depths, mask, **fields),
-                          *unpack_chain(packed), max_depth)
+                          *unpack_chain(packed))
     return (merged.tokens, merged.parents, merged.depths, merged.mask, merged.dead,
             *(() if merged.priority is None else (merged.priority,)))
 
@@ -151,8 +173,8 @@ class LookupDrafter(DrafterWrapper):
     copy-heavy stretches cost what prompt lookup costs and the drafter runs elsewhere.
     Eager steps only: captured ones keep one tree shape.
 
-    With `static_shape`, attaching the chain (about 14 kernels a slot) is one step of
-    `engine` (graphs.py), recorded by captured engines."""
+    With `static_shape`, attaching the chain (~30 kernels whatever its length) is one step
+    of `engine` (graphs.py), recorded by captured engines."""
 
     def __init__(self, inner, tokens: int = 10, max_n: int = 3, min_n: int = 2,
                  static_shape: bool = False, first: bool = False, short: int = 2,
@@ -164,7 +186,7 @@ class LookupDrafter(DrafterWrapper):
         self.name = "lookup" if inner.name == "ar" else f"{inner.name}+lookup"
         self.max_nodes += tokens
         self.draft_depth += tokens
-        self._attach_step = StaticStep(partial(attach_fn, self.draft_depth), engine)
+        self._attach_step = StaticStep(attach_fn, engine)
 
     def begin(self, target, capacity: int) -> None:
         self.inner.begin(target, capacity)
@@ -184,15 +206,14 @@ class LookupDrafter(DrafterWrapper):
         found = self.index.chain(self.tokens, self.short)[1]
         if self.first and found:  # the chain alone; the drafter catches up next time
             chain, valid = unpack_chain(chain_to_device(found, len(found), self.device))
-            return attach_chain(DraftTree.chain(self.root), chain, valid, self.draft_depth)
+            return attach_chain(DraftTree.chain(self.root), chain, valid)
         tree = self.inner.propose()
         slots = self.tokens if self.static_shape else len(found)
         if not slots:
             return tree
         packed = chain_to_device(found, slots, self.device)
         if not self.static_shape:
-            return attach_chain(replace(tree, spliced_paths=None), *unpack_chain(packed),
-                                self.draft_depth)
+            return attach_chain(replace(tree, spliced_paths=None), *unpack_chain(packed))
         extra = tuple(x for x in (tree.dead, tree.priority) if x is not None)
         fields = self._attach_step(tree.tokens, tree.parents, tree.depths, tree.mask, *extra,
                                    packed)

@@ -1,6 +1,8 @@
 """Prompt-lookup candidates: the n-gram index, the chain merged into a tree, and output
 that stays exactly the target's (greedy and sampled)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -34,7 +36,7 @@ def test_chain_merges_into_the_tree():
     tree = DraftTree.from_parents(torch.tensor([7, 1, 2, 5]), torch.tensor([-1, 0, 1, 0]))
     chain = torch.tensor([1, 2, 3, 4, 0])
     valid = torch.tensor([True, True, True, True, False])
-    merged = attach_chain(tree, chain, valid, max_depth=8)
+    merged = attach_chain(tree, chain, valid)
     assert merged.size == 9
     assert merged.dead.tolist() == [False] * 4 + [True, True, False, False, True]
     assert merged.parents[6:8].tolist() == [2, 6]  # 3 under the existing 2, then 4
@@ -45,6 +47,61 @@ def test_chain_merges_into_the_tree():
     from gumiho.sampling import accept_greedy
     accepted, bonus = accept_greedy(merged, logits)
     assert accepted.tolist() == [0, 1, 2, 6, 7] and int(bonus) == 9
+
+
+def walk_chain(tree: DraftTree, chain, valid, max_depth: int) -> DraftTree:
+    """The chain attached a slot at a time, the way the merge is defined (attach_chain's
+    first form; 14 kernels a slot): at each slot, still merging, a child of the current
+    node with the slot's token makes the slot dead and becomes the current node."""
+    k, length = tree.size, chain.shape[0]
+    cur, merging = torch.tensor(0), torch.tensor(True)
+    parents, dead = [], []
+    for d in range(length):
+        match = (tree.parents == cur) & (tree.tokens == chain[d])
+        found = match.any() & merging & valid[d]
+        parents.append(torch.where(merging, cur, k + d - 1))
+        dead.append(found | ~valid[d])
+        cur = torch.where(found, match.long().argmax(), cur)
+        merging = merging & found
+    tokens = torch.where(valid, chain, tree.tokens[0])
+    merged = DraftTree.from_parents(torch.cat([tree.tokens, tokens]),
+                                    torch.cat([tree.parents, torch.stack(parents)]), max_depth)
+    old = tree.dead if tree.dead is not None else torch.zeros(k, dtype=torch.bool)
+    return replace(merged, dead=torch.cat([old, torch.stack(dead)]))
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("seed", range(40))
+def test_chain_attached_at_once_equals_the_slot_by_slot_walk(seed):
+    """Random trees (siblings' tokens distinct, as every drafter's), chains that follow one
+    of their paths for a while and then leave it or end in padding, of every length."""
+    g = torch.Generator().manual_seed(seed)
+    size = int(torch.randint(1, 40, (), generator=g))
+    parents, tokens, children = [-1], [7], {0: set()}
+    for _ in range(1, size):
+        parent = int(torch.randint(0, len(parents), (), generator=g))
+        token = int(torch.randint(0, 6, (), generator=g))
+        if token in children[parent]:
+            continue
+        children[parent].add(token)
+        children[len(parents)] = set()
+        parents.append(parent)
+        tokens.append(token)
+    tree = DraftTree.from_parents(torch.tensor(tokens), torch.tensor(parents), 40)
+    if seed % 3 == 0:
+        tree = replace(tree, dead=torch.rand(tree.size, generator=g) < 0.3)
+    length = int(torch.randint(1, 12, (), generator=g))
+    node, chain = int(torch.randint(0, tree.size, (), generator=g)), []
+    while node > 0:  # a path of the tree from the root, then anything
+        chain.insert(0, tokens[node])
+        node = parents[node]
+    chain = (chain + torch.randint(0, 6, (length,), generator=g).tolist())[:length]
+    valid = torch.arange(length) < int(torch.randint(0, length + 1, (), generator=g))
+    chain = torch.tensor(chain)
+    expected = walk_chain(tree, chain, valid, max_depth=tree.size + length)
+    merged = attach_chain(tree, chain, valid)
+    for field in ("tokens", "parents", "depths", "mask", "dead"):
+        assert torch.equal(getattr(merged, field), getattr(expected, field)), field
 
 
 REPEATING = ("Repeat this sentence exactly three times: the quick brown fox jumps over the "
