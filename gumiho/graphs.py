@@ -276,4 +276,6 @@ class StaticStep:
             self._pool = torch.cuda.graph_pool_handle()
         # `_Graph` calls fn three times before it records: a compiled fn compiles and
         # autotunes there, never inside the capture
-        return _Graph(fn, inputs, self._pool, inputs[0].device)
+        device = next((x.device for x in inputs if x.device.type == "cuda"),
+                      torch.device("cuda"))  # (a bare "cuda": the current GPU)
+        return _Graph(fn, inputs, self._pool, device)
