@@ -163,8 +163,23 @@ def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator
     if temperature == 0:
         return rowgemm.argmax(logits)  # torch's for other shapes and devices
     probs = torch.softmax(logits.float() / temperature, -1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    return draw(probs.reshape(-1, probs.shape[-1]), generator).view(probs.shape[:-1])
+
+
+def draw(probs: Tensor, generator: torch.Generator) -> Tensor:
+    """One draw per row of probs (N, V), distributed as torch.multinomial(probs, 1): the
+    first token whose cumulative probability exceeds a uniform draw times the row's total.
+
+    One uniform number a row where multinomial draws an exponential one per token: at
+    SmolLM2's 49,152 tokens multinomial took 1.3 ms a row on a 2-core CPU (10 ms for a
+    Gumiho tree's 8 rows, a third of a T = 1 cycle), this 0.07 ms. The sums run in float64
+    (float32 on MPS, which has none), so a token's share of [0, total) is its probability
+    to ~1e-16; `right=True` never lands on a token of probability 0."""
+    wide = torch.float32 if probs.device.type == "mps" else torch.float64
+    cdf = probs.cumsum(-1, dtype=wide)  # (N, V)
+    u = torch.rand((probs.shape[0], 1), dtype=wide, device=probs.device, generator=generator)
+    picks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # (N, 1)
+    return picks.clamp_(max=probs.shape[-1] - 1).view(-1)  # (u * total rounding up to it)
 
 
 def accept_sampling(tree: DraftTree, logits: Tensor, temperature: float,

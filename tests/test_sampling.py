@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gumiho.engine import GenerateConfig, run
-from gumiho.sampling import accept_sampling
+from gumiho.sampling import accept_sampling, draw
 from gumiho.tree import DraftTree
 
 from conftest import tiny_llama
@@ -22,6 +22,27 @@ def chi_square_rejects(counts: torch.Tensor, probs: torch.Tensor, z: float = 3.0
     df = int(keep.sum()) - 1
     critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     return stat > critical
+
+
+@pytest.mark.host
+def test_a_draw_per_row_follows_each_rows_distribution():
+    """`draw` (one uniform number a row, against cumulative sums) samples as multinomial
+    would: each row its own distribution, never a token of probability 0 (the first, the
+    last and some between here), and the test has the power to tell a near one."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(3, 40, generator=g) * 2, -1)
+    probs[:, [0, 7, 8, 39]] = 0
+    probs[1] = torch.roll(probs[1], 5)  # the rows differ: zeros elsewhere in row 1
+    probs /= probs.sum(-1, keepdim=True)
+    counts = torch.zeros(3, 40)
+    for _ in range(400):
+        picks = draw(probs.repeat(50, 1), g).view(50, 3)
+        for row in range(3):
+            counts[row] += torch.bincount(picks[:, row], minlength=40)
+    for row in range(3):
+        assert counts[row][probs[row] == 0].sum() == 0
+        assert not chi_square_rejects(counts[row], probs[row])
+    assert chi_square_rejects(counts[0], torch.softmax(probs[0].log().clamp(min=-50) * 0.9, -1))
 
 
 def small_tree():
