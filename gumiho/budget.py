@@ -4,14 +4,15 @@ A bigger, deeper tree accepts more per cycle but costs more to draft and to veri
 the balance lies depends on the device (on a CPU the verify cost grows with width, on a
 GPU it is nearly flat) and on how good the drafter is. We measure all three and pick:
 
-1. Acceptance by shape, from one greedy calibration run at the reference shape. Every
+1. Acceptance by shape, from one calibration run at the reference shape. Every
    candidate shape's tree is a subtree of the reference tree: the W - 1 best nodes by
    selection priority among those at depth <= D (exact for the dynamic trees of Gumiho and
    EAGLE-2, whose candidate pool does not depend on the budget, while the reference tree
    holds enough nodes of depth <= D; Medusa's static tree is built best-first), or, for a
    chain, the best child at each level. A subtree accepts exactly the part of each
-   cycle's accepted path that lies inside it. (Exact for greedy decoding; at T > 0 it is
-   the greedy proxy.)
+   cycle's accepted path that lies inside it. The calibration decodes at the temperature
+   asked for: at T > 0 the target draws one token at every node (sampling.py), and with
+   those draws fixed a subtree also accepts exactly the part of the path inside it.
 2. Drafting cost by shape: the drafter at that shape proposes repeatedly from one state
    (median; the shape caps every level at the budget, see SerialDrafter), plus the
    catch-up on accepted tokens that every cycle pays, from the calibration run.
@@ -50,6 +51,7 @@ from gumiho.linear import PackedLinear
 from gumiho.methods import method_spec
 from gumiho.paths import cache_dir, write_atomically
 from gumiho.profiling import fastest_interleaved, timed
+from gumiho.sampling import sample_tokens
 from gumiho.target import Target
 from gumiho.tree import DraftTree
 
@@ -145,10 +147,11 @@ def accept_by_size(trees: list[DraftTree], drafts: list[list[int]], widths: list
     return {s.total_tokens: v for s, v in by_shape.items()}
 
 
-def verify_step(target: Target, width: int, context: int, engine: str = "eager"):
+def verify_step(target: Target, width: int, context: int, engine: str = "eager",
+                temperature: float = 0.0):
     """A call of one target step over a `width`-node tree (a balanced binary tree) on top of
-    `context` committed tokens, through `engine`'s (captured) step, and the target's greedy
-    pick at every node (as a verify in the loop makes it), ready to time."""
+    `context` committed tokens, through `engine`'s (captured) step, and the target's pick
+    at every node at `temperature` (as a verify in the loop makes it), ready to time."""
     device = target.device
     runner = TargetRunner(target, engine)
     cache = runner.cache_for(context + width + 1)
@@ -158,8 +161,9 @@ def verify_step(target: Target, width: int, context: int, engine: str = "eager")
     parents = torch.cat([torch.tensor([-1], device=device),
                          torch.arange(width - 1, device=device) // 2])
     tree = DraftTree.from_parents(torch.randint(low, high, (width,), device=device), parents)
-    return lambda: rowgemm.argmax(verify_tree(target, cache, tree,
-                                              step=runner.step_for(None))[1])
+    generator = torch.Generator(device=device).manual_seed(0)
+    return lambda: sample_tokens(verify_tree(target, cache, tree, step=runner.step_for(None))[1],
+                                 temperature, generator)
 
 
 def verify_step_seconds(target: Target, width: int, context: int, repeats: int,
@@ -222,20 +226,22 @@ def without_wrappers(tree: TreeConfig) -> TreeConfig:
 
 
 def whole_cycles(target: Target, model, method: str, trees: dict[str, TreeConfig],
-                 engine: str, max_new_tokens: int = WHOLE_CYCLE_TOKENS, repeats: int = 3
-                 ) -> dict[str, dict]:
-    """Unprofiled greedy runs of drafter `model` at each of `trees` and of plain decoding on
-    the calibration prompts, every tree and plain decoding in turn (the first rotating),
-    whole cycles after the prefill. Per name ("plain" and each of `trees`): `cycle_s`, the
-    seconds a cycle, and `tokens_per_s`, the tokens emitted per second; each prompt's time
-    is the median of its `repeats` runs (a burst of load on a shared machine moves one run,
-    not the figure; the prompts' tokens are the same every run, greedy)."""
+                 engine: str, max_new_tokens: int = WHOLE_CYCLE_TOKENS, repeats: int = 3,
+                 temperature: float = 0.0) -> dict[str, dict]:
+    """Unprofiled runs at `temperature` of drafter `model` at each of `trees` and of plain
+    decoding on the calibration prompts, every tree and plain decoding in turn (the first
+    rotating), whole cycles after the prefill. Per name ("plain" and each of `trees`):
+    `cycle_s`, the seconds a cycle, and `tokens_per_s`, the tokens emitted per second; each
+    prompt's time is the median of its `repeats` runs (a burst of load on a shared machine
+    moves one run, not the figure; greedy, the prompts' tokens are the same every run; at
+    T > 0 each repeat draws with its own seed, the same for every tree)."""
     from gumiho.drafters import PlainDrafter
 
     drafters = {"plain": PlainDrafter(),
                 **{name: shape_drafter(model, method, tree, engine) for name, tree in
                    trees.items()}}
-    config = GenerateConfig(max_new_tokens=max_new_tokens, engine=engine)
+    config = GenerateConfig(max_new_tokens=max_new_tokens, engine=engine,
+                            temperature=temperature)
     prompts = [target.chat_ids(prompt) for prompt in CALIBRATION_PROMPTS]
     for drafter in drafters.values():  # warm-up (and captures)
         run(target, drafter, prompts[0], replace(config, max_new_tokens=8))
@@ -244,7 +250,8 @@ def whole_cycles(target: Target, model, method: str, trees: dict[str, TreeConfig
     for turn in range(repeats * len(prompts)):
         p = turn % len(prompts)
         for name in names[turn % len(names):] + names[: turn % len(names)]:
-            result = run(target, drafters[name], prompts[p], config)
+            result = run(target, drafters[name], prompts[p],
+                         replace(config, seed=turn // len(prompts)))
             runs.setdefault((name, p), []).append(
                 (sum(result.cycle_s[1:]), len(result.cycle_s) - 1,
                  sum(result.accept_lengths[1:])))
@@ -260,8 +267,8 @@ def whole_cycles(target: Target, model, method: str, trees: dict[str, TreeConfig
     return out
 
 
-def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engine: str
-                ) -> Path | None:
+def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engine: str,
+                temperature: float = 0.0) -> Path | None:
     if draft == "random":
         return None
     draft_path = Path(draft).resolve()
@@ -286,16 +293,19 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     key = json.dumps([13, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, rowgemm.identity(), rowamx.identity(),
-                      target.config._attn_implementation], default=str)
+                      target.config._attn_implementation]
+                     + ([] if temperature == 0 else [round(temperature, 2)]), default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 
-def calibrate(target: Target, drafter, engine: str, max_new_tokens: int
+def calibrate(target: Target, drafter, engine: str, max_new_tokens: int,
+              temperature: float = 0.0
               ) -> tuple[list[DraftTree], list[list[int]], dict[str, float]]:
-    """Greedy runs on the calibration prompts: every cycle's tree and accepted drafts, and
-    the per-cycle seconds of the phases every shape pays alike."""
+    """Runs at `temperature` on the calibration prompts: every cycle's tree and accepted
+    drafts, and the per-cycle seconds of the phases every shape pays alike."""
     trees: list[DraftTree] = []
-    config = GenerateConfig(max_new_tokens=max_new_tokens, profile=True, engine=engine)
+    config = GenerateConfig(max_new_tokens=max_new_tokens, profile=True, engine=engine,
+                            temperature=temperature)
     run(target, drafter, target.chat_ids(CALIBRATION_PROMPTS[0]),
         replace(config, max_new_tokens=8))  # warm-up (and captures)
     kept, drafts = [], []
@@ -316,13 +326,14 @@ def calibrate(target: Target, drafter, engine: str, max_new_tokens: int
 
 
 def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engine: str,
-                max_new_tokens: int = 64, widths: tuple[int, ...] = CANDIDATE_WIDTHS) -> dict:
-    """Pick the tree shape for `method`'s drafter `draft` on this device; returns the
-    report: `tree` (the TreeConfig fields to use), and per shape the expected accept,
-    cycle time and tokens/s."""
+                max_new_tokens: int = 64, widths: tuple[int, ...] = CANDIDATE_WIDTHS,
+                temperature: float = 0.0) -> dict:
+    """Pick the tree shape for `method`'s drafter `draft` on this device, for decoding at
+    `temperature`; returns the report: `tree` (the TreeConfig fields to use), and per shape
+    the expected accept, cycle time and tokens/s."""
     from gumiho.drafters import load_drafter
 
-    path = _cache_file(target, method, draft, tree, engine)
+    path = _cache_file(target, method, draft, tree, engine, temperature)
     if path is not None and path.exists():
         try:
             return json.loads(path.read_text())
@@ -338,15 +349,16 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
                     "times, which can take an hour (--total-tokens N skips the choice) "
                     "...", steps)
     else:
-        log.warning("choosing the tree shape for this device (once per drafter and device; "
-                    "about a minute on a CPU) ...")
+        log.warning("choosing the tree shape for this device (once per drafter and device%s;"
+                    " about a minute on a CPU) ...",
+                    f", and for T = {temperature:g}" if temperature else "")
     drafter = load_drafter(method, target, draft, tree=reference, engine=engine)
-    trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens)
+    trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens, temperature)
     accept = accept_by_shape(trees, drafts, shapes)
     # the widths in turns, the fastest round of each (profiling.fastest_interleaved): on a
     # shared machine a burst of load once moved one width's median enough to change the pick
     verify = fastest_interleaved(
-        {w: verify_step(target, w, 128, engine)
+        {w: verify_step(target, w, 128, engine, temperature)
          for w in sorted({1, *(s.total_tokens for s in shapes)})}, target.device, 21)
     ids = target.chat_ids(CALIBRATION_PROMPTS[0]) if target.tokenizer else list(range(8, 40))
     # the shapes' proposals in turns too, the fastest round each
@@ -368,14 +380,15 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
         rows[f"{shape.total_tokens}/{shape.depth}{'/chain' if shape.chain else ''}"] = {
             **asdict(shape), "accept": accept[shape], "cycle_s": cycle,
             "tokens_per_s": accept[shape] / cycle, "speedup": accept[shape] / cycle * verify[1]}
-    # The model's best few run whole greedy cycles in turns, and the fastest of those is
+    # The model's best few run whole cycles in turns, and the fastest of those is
     # chosen: its predictions for the top shapes lie within a few percent of each other
     # (the sums of phases timed apart), where whole cycles measure what the loop pays.
     finalists = sorted(rows, key=lambda name: -rows[name]["tokens_per_s"])[:FINALISTS]
     cycles = whole_cycles(target, drafter.model, method, {
         name: without_wrappers(Shape(rows[name]["total_tokens"], rows[name]["depth"],
                                      rows[name]["chain"]).tree(tree)) for name in finalists},
-        engine, max_new_tokens=min(max_new_tokens, WHOLE_CYCLE_TOKENS))
+        engine, max_new_tokens=min(max_new_tokens, WHOLE_CYCLE_TOKENS),
+        temperature=temperature)
     for name in finalists:
         rows[name]["measured_tokens_per_s"] = cycles[name]["tokens_per_s"]
     winner = max(finalists, key=lambda name: cycles[name]["tokens_per_s"])
@@ -387,6 +400,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
                        ("total_tokens", "depth", "top_k", "mlp_topk", "pruning", "serial_levels",
                         "fta")},
               "method": method, "draft": str(draft), "device": str(target.device),
+              "temperature": temperature,
               "engine": engine, "plain_step_s": verify[1], "break_even": gate,
               "cycles": len(trees), "chosen": winner,
               "fixed_s": fixed, "shapes": rows}

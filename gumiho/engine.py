@@ -27,7 +27,14 @@ from gumiho.fta import official_for_sampling
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.profiling import PhaseTimer
-from gumiho.sampling import Acceptance, accept, match_on_host, match_picks, matched, sample_tokens
+from gumiho.sampling import (
+    Acceptance,
+    accept_picks,
+    match_on_host,
+    match_picks,
+    matched,
+    sample_tokens,
+)
 from gumiho.target import Target
 from gumiho.tree import DraftTree
 
@@ -327,12 +334,12 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
                 with timer("accept_commit"):
                     commit_accepted(cache, drafter, tree, features, result)
         else:
-            with timer("verify"):
+            with timer("verify"):  # and the target's picks, as a greedy verify makes them
                 features, logits = verify_tree(target, cache, tree, width,
                                                runner.step_for(width))
+                picks = sample_tokens(logits, config.temperature, generator)
             with timer("accept_commit"):
-                result = accept(tree, logits, config.temperature, generator,
-                                runner.accept_step)
+                result = accept_picks(tree, picks, config.temperature, runner.accept_step)
                 commit_accepted(cache, drafter, tree, features, result)
         if on_cycle is not None:
             on_cycle(tree, result.tokens)

@@ -63,6 +63,24 @@ Prompt = str | list[dict] | list[int]
 ROLES = ("system", "user", "assistant")
 
 
+def sized_tree(tree: TreeConfig, report: dict) -> TreeConfig:
+    """`tree` at the shape `budget.choose_tree` chose (its report), logged."""
+    sized = replace(tree, **report["tree"])
+    temperature = report.get("temperature", 0.0)
+    log.info("auto tree%s: %s tokens, depth %s; its cycle costs %.2f plain steps here "
+             "(--draft-gate %.2f drafts only while that pays)",
+             f" for T = {temperature:g}" if temperature else "", sized.total_tokens,
+             sized.depth, report["break_even"], report["break_even"])
+    return sized
+
+
+def check_verify_width(verify_width: int | None, drafter: Drafter) -> None:
+    if verify_width is not None and verify_width < drafter.max_nodes:
+        raise GumihoError(f"--verify-width {verify_width} is narrower than this tree's "
+                          f"{drafter.max_nodes} tokens (root included): give at least "
+                          f"{drafter.max_nodes}, or leave it out")
+
+
 class SpeculativeGenerator:
     """A target and a drafter loaded once; `generate` and `stream` as often as you like."""
 
@@ -75,6 +93,10 @@ class SpeculativeGenerator:
         self.last_result: GenerationResult | None = None
         self._active: object | None = None  # the stream now driving the caches
         self.auto_report: dict | None = None
+        # with total_tokens="auto": (method, draft, the unsized tree), and the drafter and
+        # report chosen for each temperature asked for (`drafter_for`)
+        self._auto: tuple[str, str, TreeConfig] | None = None
+        self._sized: dict[float, tuple[Drafter, dict]] = {}
 
     @classmethod
     def load(cls, target: str | Target = "smollm2", method: str = "ar",
@@ -89,8 +111,10 @@ class SpeculativeGenerator:
         take the preset's values, then the method's reference defaults. preset="demo": what
         `gumiho demo` runs, for speed on this device (`config.preset_options`); None or
         "reference": the method's reference tree. total_tokens="auto" times this device and the
-        drafter and picks the fastest tree shape (budget.py); its report (`auto_report`)
-        holds the shape's break-even, a value for draft_gate (gate.py). A loaded Target is
+        drafter and picks the fastest tree shape (budget.py) for greedy decoding; its report
+        (`auto_report`) holds the shape's break-even, a value for draft_gate (gate.py). A
+        call at a temperature > 0 chooses again for that temperature, once (`drafter_for`).
+        A loaded Target is
         shared as it is (several generators on one model): device, dtype, chat_template and
         attention then stay unset. attention: the target's attention implementation
         (load_target's `attn_implementation`; "sdpa_invariant" makes bf16 verifies on a CPU
@@ -124,22 +148,43 @@ class SpeculativeGenerator:
             str(target), device=device, dtype=dtype, chat_template=chat_template,
             attn_implementation=attention)
         tree.check_vocab(loaded.lm_head.weight.shape[0])
-        report = None
+        report, unsized = None, tree
         if auto:
             report = choose_tree(loaded, method, draft, tree, engine)
-            tree = replace(tree, **report["tree"])
-            log.info("auto tree: %s tokens, depth %s; its cycle costs %.2f plain steps here "
-                     "(--draft-gate %.2f drafts only while that pays)", tree.total_tokens,
-                     tree.depth, report["break_even"], report["break_even"])
+            tree = sized_tree(tree, report)
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
         note_reach(drafter, asked_depth, asked_tokens)
-        if verify_width is not None and verify_width < drafter.max_nodes:
-            raise GumihoError(f"--verify-width {verify_width} is narrower than this tree's "
-                              f"{drafter.max_nodes} tokens (root included): give at least "
-                              f"{drafter.max_nodes}, or leave it out")
+        check_verify_width(verify_width, drafter)
         gen = cls(loaded, drafter, verify_width, engine)
         gen.auto_report = report  # how `auto` chose the tree size, or None
+        if auto:
+            gen._auto, gen._sized[0.0] = (method, draft, unsized), (drafter, report)
         return gen
+
+    def drafter_for(self, temperature: float) -> Drafter:
+        """The drafter that decodes at `temperature`: `drafter`, except that with
+        total_tokens="auto" a temperature > 0 gets the tree shape chosen for it (budget.py:
+        a sampled draft is accepted less often than a greedy one, so a smaller tree can
+        pay more), chosen at its first call and cached like the greedy one."""
+        return self._sized_for(temperature)[0]
+
+    def auto_report_for(self, temperature: float) -> dict | None:
+        """How `auto` chose the tree for `temperature` (`drafter_for`), or None."""
+        return self._sized_for(temperature)[1]
+
+    def _sized_for(self, temperature: float) -> tuple[Drafter, dict | None]:
+        if self._auto is None:
+            return self.drafter, self.auto_report
+        key = round(temperature, 2) if temperature > 0 else 0.0
+        if key not in self._sized:
+            method, draft, tree = self._auto
+            report = choose_tree(self.target, method, draft, tree, self.engine,
+                                 temperature=key)
+            drafter = load_drafter(method, self.target, draft, tree=sized_tree(tree, report),
+                                   engine=self.engine)
+            check_verify_width(self.verify_width, drafter)
+            self._sized[key] = drafter, report
+        return self._sized[key]
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """A string is one user turn, a list of dicts a chat, a list of ints raw token ids
@@ -174,7 +219,7 @@ class SpeculativeGenerator:
                                 engine=self.engine)
         ids = self.prompt_ids(prompt)
         check_prompt(self.target, ids, max_new_tokens)  # now, not at the first piece
-        return generate(self.target, self.drafter, ids, config, result)
+        return generate(self.target, self.drafter_for(temperature), ids, config, result)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                  seed: int = 0) -> GenerationResult:

@@ -214,10 +214,19 @@ def sample_along_paths(tree: DraftTree, picks: Tensor) -> Acceptance:
 
 def accept(tree: DraftTree, logits: Tensor, temperature: float,
            generator: torch.Generator, step=None) -> Acceptance:
-    """The accepted path, bonus token and emitted tokens of a cycle. step: a recorded
-    `match_picks` (engine.TargetRunner), or None."""
+    """The accepted path, bonus token and emitted tokens of a cycle: the target's picks
+    (`sample_tokens`), then `accept_picks`."""
+    return accept_picks(tree, sample_tokens(logits, temperature, generator), temperature,
+                        step)
+
+
+def accept_picks(tree: DraftTree, picks: Tensor, temperature: float, step=None
+                 ) -> Acceptance:
+    """The accepted path, bonus token and emitted tokens for the target's pick at every
+    node (K,), drawn at `temperature` (0: its argmax). step: a recorded `match_picks`
+    (engine.TargetRunner), or None."""
     if tree.spliced_paths is not None:  # the official FTA splice (at T > 0: rarely)
         if temperature == 0:
-            return _accept_along_paths(tree, logits.argmax(-1))
-        return sample_along_paths(tree, sample_tokens(logits, temperature, generator))
-    return accept_matching(tree, sample_tokens(logits, temperature, generator), step)
+            return _accept_along_paths(tree, picks)
+        return sample_along_paths(tree, picks)
+    return accept_matching(tree, picks, step)

@@ -145,6 +145,69 @@ def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypat
     assert label == f"gumiho (random, auto tree {chosen.total_tokens}, depth {chosen.depth})"
 
 
+def test_auto_at_a_temperature_calibrates_and_times_at_it(tiny_target_dir, tmp_path,
+                                                         monkeypatch):
+    """At T > 0 the acceptance by shape comes from sampled cycles, the finalists run sampled
+    (each repeat with its own seed), the widths are timed with their draws, and the choice
+    is cached apart from the greedy one (temperatures to two decimals)."""
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    target = load_target(tiny_target_dir)
+    tree = TreeConfig.for_method("gumiho", total_tokens=6, top_k=3, mlp_topk=3, pruning=3,
+                                 depth=2)
+    runs, draws = [], []
+    real_run, real_sample = budget.run, budget.sample_tokens
+    monkeypatch.setattr(budget, "run", lambda target, drafter, ids, config, **kw: (
+        runs.append((config.temperature, config.seed)) or real_run(target, drafter, ids,
+                                                                   config, **kw)))
+    monkeypatch.setattr(budget, "sample_tokens", lambda logits, temperature, generator: (
+        draws.append(temperature) or real_sample(logits, temperature, generator)))
+    report = budget.choose_tree(target, "gumiho", "random", tree, "eager", max_new_tokens=8,
+                                widths=(3, 6), temperature=0.7)
+    assert report["temperature"] == 0.7 and {t for t, _ in runs} == {0.7}
+    assert len({seed for _, seed in runs}) == 3  # the finalists' repeats
+    assert draws and set(draws) == {0.7}
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "model.safetensors").write_bytes(b"")
+    greedy = budget._cache_file(target, "gumiho", str(draft), tree, "eager")
+    assert greedy == budget._cache_file(target, "gumiho", str(draft), tree, "eager", 0.0)
+    sampled = budget._cache_file(target, "gumiho", str(draft), tree, "eager", 0.7)
+    assert sampled not in (greedy, budget._cache_file(target, "gumiho", str(draft), tree,
+                                                       "eager", 1.0))
+    assert sampled == budget._cache_file(target, "gumiho", str(draft), tree, "eager", 0.701)
+
+
+@pytest.mark.host
+def test_a_generator_sizes_its_tree_for_each_temperature_once(tiny_target_dir, monkeypatch):
+    """total_tokens="auto": the greedy shape at load, another chosen at the first call at
+    a temperature > 0 (the evaluation records it), each chosen once."""
+    from gumiho import generate
+
+    asked = []
+
+    def choose(target, method, draft, tree, engine, temperature=0.0):
+        asked.append(temperature)
+        size = 5 if temperature else 3
+        return {"tree": {"total_tokens": size, "depth": 1, "top_k": 4, "mlp_topk": 1,
+                         "pruning": 1, "fta": "off"}, "break_even": 1.2,
+                "temperature": temperature}
+
+    monkeypatch.setattr(generate, "choose_tree", choose)
+    gen = SpeculativeGenerator.load(tiny_target_dir, "gumiho", "random", total_tokens="auto")
+    assert asked == [0.0] and gen.drafter.tree.total_tokens == 3
+    assert gen.drafter_for(0.0) is gen.drafter and gen.auto_report_for(0) is gen.auto_report
+    out = gen.generate([5, 6, 7, 8], max_new_tokens=6, temperature=0.8, seed=1)
+    assert asked == [0.0, 0.8] and len(out.token_ids) == 6
+    sampled = gen.drafter_for(0.8)
+    assert sampled is not gen.drafter and sampled.tree.total_tokens == 5
+    assert gen.auto_report_for(0.8)["temperature"] == 0.8
+    gen.generate([5, 6, 7, 8], max_new_tokens=6, temperature=0.8, seed=2)
+    gen.generate([5, 6, 7, 8], max_new_tokens=6)
+    assert asked == [0.0, 0.8]  # each chosen once
+    fixed = SpeculativeGenerator.load(tiny_target_dir, "gumiho", "random", total_tokens=4)
+    assert fixed.drafter_for(0.8) is fixed.drafter and fixed.auto_report_for(0.8) is None
+
+
 @pytest.mark.host
 def test_auto_below_the_methods_shallowest_depth_tries_the_reference_depth(monkeypatch):
     """`--total-tokens auto --depth 1` for a method whose auto tries depths from 2 (Gumiho's

@@ -210,15 +210,16 @@ class Job:
     def start(self, gen: SpeculativeGenerator) -> None:
         """Check the full settings against the file, warm up, open the writer."""
         a = self.args
-        tree = getattr(gen.drafter, "tree", None)  # the settings the drafter was built with
+        # the settings the drafter for this temperature was built with (auto sizes it)
+        tree = getattr(gen.drafter_for(a.temperature), "tree", None)
         self.settings = {**self.identity, "tree": vars(tree) if tree is not None else None,
-                         "engine": gen.engine, "auto_tree": gen.auto_report}
+                         "engine": gen.engine, "auto_tree": gen.auto_report_for(a.temperature)}
         if a.label:  # a name for the report only: resuming does not compare it
             self.settings["label"] = a.label
         self.env = environment(gen)
         check_resume(self.path, self.found, self.settings, env=self.env)
         for _ in range(a.warmup):
-            gen.generate(self.todo[0]["turns"][0], min(32, a.max_new_tokens))
+            gen.generate(self.todo[0]["turns"][0], min(32, a.max_new_tokens), a.temperature)
         self.gen, self.writer = gen, AnswerWriter(self.path, self.found)
 
     def answer(self, question: dict) -> None:
