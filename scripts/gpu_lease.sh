@@ -110,7 +110,9 @@
 #        then TESTBED_VOCAB=32768 GUMIHO_VARIANTS="--lookup 10" QEND=2 MAXNEW=128
 #        TESTBED_LIMIT=170 BENCHES="mt_bench humaneval gsm8k_like alpaca_like cnndm_like
 #        nq_like" bash scripts/gpu_lease.sh testbed (the shipped drafters, Gumiho's network
-#        over the 32,768 tokens it trained over).
+#        over the 32,768 tokens it trained over). Since session 53 the lookup chain merges
+#        into the tree in 51 kernels, not 14 a slot (docs/gpu.md): the eighth lease read
+#        1.64x without the chain, 1.72x with it; the estimate with the cheaper merge ~1.81x.
 #   here: unpack; the reference tree's tau on this CPU (QEND=4 and 8, float32; 3.07 and
 #   3.02 for the drafter shipped 2026-11-30) and, if better, export over 8,192 and ship.
 #   Not in this plan: the compile engine's cycle at the 8B shape (issue 11's 1.3 plain

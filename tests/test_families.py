@@ -231,7 +231,12 @@ def test_sampling_matches_the_target_on_a_sliding_softcapped_family():
     drafter = RandomDrafter(vocab, size=24, seed=0)
     got2, got3 = torch.zeros(vocab), torch.zeros(vocab)
     drafted = 0
-    for seed in range(1500):
+    # Seeds 0-1499 fall in the test's 1-in-1000 tail since sampling.draw draws one uniform
+    # number a row (2026-11-30): after token 12, token 10 came 39 times against 23.6 expected,
+    # the same with plain decoding, and drawing from the exact conditionals with these seeds
+    # alone gives the same counts; over seeds 0-59,999 it is 322 against 315.3, over
+    # 100,000-159,999 301: the seeds, not a bias. So the next 1,500.
+    for seed in range(1500, 3000):
         out = run(target, drafter, prompt, GenerateConfig(
             max_new_tokens=3, temperature=temperature, seed=seed))
         got2[out.token_ids[1]] += 1
