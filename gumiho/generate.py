@@ -74,6 +74,11 @@ def sized_tree(tree: TreeConfig, report: dict) -> TreeConfig:
     return sized
 
 
+def temperature_key(temperature: float) -> float:
+    """The temperature a tree shape is chosen for: to two decimals (0.0: greedy)."""
+    return round(temperature, 2) if temperature > 0 else 0.0
+
+
 def check_verify_width(verify_width: int | None, drafter: Drafter) -> None:
     if verify_width is not None and verify_width < drafter.max_nodes:
         raise GumihoError(f"--verify-width {verify_width} is narrower than this tree's "
@@ -104,16 +109,17 @@ class SpeculativeGenerator:
              device: str | None = None, dtype: str | None = None,
              chat_template: str | None = None, verify_width: int | None = None,
              engine: str | None = None, attention: str | None = None,
-             preset: str | None = None, **tree_options):
+             preset: str | None = None, temperature: float = 0.0, **tree_options):
         """tree_options: TreeConfig fields (total_tokens, top_k, mlp_topk, pruning, depth,
         serial_levels, fta, lookup, lookup_first, draft_gate, min_confidence,
         extend_confidence); unset ones
         take the preset's values, then the method's reference defaults. preset="demo": what
         `gumiho demo` runs, for speed on this device (`config.preset_options`); None or
         "reference": the method's reference tree. total_tokens="auto" times this device and the
-        drafter and picks the fastest tree shape (budget.py) for greedy decoding; its report
-        (`auto_report`) holds the shape's break-even, a value for draft_gate (gate.py). A
-        call at a temperature > 0 chooses again for that temperature, once (`drafter_for`).
+        drafter and picks the fastest tree shape (budget.py) for decoding at `temperature`
+        (greedy by default); its report (`auto_report`) holds the shape's break-even, a
+        value for draft_gate (gate.py). A call at another temperature chooses again for
+        that one, once (`drafter_for`).
         A loaded Target is
         shared as it is (several generators on one model): device, dtype, chat_template and
         attention then stay unset. attention: the target's attention implementation
@@ -150,7 +156,8 @@ class SpeculativeGenerator:
         tree.check_vocab(loaded.lm_head.weight.shape[0])
         report, unsized = None, tree
         if auto:
-            report = choose_tree(loaded, method, draft, tree, engine)
+            report = choose_tree(loaded, method, draft, tree, engine,
+                                 temperature=temperature_key(temperature))
             tree = sized_tree(tree, report)
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
         note_reach(drafter, asked_depth, asked_tokens)
@@ -158,7 +165,8 @@ class SpeculativeGenerator:
         gen = cls(loaded, drafter, verify_width, engine)
         gen.auto_report = report  # how `auto` chose the tree size, or None
         if auto:
-            gen._auto, gen._sized[0.0] = (method, draft, unsized), (drafter, report)
+            gen._auto = method, draft, unsized
+            gen._sized[temperature_key(temperature)] = drafter, report
         return gen
 
     def drafter_for(self, temperature: float) -> Drafter:
@@ -175,7 +183,7 @@ class SpeculativeGenerator:
     def _sized_for(self, temperature: float) -> tuple[Drafter, dict | None]:
         if self._auto is None:
             return self.drafter, self.auto_report
-        key = round(temperature, 2) if temperature > 0 else 0.0
+        key = temperature_key(temperature)
         if key not in self._sized:
             method, draft, tree = self._auto
             report = choose_tree(self.target, method, draft, tree, self.engine,
@@ -450,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                                     chat_template=args.chat_template,
                                     verify_width=args.verify_width, engine=args.engine,
                                     attention=args.attention, preset=args.preset,
-                                    **tree_options(args))
+                                    temperature=args.temperature, **tree_options(args))
     pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed)
     for piece in pieces:
         if not args.json:

@@ -179,8 +179,9 @@ def test_auto_at_a_temperature_calibrates_and_times_at_it(tiny_target_dir, tmp_p
 
 @pytest.mark.host
 def test_a_generator_sizes_its_tree_for_each_temperature_once(tiny_target_dir, monkeypatch):
-    """total_tokens="auto": the greedy shape at load, another chosen at the first call at
-    a temperature > 0 (the evaluation records it), each chosen once."""
+    """total_tokens="auto": the shape for the load's temperature (greedy by default) at
+    load, another chosen at the first call at another temperature (the evaluation records
+    it), each chosen once."""
     from gumiho import generate
 
     asked = []
@@ -204,6 +205,12 @@ def test_a_generator_sizes_its_tree_for_each_temperature_once(tiny_target_dir, m
     gen.generate([5, 6, 7, 8], max_new_tokens=6, temperature=0.8, seed=2)
     gen.generate([5, 6, 7, 8], max_new_tokens=6)
     assert asked == [0.0, 0.8]  # each chosen once
+    asked.clear()  # sized at load for the temperature it will decode at (the CLI's)
+    warm = SpeculativeGenerator.load(tiny_target_dir, "gumiho", "random", total_tokens="auto",
+                                     temperature=0.8)
+    assert asked == [0.8] and warm.drafter.tree.total_tokens == 5
+    assert warm.drafter_for(0.8) is warm.drafter and warm.auto_report["temperature"] == 0.8
+    assert warm.drafter_for(0.0).tree.total_tokens == 3 and asked == [0.8, 0.0]
     fixed = SpeculativeGenerator.load(tiny_target_dir, "gumiho", "random", total_tokens=4)
     assert fixed.drafter_for(0.8) is fixed.drafter and fixed.auto_report_for(0.8) is None
 

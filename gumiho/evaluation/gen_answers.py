@@ -205,7 +205,8 @@ class Job:
             "attention": a.attention}
         return SpeculativeGenerator.load(a.target if target is None else target, a.method,
                                          a.draft, engine=a.engine, preset=a.preset,
-                                         **where, **tree_options(a))
+                                         temperature=a.temperature, **where,
+                                         **tree_options(a))
 
     def start(self, gen: SpeculativeGenerator) -> None:
         """Check the full settings against the file, warm up, open the writer."""
