@@ -276,7 +276,7 @@ def test_auto_leaves_the_gate_to_the_caller(tiny_target_dir, monkeypatch):
 
     report = {"tree": {"total_tokens": 3, "depth": 2, "top_k": 1, "mlp_topk": 1,
                        "pruning": 1, "fta": "off"}, "break_even": 1.3}
-    monkeypatch.setattr(generate, "choose_tree", lambda *args: report)
+    monkeypatch.setattr(generate, "choose_tree", lambda *args, **kwargs: report)
     gen = SpeculativeGenerator.load(tiny_target_dir, "gumiho", "random", total_tokens="auto")
     assert not isinstance(gen.drafter, GatedDrafter) and gen.drafter.tree.total_tokens == 3
     gated = SpeculativeGenerator.load(tiny_target_dir, "gumiho", "random",
