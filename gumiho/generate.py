@@ -119,10 +119,9 @@ class SpeculativeGenerator:
         drafter and picks the fastest tree shape (budget.py) for decoding at `temperature`
         (greedy by default); its report (`auto_report`) holds the shape's break-even, a
         value for draft_gate (gate.py). A call at another temperature chooses again for
-        that one, once (`drafter_for`).
-        A loaded Target is
-        shared as it is (several generators on one model): device, dtype, chat_template and
-        attention then stay unset. attention: the target's attention implementation
+        that one, once (`drafter_for`). A loaded Target is shared as it is (several
+        generators on one model): device, dtype, chat_template and attention then stay
+        unset. attention: the target's attention implementation
         (load_target's `attn_implementation`; "sdpa_invariant" makes bf16 verifies on a CPU
         bit for bit sequential decoding's, attention.py)."""
         check_load_args(target, method, draft, tree_options)
@@ -171,9 +170,9 @@ class SpeculativeGenerator:
 
     def drafter_for(self, temperature: float) -> Drafter:
         """The drafter that decodes at `temperature`: `drafter`, except that with
-        total_tokens="auto" a temperature > 0 gets the tree shape chosen for it (budget.py:
-        a sampled draft is accepted less often than a greedy one, so a smaller tree can
-        pay more), chosen at its first call and cached like the greedy one."""
+        total_tokens="auto" a temperature other than the load's gets the tree shape chosen
+        for it (budget.py: a sampled draft is accepted less often than a greedy one, so a
+        smaller tree can pay more), chosen at its first call and kept."""
         return self._sized_for(temperature)[0]
 
     def auto_report_for(self, temperature: float) -> dict | None:
