@@ -16,8 +16,6 @@ chain reaches the device in one non-blocking copy.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import torch
 from torch import Tensor
@@ -78,7 +76,7 @@ def attach_chain(tree: DraftTree, chain: Tensor, valid: Tensor) -> DraftTree:
     A fixed, small number of tensor ops whatever L (no host sync, no loop over the chain):
     on a GPU a recorded step costs about what its kernels number, and walking the chain a
     slot at a time took ~14 kernels a slot (157 for the demo's 10 slots on a 64-node tree,
-    against ~30 now). The merged mask is built from the tree's own: slot d's ancestors are
+    against 51 now). The merged mask is built from the tree's own: slot d's ancestors are
     those of its parent plus the live slots above it. Should two siblings hold the same
     token (no drafter here makes such a tree), the deepest shared node is taken, the
     lowest index among equals.
@@ -173,7 +171,7 @@ class LookupDrafter(DrafterWrapper):
     copy-heavy stretches cost what prompt lookup costs and the drafter runs elsewhere.
     Eager steps only: captured ones keep one tree shape.
 
-    With `static_shape`, attaching the chain (~30 kernels whatever its length) is one step
+    With `static_shape`, attaching the chain (51 kernels whatever its length) is one step
     of `engine` (graphs.py), recorded by captured engines."""
 
     def __init__(self, inner, tokens: int = 10, max_n: int = 3, min_n: int = 2,
@@ -213,7 +211,7 @@ class LookupDrafter(DrafterWrapper):
             return tree
         packed = chain_to_device(found, slots, self.device)
         if not self.static_shape:
-            return attach_chain(replace(tree, spliced_paths=None), *unpack_chain(packed))
+            return attach_chain(tree, *unpack_chain(packed))  # a new tree: no FTA splice
         extra = tuple(x for x in (tree.dead, tree.priority) if x is not None)
         fields = self._attach_step(tree.tokens, tree.parents, tree.depths, tree.mask, *extra,
                                    packed)
