@@ -267,6 +267,12 @@ def whole_cycles(target: Target, model, method: str, trees: dict[str, TreeConfig
     return out
 
 
+def temperature_key(temperature: float) -> float:
+    """The temperature a tree shape is chosen and cached for: to two decimals (0.0:
+    greedy)."""
+    return round(temperature, 2) if temperature > 0 else 0.0
+
+
 def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engine: str,
                 temperature: float = 0.0) -> Path | None:
     if draft == "random":
@@ -290,11 +296,12 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     packed = any(type(m) is PackedLinear for m in target.model.modules())
     fused = target._fused
     steps = None if fused is None else "rowlayer" if fused.rows is not None else "fused"
+    keyed = temperature_key(temperature)  # greedy keys stay as they were before T > 0
     key = json.dumps([13, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, rowgemm.identity(), rowamx.identity(),
                       target.config._attn_implementation]
-                     + ([] if temperature == 0 else [round(temperature, 2)]), default=str)
+                     + ([keyed] if keyed else []), default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 
@@ -333,6 +340,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     the expected accept, cycle time and tokens/s."""
     from gumiho.drafters import load_drafter
 
+    temperature = temperature_key(temperature)  # what the cached choice is for
     path = _cache_file(target, method, draft, tree, engine, temperature)
     if path is not None and path.exists():
         try:

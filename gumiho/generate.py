@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from gumiho.budget import choose_tree
+from gumiho.budget import choose_tree, temperature_key
 from gumiho.checkpoint import check_drafter_files
 from gumiho.config import (
     DEMO_EXTEND,
@@ -72,11 +72,6 @@ def sized_tree(tree: TreeConfig, report: dict) -> TreeConfig:
              f" for T = {temperature:g}" if temperature else "", sized.total_tokens,
              sized.depth, report["break_even"], report["break_even"])
     return sized
-
-
-def temperature_key(temperature: float) -> float:
-    """The temperature a tree shape is chosen for: to two decimals (0.0: greedy)."""
-    return round(temperature, 2) if temperature > 0 else 0.0
 
 
 def check_verify_width(verify_width: int | None, drafter: Drafter) -> None:
@@ -155,8 +150,7 @@ class SpeculativeGenerator:
         tree.check_vocab(loaded.lm_head.weight.shape[0])
         report, unsized = None, tree
         if auto:
-            report = choose_tree(loaded, method, draft, tree, engine,
-                                 temperature=temperature_key(temperature))
+            report = choose_tree(loaded, method, draft, tree, engine, temperature=temperature)
             tree = sized_tree(tree, report)
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
         note_reach(drafter, asked_depth, asked_tokens)
