@@ -25,7 +25,15 @@ expected tokens/s (shape) = accepted per cycle / (draft + verify(W) + accept and
    there (the median of its runs) is chosen. The model ranks the candidates; its best
    dozen lay within 1-3% of each other on a 2-core CPU, and six calibrations there picked
    four different shapes, one of them 7-8% behind the best in a six-benchmark run.
-5. The chosen shape's break-even (`break_even` in the report; `--draft-gate`, gate.py): its
+5. Past the reference, where a wider verify costs little (a GPU with a small target: a
+   step there is launch-bound), the candidates also take trees of up to `WIDE_WIDTHS[-1]`
+   tokens at the reference's depth, and every shape is then drawn from a wider pool (beam
+   `WIDE_BEAM`, `WIDE_PRUNING` nodes a level): a bigger tree only adds its least likely
+   nodes, so it accepts more where its verify costs no more. They join when the verify at
+   the reference width costs at most `FLAT_VERIFY` plain steps here, and the calibration
+   then runs at the pool's own size, so every shape is still a subtree of its trees. (On
+   a 2-core CPU a 64-token verify costs ~2.5 plain steps: none join there.)
+6. The chosen shape's break-even (`break_even` in the report; `--draft-gate`, gate.py): its
    whole cycle in plain steps, from those runs (the phase timings above carry a sync per
    phase and overstate a small cycle: a chain of 2 was predicted at 1.45 plain steps on a
    2-core CPU and measured at 1.28-1.29). The drafter pays where its cycles emit more
@@ -58,6 +66,13 @@ from gumiho.tree import DraftTree
 log = logging.getLogger("gumiho")
 
 CANDIDATE_WIDTHS = (3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# Trees past the reference where a verify at its width is nearly free (5. above). The
+# shipped Gumiho over 32,768 draft tokens, six benchmarks x 3 questions (fp32, session 54):
+# mean tau 3.02 at the reference 64 tokens (beam 14, 35 a level), 3.18 at 128 (beam 32),
+# 3.32 at 256 (beam 32, 64 a level); docs/gpu.md, "Trees past the reference".
+WIDE_WIDTHS = (96, 128, 192, 256)
+WIDE_BEAM, WIDE_PRUNING = 32, 64
+FLAT_VERIFY = 1.5  # plain steps a reference-width verify may cost for them to be tried
 FINALISTS = 3  # the model's best shapes that run whole cycles before the choice
 WHOLE_CYCLE_TOKENS = 48  # the finalists' answers: tokens each (at most the calibration's)
 CALIBRATION_PROMPTS = (
@@ -179,9 +194,11 @@ def token_range(target: Target) -> tuple[int, int]:
 
 
 def candidate_shapes(method: str, reference: TreeConfig,
-                     widths: tuple[int, ...] = CANDIDATE_WIDTHS) -> list[Shape]:
+                     widths: tuple[int, ...] = CANDIDATE_WIDTHS, wide: tuple[int, ...] = ()
+                     ) -> list[Shape]:
     """Sizes up to the reference's; for the dynamic trees also every depth (from the
-    method's `auto_min_depth`, or the reference's own where it asks for less) and chains."""
+    method's `auto_min_depth`, or the reference's own where it asks for less), chains, and
+    the `wide` sizes past the reference at its depth (5. above)."""
     sizes = sorted({w for w in widths if w <= reference.total_tokens}
                    | {reference.total_tokens})
     low = method_spec(method).auto_min_depth
@@ -190,7 +207,27 @@ def candidate_shapes(method: str, reference: TreeConfig,
     low = min(low, reference.depth)  # `--depth 1` with auto: that depth's shapes
     depths = range(low, reference.depth + 1)
     return [Shape(w, d) for w in sizes for d in depths if w - 1 >= d] + \
-        [Shape(d + 1, d, chain=True) for d in depths]
+        [Shape(d + 1, d, chain=True) for d in depths] + \
+        [Shape(w, reference.depth) for w in wide if w > reference.total_tokens]
+
+
+def wide_pool(reference: TreeConfig) -> TreeConfig:
+    """The tree that calibrates a choice with sizes past the reference: the largest of
+    them, from a wider beam and more nodes a level (every smaller shape is the best
+    W - 1 nodes of it)."""
+    return replace(reference, total_tokens=max(WIDE_WIDTHS),
+                   top_k=max(reference.top_k, WIDE_BEAM),
+                   pruning=max(reference.pruning, WIDE_PRUNING))
+
+
+def time_widths(target: Target, shapes: list[Shape], engine: str, temperature: float
+                ) -> dict[int, float]:
+    """Seconds of a verify at every shape's width and at 1 (a plain step), in turns, the
+    fastest round of each (profiling.fastest_interleaved): on a shared machine a burst of
+    load once moved one width's median enough to change the pick."""
+    return fastest_interleaved(
+        {w: verify_step(target, w, 128, engine, temperature)
+         for w in sorted({1, *(s.total_tokens for s in shapes)})}, target.device, 21)
 
 
 def shape_drafter(model, method: str, tree: TreeConfig, engine: str):
@@ -288,7 +325,8 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # packed for MKL; 8: float32 ones through rowgemm.c; 9: verify widths timed in turns,
     # the fastest round each; 10: the proposals likewise; 11: with fused.py; 12: 3 tokens
     # and, for Gumiho, depth 1 among the candidates; 13: a depth-1 tree's fixed shape,
-    # greedy acceptance on the host on a CPU, the finalists' whole cycles); whether the
+    # greedy acceptance on the host on a CPU, the finalists' whole cycles; 14: trees past the
+    # reference where its verify is nearly free); whether the
     # target's layers are packed ($GUMIHO_PACK), whether rowgemm (with its AVX-512 blocks)
     # and rowamx built here ($GUMIHO_ROWGEMM, $GUMIHO_ROWGEMM512, $GUMIHO_ROWAMX) and
     # whether fused.py runs the target's decoder ($GUMIHO_FUSED), and rowlayer.c its steps
@@ -297,7 +335,7 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     fused = target._fused
     steps = None if fused is None else "rowlayer" if fused.rows is not None else "fused"
     keyed = temperature_key(temperature)  # greedy keys stay as they were before T > 0
-    key = json.dumps([13, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
+    key = json.dumps([14, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, rowgemm.identity(), rowamx.identity(),
                       target.config._attn_implementation]
@@ -360,21 +398,30 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
         log.warning("choosing the tree shape for this device (once per drafter and device%s;"
                     " about a minute on a CPU) ...",
                     f", and for T = {temperature:g}" if temperature else "")
+    verify = time_widths(target, shapes, engine, temperature)
+    flat = verify[reference.total_tokens] / verify[1]  # the reference's verify, plain steps
+    pool = reference  # every shape's tree is drawn from it: the calibration's
     drafter = load_drafter(method, target, draft, tree=reference, engine=engine)
+    if flat <= FLAT_VERIFY and method_spec(method).auto_min_depth is not None:
+        wider = shape_drafter(drafter.model, method, wide_pool(reference), engine)
+        wide = tuple(w for w in WIDE_WIDTHS  # sizes past the reference that its pool holds
+                     if reference.total_tokens < w <= wider.max_nodes)
+        if wide:
+            pool, drafter = wide_pool(reference), wider
+            log.warning("a %d-token verify costs %.2f plain steps here: trying trees of up "
+                        "to %d tokens too (beam %d, %d nodes a level)", reference.total_tokens,
+                        flat, max(wide), pool.top_k, pool.pruning)
+            shapes = candidate_shapes(method, reference, widths, wide)
+            verify = time_widths(target, shapes, engine, temperature)  # all widths in turns
     trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens, temperature)
     accept = accept_by_shape(trees, drafts, shapes)
-    # the widths in turns, the fastest round of each (profiling.fastest_interleaved): on a
-    # shared machine a burst of load once moved one width's median enough to change the pick
-    verify = fastest_interleaved(
-        {w: verify_step(target, w, 128, engine, temperature)
-         for w in sorted({1, *(s.total_tokens for s in shapes)})}, target.device, 21)
     ids = target.chat_ids(CALIBRATION_PROMPTS[0]) if target.tokenizer else list(range(8, 40))
     # the shapes' proposals in turns too, the fastest round each
-    calls = {shape: draft_step(target, drafter.model, method, shape.tree(reference), engine,
+    calls = {shape: draft_step(target, drafter.model, method, shape.tree(pool), engine,
                                ids) for shape in shapes}
-    own = Shape(reference.total_tokens, reference.depth)  # the calibration's shape
+    own = Shape(pool.total_tokens, pool.depth)  # the calibration's shape
     if own not in calls:
-        calls[own] = draft_step(target, drafter.model, method, reference, engine, ids)
+        calls[own] = draft_step(target, drafter.model, method, pool, engine, ids)
     cost = fastest_interleaved(calls, target.device, 11)
     if not fixed["draft_catchup"]:
         # Captured engines record a cycle's drafting, catch-up included, as one step
@@ -392,16 +439,17 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # chosen: its predictions for the top shapes lie within a few percent of each other
     # (the sums of phases timed apart), where whole cycles measure what the loop pays.
     finalists = sorted(rows, key=lambda name: -rows[name]["tokens_per_s"])[:FINALISTS]
+    base = replace(tree, top_k=pool.top_k, pruning=pool.pruning)  # the caller's, drawn as pool
     cycles = whole_cycles(target, drafter.model, method, {
         name: without_wrappers(Shape(rows[name]["total_tokens"], rows[name]["depth"],
-                                     rows[name]["chain"]).tree(tree)) for name in finalists},
+                                     rows[name]["chain"]).tree(base)) for name in finalists},
         engine, max_new_tokens=min(max_new_tokens, WHOLE_CYCLE_TOKENS),
         temperature=temperature)
     for name in finalists:
         rows[name]["measured_tokens_per_s"] = cycles[name]["tokens_per_s"]
     winner = max(finalists, key=lambda name: cycles[name]["tokens_per_s"])
     best = rows[winner]
-    chosen = Shape(best["total_tokens"], best["depth"], best["chain"]).tree(tree)
+    chosen = Shape(best["total_tokens"], best["depth"], best["chain"]).tree(base)
     plain = cycles["plain"]["cycle_s"]
     gate = cycles[winner]["cycle_s"] / plain if plain else 1.0
     report = {"tree": {k: getattr(chosen, k) for k in
@@ -410,6 +458,8 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
               "method": method, "draft": str(draft), "device": str(target.device),
               "temperature": temperature,
               "engine": engine, "plain_step_s": verify[1], "break_even": gate,
+              "reference_verify": flat, "pool": {k: getattr(pool, k) for k in
+                                                 ("total_tokens", "top_k", "pruning")},
               "cycles": len(trees), "chosen": winner,
               "fixed_s": fixed, "shapes": rows}
     if path is not None:

@@ -363,7 +363,8 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--total-tokens", type=total_tokens_arg,
                        help="verified tokens incl. the root (gumiho 64, eagle2 60, medusa 64), "
                        "or 'auto': time this device and the drafter and pick the fastest tree "
-                       "shape (size, depth, or a chain) within the reference (cached)")
+                       "shape (size, depth, or a chain) within the reference, or past it with "
+                       "a wider beam where a verify there costs little, e.g. a GPU (cached)")
     group.add_argument("--top-k", type=positive_int, help="beam width at serial levels (gumiho 14, "
                        "eagle2 10)")
     group.add_argument("--mlp-topk", type=positive_int,

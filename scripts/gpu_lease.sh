@@ -87,7 +87,7 @@
 # together) and `_s2`'s fetch again (3 s). `_heads` ran its 2,400 steps (62k tokens/s);
 # `_s2` 1,750 saved (42k). On this CPU at the reference tree `_s2` read tau 3.07 (3.17 by
 # the released formula), `_heads` 2.95, the shipped drafter 2.93: `_s2` was shipped.
-# Next lease (what is still open), calls back to back, ~820 s of the 900 with the start.
+# Next lease (what is still open), calls back to back, ~835 s of the 900 with the start.
 # Issue 11's suite on CUDA with the ninth lease's mends (the cuBLAS capture error's remedy,
 # graphs.capture_stream, has never run on a GPU); issue 12's 2x on a GPU (1.72x with the
 # drafter shipped before, a lookup chain beside it) with the drafter shipped since; and
@@ -105,14 +105,18 @@
 #        scripts/gpu_lease.sh suite (the 176 tests of docs/results/gpu_next_first.txt are
 #        among them; a worker whose GPU a failure leaves unusable now ends and is replaced);
 #        CAMPAIGN_METHODS=gumiho WAIT_LIMIT=$((545 - SECONDS)) bash scripts/gpu_lease.sh wait
-#   4  (~200 s) CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_s2 bash scripts/gpu_lease.sh fetch (it
+#   4  (~215 s) CAMPAIGN_METHODS=gumiho RUN_SUFFIX=_s2 bash scripts/gpu_lease.sh fetch (it
 #        stops the training: the testbed then has the GPU alone; 36 MB, one variant a call);
-#        then TESTBED_VOCAB=32768 GUMIHO_VARIANTS="--lookup 10" QEND=2 MAXNEW=128
-#        TESTBED_LIMIT=170 BENCHES="mt_bench humaneval gsm8k_like alpaca_like cnndm_like
-#        nq_like" bash scripts/gpu_lease.sh testbed (the shipped drafters, Gumiho's network
-#        over the 32,768 tokens it trained over). Since session 53 the lookup chain merges
-#        into the tree in 51 kernels, not 14 a slot (docs/gpu.md): the eighth lease read
-#        1.64x without the chain, 1.72x with it; the estimate with the cheaper merge ~1.81x.
+#        then TESTBED_VOCAB=32768 GUMIHO_VARIANTS="--lookup 10|--total-tokens 256 --top-k 32
+#        --pruning 64 --lookup 10" QEND=2 MAXNEW=128 TESTBED_LIMIT=185
+#        BENCHES="mt_bench humaneval gsm8k_like alpaca_like cnndm_like nq_like" bash
+#        scripts/gpu_lease.sh testbed (the shipped drafters, Gumiho's network over the
+#        32,768 tokens it trained over). Since session 53 the lookup chain merges into the
+#        tree in 51 kernels, not 14 a slot (docs/gpu.md): the eighth lease read 1.64x
+#        without the chain, 1.72x with it; the estimate with the cheaper merge ~1.81x. The
+#        second variant is a tree past the reference (session 54, docs/gpu.md, "Trees past
+#        the reference"): on this CPU its tau is 9% above the reference's with the chain
+#        (3.60 against 3.30), ~1.97x if its cycle costs what the reference's does.
 #   here: unpack; the reference tree's tau on this CPU (QEND=4 and 8, float32; 3.07 and
 #   3.02 for the drafter shipped 2026-11-30) and, if better, export over 8,192 and ship.
 #   Not in this plan: the compile engine's cycle at the 8B shape (issue 11's 1.3 plain

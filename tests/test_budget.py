@@ -107,6 +107,7 @@ def test_a_depth_one_gumiho_tree_drafts_level_one_alone(smollm2):
 @pytest.mark.parametrize("engine", ["eager", "static"])
 def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypatch, engine):
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "FLAT_VERIFY", 0.0)  # the tiny model's verify is nearly free
     target = load_target(tiny_target_dir)
     tree = TreeConfig.for_method("gumiho", total_tokens=8, top_k=3, mlp_topk=3, pruning=3,
                                  depth=4)  # (the shapes' count, and so the time, grows with it)
@@ -143,6 +144,53 @@ def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypat
 
     label = method_label({"method": "gumiho", "draft": "random", "auto_tree": report})
     assert label == f"gumiho (random, auto tree {chosen.total_tokens}, depth {chosen.depth})"
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_auto_tries_trees_past_the_reference_where_a_verify_is_nearly_free(
+        tiny_target_dir, tmp_path, monkeypatch, flat):
+    """Where the reference width's verify costs at most FLAT_VERIFY plain steps, the
+    candidates take sizes past the reference (those the wider pool holds) at its depth,
+    the calibration runs on that pool, and the chosen tree is drawn from it; elsewhere
+    nothing changes."""
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "FLAT_VERIFY", 1e9 if flat else 0.0)
+    monkeypatch.setattr(budget, "WIDE_WIDTHS", (12, 16, 400))
+    monkeypatch.setattr(budget, "WIDE_BEAM", 5)
+    monkeypatch.setattr(budget, "WIDE_PRUNING", 6)
+    calibrated = []
+    real_calibrate = budget.calibrate
+    monkeypatch.setattr(budget, "calibrate", lambda target, drafter, *args: (
+        calibrated.append(drafter) or real_calibrate(target, drafter, *args)))
+    target = load_target(tiny_target_dir)
+    tree = TreeConfig.for_method("gumiho", total_tokens=8, top_k=3, mlp_topk=3, pruning=3,
+                                 depth=4)
+    report = budget.choose_tree(target, "gumiho", "random", tree, "eager", max_new_tokens=8,
+                                widths=(4, 8))
+    sizes = {(row["total_tokens"], row["depth"]) for row in report["shapes"].values()}
+    [drafter] = calibrated
+    if flat:
+        # the pool: 2 serial levels of 5, then 2 MLP levels of 6 = 22 nodes; 400 is past it
+        assert drafter.max_nodes == 23 and (drafter.beam, drafter.pruning) == (5, 6)
+        assert {(12, 4), (16, 4)} <= sizes and max(w for w, _ in sizes) == 16
+        assert report["pool"] == {"total_tokens": 400, "top_k": 5, "pruning": 6}
+    else:
+        assert drafter.max_nodes == 8 and (drafter.beam, drafter.pruning) == (3, 3)
+        assert max(w for w, _ in sizes) == 8
+        assert report["pool"] == {"total_tokens": 8, "top_k": 3, "pruning": 3}
+
+    def drawn_from_the_pool(report):  # a chain keeps its beam of 1
+        chain = budget.chosen_row(report)[1]["chain"]
+        wanted = (1, 1) if chain else (5, 6) if flat else (3, 3)
+        return (report["tree"]["top_k"], report["tree"]["pruning"]) == wanted
+
+    assert drawn_from_the_pool(report) and report["reference_verify"] > 0
+    gen = SpeculativeGenerator.load(tiny_target_dir, "gumiho", "random", total_tokens="auto",
+                                    top_k=3, mlp_topk=3, pruning=3, depth=4)
+    chosen = gen.auto_report["tree"]  # (random weights are not cached: chosen again)
+    assert drawn_from_the_pool(gen.auto_report)
+    assert (gen.drafter.tree.top_k, gen.drafter.tree.pruning, gen.drafter.max_nodes) == \
+        (chosen["top_k"], chosen["pruning"], chosen["total_tokens"])  # runs what was chosen
 
 
 def test_auto_at_a_temperature_calibrates_and_times_at_it(tiny_target_dir, tmp_path,

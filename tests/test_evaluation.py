@@ -141,6 +141,13 @@ def test_tree_sizes_of_ones_own_get_rows_of_their_own(tmp_path):
     auto = {"method": "gumiho", "tree": {"total_tokens": 6, "depth": 2},
             "auto_tree": {"tree": {"total_tokens": 6, "depth": 2}}}
     assert speed.method_label(auto) == "gumiho (auto tree 6, depth 2)"
+    wide = {"total_tokens": 256, "depth": 7, "top_k": 32, "mlp_topk": 35, "pruning": 64}
+    assert speed.method_label({"method": "gumiho", "tree": wide}) == \
+        "gumiho (tree 256, depth 7, beam 32, 64 a level)"
+    assert speed.method_label({"method": "gumiho", "tree": wide, "auto_tree": {"tree": wide}}) \
+        == "gumiho (auto tree 256, depth 7, beam 32, 64 a level)"
+    assert speed.method_label({"method": "gumiho", "tree": {**wide, "top_k": 3, "pruning": 3}}
+                              ) == "gumiho (tree 256, depth 7)"  # narrower: its size says it
     assert speed.method_label({"method": "lookup", "tree": {"total_tokens": 2}}) == "lookup"
 
 

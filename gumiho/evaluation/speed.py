@@ -46,8 +46,9 @@ GROUP_KEYS = ("target", "draft", "draft_sha256", "max_new_tokens", "seed", "tree
 
 def method_label(settings: dict) -> str:
     """The method, plus what sets this run apart: a random drafter, a non-default FTA, a
-    tree size other than the reference's (auto's or the user's), a prompt-lookup chain
-    other than the method's own (beside a drafter's tree); or the run's own --label."""
+    tree size other than the reference's (auto's or the user's) or a wider pool, a
+    prompt-lookup chain other than the method's own (beside a drafter's tree); or the run's
+    own --label."""
     if settings.get("label"):
         return settings["label"]
     notes = ["random"] if settings.get("draft") == "random" else []
@@ -63,12 +64,14 @@ def method_label(settings: dict) -> str:
         chosen = settings["auto_tree"]["tree"]
         notes.append(f"auto tree {chosen['total_tokens']}" +
                      (f", depth {chosen['depth']}" if chosen.get("depth") is not None else ""))
+        notes += wider_than_reference(chosen, spec)
     elif spec is not None and spec.drafter and tree:  # a size of the user's own
         reference = TreeConfig.for_method(settings["method"])
         size = (tree.get("total_tokens", reference.total_tokens),
                 tree.get("depth", reference.depth))
         if size != (reference.total_tokens, reference.depth):
             notes.append(f"tree {size[0]}, depth {size[1]}")
+        notes += wider_than_reference(tree, spec)
     reference_lookup = spec.tree.get("lookup", 0) if spec is not None else 0
     if tree.get("lookup", reference_lookup) != reference_lookup:
         notes.append(f"lookup {tree['lookup']}")
@@ -84,6 +87,19 @@ def method_label(settings: dict) -> str:
     if tree.get("extend_confidence", 0) > tree.get("min_confidence", 0) and eager_floors:
         notes.append(f"extend {tree['extend_confidence']:g}")
     return settings["method"] + (f" ({', '.join(notes)})" if notes else "")
+
+
+def wider_than_reference(tree: dict, spec) -> list[str]:
+    """Notes for a tree drawn from a wider pool than its method's reference (a beam, or
+    nodes an MLP level, past the reference's, as budget.py's trees past the reference)."""
+    if spec is None:
+        return []
+    reference, notes = TreeConfig.for_method(spec.name), []
+    if "top_k" in spec.tree_flags and tree.get("top_k", 0) > reference.top_k:
+        notes.append(f"beam {tree['top_k']}")
+    if "pruning" in spec.tree_flags and tree.get("pruning", 0) > reference.pruning:
+        notes.append(f"{tree['pruning']} a level")
+    return notes
 
 
 def read_answers(paths: list[str], notes: list[str] | None = None) -> dict[tuple, dict]:
