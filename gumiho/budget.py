@@ -27,12 +27,12 @@ expected tokens/s (shape) = accepted per cycle / (draft + verify(W) + accept and
    four different shapes, one of them 7-8% behind the best in a six-benchmark run.
 5. Past the reference, where a wider verify costs little (a GPU with a small target: a
    step there is launch-bound), the candidates also take trees of up to `WIDE_WIDTHS[-1]`
-   tokens at the reference's depth, and every shape is then drawn from a wider pool (beam
-   `WIDE_BEAM`, `WIDE_PRUNING` nodes a level): a bigger tree only adds its least likely
-   nodes, so it accepts more where its verify costs no more. They join when the verify at
-   the reference width costs at most `FLAT_VERIFY` plain steps here, and the calibration
-   then runs at the pool's own size, so every shape is still a subtree of its trees. (On
-   a 2-core CPU a 64-token verify costs ~2.5 plain steps: none join there.)
+   tokens at each depth that can hold them, and every shape is then drawn from a wider
+   pool (beam `WIDE_BEAM`, `WIDE_PRUNING` nodes a level): a bigger tree only adds its
+   least likely nodes, so it accepts more where its verify costs no more. They join when
+   the verify at the reference width costs at most `FLAT_VERIFY` plain steps here, and the
+   calibration then runs at the pool's own size, so every shape is still a subtree of its
+   trees. (On a 2-core CPU a 64-token verify costs ~3 plain steps: none join there.)
 6. The chosen shape's break-even (`break_even` in the report; `--draft-gate`, gate.py): its
    whole cycle in plain steps, from those runs (the phase timings above carry a sync per
    phase and overstate a small cycle: a chain of 2 was predicted at 1.45 plain steps on a
@@ -193,22 +193,28 @@ def token_range(target: Target) -> tuple[int, int]:
     return (100, 1000) if vocab >= 1000 else (0, vocab)
 
 
+def shape_depths(method: str, reference: TreeConfig) -> range | None:
+    """The depths auto tries for a dynamic tree: from the method's `auto_min_depth` (or the
+    reference's own where it asks for less) to the reference's; None for a static tree,
+    which keeps its depth."""
+    low = method_spec(method).auto_min_depth
+    if low is None:
+        return None
+    return range(min(low, reference.depth), reference.depth + 1)  # `--depth 1`: that one
+
+
 def candidate_shapes(method: str, reference: TreeConfig,
-                     widths: tuple[int, ...] = CANDIDATE_WIDTHS, wide: tuple[int, ...] = ()
+                     widths: tuple[int, ...] = CANDIDATE_WIDTHS, wide: list[Shape] = ()
                      ) -> list[Shape]:
-    """Sizes up to the reference's; for the dynamic trees also every depth (from the
-    method's `auto_min_depth`, or the reference's own where it asks for less), chains, and
-    the `wide` sizes past the reference at its depth (5. above)."""
+    """Sizes up to the reference's; for the dynamic trees also every depth
+    (`shape_depths`), chains, and the `wide` shapes past the reference (5. above)."""
     sizes = sorted({w for w in widths if w <= reference.total_tokens}
                    | {reference.total_tokens})
-    low = method_spec(method).auto_min_depth
-    if low is None:  # a static tree keeps its depth
+    depths = shape_depths(method, reference)
+    if depths is None:
         return [Shape(w, reference.depth) for w in sizes]
-    low = min(low, reference.depth)  # `--depth 1` with auto: that depth's shapes
-    depths = range(low, reference.depth + 1)
     return [Shape(w, d) for w in sizes for d in depths if w - 1 >= d] + \
-        [Shape(d + 1, d, chain=True) for d in depths] + \
-        [Shape(w, reference.depth) for w in wide if w > reference.total_tokens]
+        [Shape(d + 1, d, chain=True) for d in depths] + list(wide)
 
 
 def wide_pool(reference: TreeConfig) -> TreeConfig:
@@ -218,6 +224,18 @@ def wide_pool(reference: TreeConfig) -> TreeConfig:
     return replace(reference, total_tokens=max(WIDE_WIDTHS),
                    top_k=max(reference.top_k, WIDE_BEAM),
                    pruning=max(reference.pruning, WIDE_PRUNING))
+
+
+def wide_shapes(method: str, reference: TreeConfig, model, engine: str) -> list[Shape]:
+    """The sizes past the reference (`WIDE_WIDTHS`) at each depth auto tries, as far as
+    the wider pool holds nodes down to that depth (a depth-3 Gumiho pool of beam 32 and 64
+    a level holds 128)."""
+    pool, shapes = wide_pool(reference), []
+    for depth in shape_depths(method, reference) or ():
+        holds = shape_drafter(model, method, replace(pool, depth=depth), engine).max_nodes
+        shapes += [Shape(w, depth) for w in WIDE_WIDTHS
+                   if reference.total_tokens < w <= holds]
+    return shapes
 
 
 def time_widths(target: Target, shapes: list[Shape], engine: str, temperature: float
@@ -402,17 +420,16 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     flat = verify[reference.total_tokens] / verify[1]  # the reference's verify, plain steps
     pool = reference  # every shape's tree is drawn from it: the calibration's
     drafter = load_drafter(method, target, draft, tree=reference, engine=engine)
-    if flat <= FLAT_VERIFY and method_spec(method).auto_min_depth is not None:
-        wider = shape_drafter(drafter.model, method, wide_pool(reference), engine)
-        wide = tuple(w for w in WIDE_WIDTHS  # sizes past the reference that its pool holds
-                     if reference.total_tokens < w <= wider.max_nodes)
-        if wide:
-            pool, drafter = wide_pool(reference), wider
-            log.warning("a %d-token verify costs %.2f plain steps here: trying trees of up "
-                        "to %d tokens too (beam %d, %d nodes a level)", reference.total_tokens,
-                        flat, max(wide), pool.top_k, pool.pruning)
-            shapes = candidate_shapes(method, reference, widths, wide)
-            verify = time_widths(target, shapes, engine, temperature)  # all widths in turns
+    wide = wide_shapes(method, reference, drafter.model, engine) if flat <= FLAT_VERIFY \
+        else []
+    if wide:
+        pool = wide_pool(reference)
+        drafter = shape_drafter(drafter.model, method, pool, engine)
+        log.warning("a %d-token verify costs %.2f plain steps here: trying trees of up to %d "
+                    "tokens too (beam %d, %d nodes a level)", reference.total_tokens, flat,
+                    max(s.total_tokens for s in wide), pool.top_k, pool.pruning)
+        shapes = candidate_shapes(method, reference, widths, wide)
+        verify = time_widths(target, shapes, engine, temperature)  # all widths in turns
     trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens, temperature)
     accept = accept_by_shape(trees, drafts, shapes)
     ids = target.chat_ids(CALIBRATION_PROMPTS[0]) if target.tokenizer else list(range(8, 40))
