@@ -116,7 +116,8 @@
 #        without the chain, 1.72x with it; the estimate with the cheaper merge ~1.81x. The
 #        second variant is a tree past the reference (session 54, docs/gpu.md, "Trees past
 #        the reference"): on this CPU its tau is 9% above the reference's with the chain
-#        (3.60 against 3.30), ~1.97x if its cycle costs what the reference's does.
+#        (3.60 against 3.30), ~1.97x if its cycle costs what the reference's does (its
+#        kernels, counted here on the GPU's paths: 1,789 a cycle against 1,749).
 #   here: unpack; the reference tree's tau on this CPU (QEND=4 and 8, float32; 3.07 and
 #   3.02 for the drafter shipped 2026-11-30) and, if better, export over 8,192 and ship.
 #   Not in this plan: the compile engine's cycle at the 8B shape (issue 11's 1.3 plain
