@@ -150,7 +150,7 @@ def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypat
 def test_auto_tries_trees_past_the_reference_where_a_verify_is_nearly_free(
         tiny_target_dir, tmp_path, monkeypatch, flat):
     """Where the reference width's verify costs at most FLAT_VERIFY plain steps, the
-    candidates take sizes past the reference (those the wider pool holds) at its depth,
+    candidates take sizes past the reference at each depth whose wider pool holds them,
     the calibration runs on that pool, and the chosen tree is drawn from it; elsewhere
     nothing changes."""
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
