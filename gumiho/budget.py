@@ -28,7 +28,8 @@ expected tokens/s (shape) = accepted per cycle / (draft + verify(W) + accept and
 5. Past the reference, where a wider verify costs little (a GPU with a small target: a
    step there is launch-bound), the candidates also take trees of up to `WIDE_WIDTHS[-1]`
    tokens at each depth that can hold them, and every shape is then drawn from a wider
-   pool (beam `WIDE_BEAM`, `WIDE_PRUNING` nodes a level): a bigger tree only adds its
+   pool (beam `WIDE_BEAM`, `WIDE_PRUNING` nodes a level; Medusa's static tree, built best
+   first, only grows): a bigger tree only adds its
    least likely nodes, so it accepts more where its verify costs no more. They join when
    the verify at the reference width costs at most `FLAT_VERIFY` plain steps here, and the
    calibration then runs at the pool's own size, so every shape is still a subtree of its
@@ -212,26 +213,28 @@ def candidate_shapes(method: str, reference: TreeConfig,
                    | {reference.total_tokens})
     depths = shape_depths(method, reference)
     if depths is None:
-        return [Shape(w, reference.depth) for w in sizes]
+        return [Shape(w, reference.depth) for w in sizes] + list(wide)
     return [Shape(w, d) for w in sizes for d in depths if w - 1 >= d] + \
         [Shape(d + 1, d, chain=True) for d in depths] + list(wide)
 
 
-def wide_pool(reference: TreeConfig) -> TreeConfig:
+def wide_pool(method: str, reference: TreeConfig) -> TreeConfig:
     """The tree that calibrates a choice with sizes past the reference: the largest of
-    them, from a wider beam and more nodes a level (every smaller shape is the best
-    W - 1 nodes of it)."""
-    return replace(reference, total_tokens=max(WIDE_WIDTHS),
-                   top_k=max(reference.top_k, WIDE_BEAM),
+    them, for a dynamic tree from a wider beam and more nodes a level (every smaller shape
+    is the best W - 1 nodes of it; a static tree, built best first, only grows)."""
+    wider = replace(reference, total_tokens=max(WIDE_WIDTHS))
+    if shape_depths(method, reference) is None:
+        return wider
+    return replace(wider, top_k=max(reference.top_k, WIDE_BEAM),
                    pruning=max(reference.pruning, WIDE_PRUNING))
 
 
 def wide_shapes(method: str, reference: TreeConfig, model, engine: str) -> list[Shape]:
-    """The sizes past the reference (`WIDE_WIDTHS`) at each depth auto tries, as far as
-    the wider pool holds nodes down to that depth (a depth-3 Gumiho pool of beam 32 and 64
-    a level holds 128)."""
-    pool, shapes = wide_pool(reference), []
-    for depth in shape_depths(method, reference) or ():
+    """The sizes past the reference (`WIDE_WIDTHS`) at each depth auto tries (a static
+    tree: its own), as far as the wider pool holds nodes down to that depth (a depth-3
+    Gumiho pool of beam 32 and 64 a level holds 128)."""
+    pool, shapes = wide_pool(method, reference), []
+    for depth in shape_depths(method, reference) or (reference.depth,):
         holds = shape_drafter(model, method, replace(pool, depth=depth), engine).max_nodes
         shapes += [Shape(w, depth) for w in WIDE_WIDTHS
                    if reference.total_tokens < w <= holds]
@@ -423,11 +426,13 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     wide = wide_shapes(method, reference, drafter.model, engine) if flat <= FLAT_VERIFY \
         else []
     if wide:
-        pool = wide_pool(reference)
+        pool = wide_pool(method, reference)
         drafter = shape_drafter(drafter.model, method, pool, engine)
         log.warning("a %d-token verify costs %.2f plain steps here: trying trees of up to %d "
-                    "tokens too (beam %d, %d nodes a level)", reference.total_tokens, flat,
-                    max(s.total_tokens for s in wide), pool.top_k, pool.pruning)
+                    "tokens too%s", reference.total_tokens, flat,
+                    max(s.total_tokens for s in wide),
+                    "" if shape_depths(method, reference) is None else
+                    f" (beam {pool.top_k}, {pool.pruning} nodes a level)")
         shapes = candidate_shapes(method, reference, widths, wide)
         verify = time_widths(target, shapes, engine, temperature)  # all widths in turns
     trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens, temperature)

@@ -194,6 +194,24 @@ def test_auto_tries_trees_past_the_reference_where_a_verify_is_nearly_free(
         (chosen["top_k"], chosen["pruning"], chosen["total_tokens"])  # runs what was chosen
 
 
+def test_auto_grows_a_static_tree_past_the_reference_where_a_verify_is_nearly_free(
+        tiny_target_dir, tmp_path, monkeypatch):
+    """Medusa's static tree, built best first, takes the sizes past the reference at its
+    own depth, and nothing else about it changes."""
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "FLAT_VERIFY", 1e9)
+    monkeypatch.setattr(budget, "WIDE_WIDTHS", (12, 16))
+    target = load_target(tiny_target_dir)
+    tree = TreeConfig.for_method("medusa", total_tokens=8)
+    report = budget.choose_tree(target, "medusa", "random", tree, "eager", max_new_tokens=8,
+                                widths=(4, 8))
+    sizes = {(row["total_tokens"], row["depth"]) for row in report["shapes"].values()}
+    assert sizes == {(w, tree.depth) for w in (4, 8, 12, 16)}
+    assert report["pool"] == {"total_tokens": 16, "top_k": tree.top_k, "pruning": tree.pruning}
+    assert {k: report["tree"][k] for k in ("top_k", "mlp_topk", "pruning")} == \
+        {"top_k": tree.top_k, "mlp_topk": tree.mlp_topk, "pruning": tree.pruning}
+
+
 def test_auto_at_a_temperature_calibrates_and_times_at_it(tiny_target_dir, tmp_path,
                                                          monkeypatch):
     """At T > 0 the acceptance by shape comes from sampled cycles, the finalists run sampled
