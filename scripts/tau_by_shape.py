@@ -3,8 +3,9 @@
 tau depends on the drafter, the target and the tree, not on the device's speed, so it can
 be measured here for shapes that would only pay on another device (trees past the
 reference, which a GPU verifies for about the cost of a plain step: budget.py, 5.). Each
-shape is a comma-separated list of tree settings (`gumiho generate`'s flags without the
-dashes, `_` for `-`); every shape answers the same first turns.
+shape is a comma-separated list of tree settings (`gumiho generate`'s tree flags without
+the dashes, `_` for `-`, `key=value` or a flag alone: `lookup_first`), read by that
+command's own parser; every shape answers the same first turns.
 
     python scripts/tau_by_shape.py --draft DIR --questions 3 total_tokens=64 \\
         total_tokens=192,top_k=32,pruning=48
@@ -24,21 +25,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from gumiho.errors import GumihoError
 from gumiho.evaluation.benchmarks import BENCHMARKS, load_questions
-from gumiho.generate import SpeculativeGenerator
+from gumiho.generate import SpeculativeGenerator, add_tree_args, tree_options
 from gumiho.target import load_target
-
-TEXT_SETTINGS = ("fta",)
 
 
 def parse_shape(shape: str) -> dict:
-    """'total_tokens=128,top_k=32' -> {'total_tokens': 128, 'top_k': 32}."""
-    settings = {}
+    """'total_tokens=128,top_k=32' -> the tree options that `gumiho generate`'s
+    `--total-tokens 128 --top-k 32` give, through its own parser (types, bounds, 'auto'); a
+    part without '=' is a flag alone (`lookup_first`)."""
+    argv = []
     for part in filter(None, shape.split(",")):
         key, sep, value = part.partition("=")
-        if not sep:
-            raise GumihoError(f"a shape is key=value pairs joined by commas, got {part!r}")
-        settings[key] = value if key in TEXT_SETTINGS else int(value)
-    return settings
+        argv += [f"--{key.replace('_', '-')}", *([value] if sep else [])]
+    parser = argparse.ArgumentParser(prog=f"shape {shape!r}:", exit_on_error=False)
+    add_tree_args(parser)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        raise GumihoError(f"shape {shape!r}: {exc}") from None
+    if unknown:
+        raise GumihoError(f"shape {shape!r}: not a tree setting: {' '.join(unknown)}")
+    return {k: v for k, v in tree_options(args).items() if v is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
