@@ -153,6 +153,8 @@ class SpeculativeGenerator:
             report = choose_tree(loaded, method, draft, tree, engine, temperature=temperature)
             tree = sized_tree(tree, report)
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
+        if auto and asked_depth is not None and tree.depth < asked_depth:
+            asked_depth = None  # auto chose a shallower tree: the drafter may reach further
         note_reach(drafter, asked_depth, asked_tokens)
         check_verify_width(verify_width, drafter)
         gen = cls(loaded, drafter, verify_width, engine)
