@@ -120,6 +120,10 @@
 #        kernels, counted here on the GPU's paths: 1,789 a cycle against 1,749).
 #   here: unpack; the reference tree's tau on this CPU (QEND=4 and 8, float32; 3.07 and
 #   3.02 for the drafter shipped 2026-11-30) and, if better, export over 8,192 and ship.
+#   Call 4's testbed was tried on a CPU in session 55 (LEASE_ROOT=/tmp/lease DEVICE=cpu,
+#   SmolLM2's GGUF and ShareGPT linked under $LEASE_ROOT/site, QEND=1 MAXNEW=24 BENCHES=
+#   "mt_bench cnndm_like", the two GUMIHO_VARIANTS above): the export over 32,768, every
+#   method and both variants ran through (4 min), every answer identical to plain.
 #   Not in this plan: the compile engine's cycle at the 8B shape (issue 11's 1.3 plain
 #   steps, whose floor by arithmetic at the 64-token tree is 1.36; docs/gpu.md):
 #   CYCLE_METHODS=gumiho CYCLE_DRAFT_VOCAB=0 CYCLE_TAG=_compile CYCLE_ARGS="--engine compile
