@@ -40,9 +40,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from gumiho import rowgemm
+from gumiho.config import SDPA_GQA, SDPA_INVARIANT
 from gumiho.tree import walk_ancestors
-
-SDPA_GQA = "sdpa_gqa"
 
 
 def grouped_sdpa_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -103,7 +102,6 @@ def use_grouped_sdpa(model: torch.nn.Module) -> None:
         model.set_attn_implementation(SDPA_GQA)
 
 
-SDPA_INVARIANT = "sdpa_invariant"
 INVARIANT_MAX_QUERIES = 96  # longer calls (a prompt's prefill) take the grouped sdpa
 INVARIANT_BUCKET = 64  # a row attends over its visible keys padded to a multiple of this
 

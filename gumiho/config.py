@@ -12,6 +12,10 @@ from gumiho.errors import GumihoError
 from gumiho.methods import BY_NAME, DRAFTER_METHODS, drafter_spec, method_spec
 
 FTA_MODES = ("off", "official", "exact")
+# The attention implementations attention.py registers with transformers, by the names a
+# model's config and every answer file record (here, so that reading those needs no torch)
+SDPA_GQA = "sdpa_gqa"
+SDPA_INVARIANT = "sdpa_invariant"
 MAX_TREE_SETTING = 1024  # sanity bound on any tree size or width (memory grows with it)
 
 

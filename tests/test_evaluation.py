@@ -237,6 +237,21 @@ def test_answer_file_resume_drops_half_line(tmp_path):
     assert path.read_text().startswith(first)  # reading changes nothing
 
 
+def test_the_report_reads_answers_without_torch():
+    """`python -m gumiho.evaluation.speed` only reads answer files: importing torch and
+    transformers for it cost ~11 s a report on a 2-core CPU (an evaluation writes one per
+    run). Its modules import neither."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gumiho.evaluation.speed; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
+
+
 def test_small_end_to_end_evaluation(smollm2, tmp_path):
     files = []
     shipped = "gumiho/assets/smollm2/gumiho"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gumiho.attention import SDPA_GQA
+from gumiho.config import SDPA_GQA
 from gumiho.evaluation.benchmarks import LABELS
 
 
