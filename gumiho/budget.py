@@ -205,17 +205,32 @@ def shape_depths(method: str, reference: TreeConfig) -> range | None:
 
 
 def candidate_shapes(method: str, reference: TreeConfig,
-                     widths: tuple[int, ...] = CANDIDATE_WIDTHS, wide: list[Shape] = ()
-                     ) -> list[Shape]:
+                     widths: tuple[int, ...] = CANDIDATE_WIDTHS, wide: list[Shape] = (),
+                     holds: dict[int, int] | None = None) -> list[Shape]:
     """Sizes up to the reference's; for the dynamic trees also every depth
-    (`shape_depths`), chains, and the `wide` shapes past the reference (5. above)."""
+    (`shape_depths`), chains, and the `wide` shapes past the reference (5. above). With
+    `holds` (`capacities`), a size past what the tree holds down to a depth is that many:
+    the same tree, named for what it verifies."""
     sizes = sorted({w for w in widths if w <= reference.total_tokens}
                    | {reference.total_tokens})
     depths = shape_depths(method, reference)
+
+    def fitted(width: int, depth: int) -> Shape:
+        return Shape(width if holds is None else min(width, holds[depth]), depth)
+
     if depths is None:
-        return [Shape(w, reference.depth) for w in sizes] + list(wide)
-    return [Shape(w, d) for w in sizes for d in depths if w - 1 >= d] + \
-        [Shape(d + 1, d, chain=True) for d in depths] + list(wide)
+        shapes = [fitted(w, reference.depth) for w in sizes] + list(wide)
+    else:
+        shapes = [fitted(w, d) for w in sizes for d in depths if w - 1 >= d] + \
+            [Shape(d + 1, d, chain=True) for d in depths] + list(wide)
+    return list(dict.fromkeys(shapes))  # each tree once
+
+
+def capacities(model, method: str, pool: TreeConfig, engine: str) -> dict[int, int]:
+    """The most tokens (root included) a tree drawn from `pool` holds down to each depth
+    auto tries (a static tree: its own)."""
+    return {depth: shape_drafter(model, method, replace(pool, depth=depth), engine).max_nodes
+            for depth in shape_depths(method, pool) or (pool.depth,)}
 
 
 def wide_pool(method: str, reference: TreeConfig) -> TreeConfig:
@@ -408,7 +423,10 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
             log.warning("ignoring an unreadable cached tree shape %s", path)
     # Calibrate on the plain dynamic tree: its subtrees are what smaller shapes give.
     reference = replace(without_wrappers(tree), fta="off")
-    shapes = candidate_shapes(method, reference, widths)
+    drafter = load_drafter(method, target, draft, tree=reference, engine=engine)
+    holds = capacities(drafter.model, method, reference, engine)
+    shapes = candidate_shapes(method, reference, widths, holds=holds)
+    own_width = min(reference.total_tokens, holds[reference.depth])  # what it verifies
     if engine == "compile":  # every shape and width is a step of its own to compile
         steps = len(shapes) + len({1, *(s.total_tokens for s in shapes)})
         log.warning("choosing the tree shape for this device (once per drafter, device and "
@@ -420,20 +438,20 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
                     " about a minute on a CPU) ...",
                     f", and for T = {temperature:g}" if temperature else "")
     verify = time_widths(target, shapes, engine, temperature)
-    flat = verify[reference.total_tokens] / verify[1]  # the reference's verify, plain steps
+    flat = verify[own_width] / verify[1]  # the reference's verify, plain steps
     pool = reference  # every shape's tree is drawn from it: the calibration's
-    drafter = load_drafter(method, target, draft, tree=reference, engine=engine)
     wide = wide_shapes(method, reference, drafter.model, engine) if flat <= FLAT_VERIFY \
         else []
     if wide:
         pool = wide_pool(method, reference)
         drafter = shape_drafter(drafter.model, method, pool, engine)
         log.warning("a %d-token verify costs %.2f plain steps here: trying trees of up to %d "
-                    "tokens too%s", reference.total_tokens, flat,
+                    "tokens too%s", own_width, flat,
                     max(s.total_tokens for s in wide),
                     "" if shape_depths(method, reference) is None else
                     f" (beam {pool.top_k}, {pool.pruning} nodes a level)")
-        shapes = candidate_shapes(method, reference, widths, wide)
+        shapes = candidate_shapes(method, reference, widths, wide,
+                                  holds=capacities(drafter.model, method, pool, engine))
         verify = time_widths(target, shapes, engine, temperature)  # all widths in turns
     trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens, temperature)
     accept = accept_by_shape(trees, drafts, shapes)

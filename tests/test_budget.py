@@ -118,8 +118,11 @@ def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypat
     fixed = report["fixed_s"]
     assert 0 < fixed["draft_catchup"] < fixed["draft"]
     shapes = report["shapes"]
+    # a size past what the tree holds at a depth (1 + 3 a level) is named for what it holds:
+    # 8 tokens to depth 1 are its 4, to depth 2 its 7
+    holds = {d: 1 + 3 * d for d in range(1, 5)}
     assert {(r["total_tokens"], r["depth"], r["chain"]) for r in shapes.values()} == \
-        {(w, d, False) for w in (4, 8) for d in range(1, 5) if w - 1 >= d} | \
+        {(min(w, holds[d]), d, False) for w in (4, 8) for d in range(1, 5) if w - 1 >= d} | \
         {(d + 1, d, True) for d in range(1, 5)}
     for row in shapes.values():
         assert row["accept"] >= 1 and row["cycle_s"] > 0
@@ -193,6 +196,11 @@ def test_auto_tries_trees_past_the_reference_where_a_verify_is_nearly_free(
                                     top_k=3, mlp_topk=3, pruning=3, depth=4)
     chosen = gen.auto_report["tree"]  # (random weights are not cached: chosen again)
     assert gen.auto_report["pool"] == {"total_tokens": 64, "top_k": 3, "pruning": 3}
+    # and at each depth no size past what that tree holds (its 64 tokens hold 2 levels of
+    # 3, then 2 of 3: 13 with the root), so a shape's name is what it verifies
+    holds = {d: 1 + 3 * min(d, 4) for d in range(1, 5)}
+    assert all(row["total_tokens"] <= holds[row["depth"]]
+               for row in gen.auto_report["shapes"].values())
     assert drawn_from_its_pool(gen.auto_report)
     if chosen["depth"] < 4:  # auto's own pick, not a network short of the asked depth
         assert "past what this drafter drafts" not in caplog.text
