@@ -244,16 +244,12 @@ def wide_pool(method: str, reference: TreeConfig) -> TreeConfig:
                    pruning=max(reference.pruning, WIDE_PRUNING))
 
 
-def wide_shapes(method: str, reference: TreeConfig, model, engine: str) -> list[Shape]:
+def wide_shapes(reference: TreeConfig, holds: dict[int, int]) -> list[Shape]:
     """The sizes past the reference (`WIDE_WIDTHS`) at each depth auto tries (a static
-    tree: its own), as far as the wider pool holds nodes down to that depth (a depth-3
-    Gumiho pool of beam 32 and 64 a level holds 128)."""
-    pool, shapes = wide_pool(method, reference), []
-    for depth in shape_depths(method, reference) or (reference.depth,):
-        holds = shape_drafter(model, method, replace(pool, depth=depth), engine).max_nodes
-        shapes += [Shape(w, depth) for w in WIDE_WIDTHS
-                   if reference.total_tokens < w <= holds]
-    return shapes
+    tree: its own), as far as the wider pool holds nodes down to that depth (`holds`, its
+    `capacities`: a depth-3 Gumiho pool of beam 32 and 64 a level holds 128)."""
+    return [Shape(w, depth) for depth, most in holds.items() for w in WIDE_WIDTHS
+            if reference.total_tokens < w <= most]
 
 
 def time_widths(target: Target, shapes: list[Shape], engine: str, temperature: float
@@ -426,7 +422,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     drafter = load_drafter(method, target, draft, tree=reference, engine=engine)
     holds = capacities(drafter.model, method, reference, engine)
     shapes = candidate_shapes(method, reference, widths, holds=holds)
-    own_width = min(reference.total_tokens, holds[reference.depth])  # what it verifies
+    own_width = holds[reference.depth]  # what the reference verifies
     if engine == "compile":  # every shape and width is a step of its own to compile
         steps = len(shapes) + len({1, *(s.total_tokens for s in shapes)})
         log.warning("choosing the tree shape for this device (once per drafter, device and "
@@ -440,8 +436,10 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     verify = time_widths(target, shapes, engine, temperature)
     flat = verify[own_width] / verify[1]  # the reference's verify, plain steps
     pool = reference  # every shape's tree is drawn from it: the calibration's
-    wide = wide_shapes(method, reference, drafter.model, engine) if flat <= FLAT_VERIFY \
-        else []
+    wide = []
+    if flat <= FLAT_VERIFY:
+        wide_holds = capacities(drafter.model, method, wide_pool(method, reference), engine)
+        wide = wide_shapes(reference, wide_holds)
     if wide:
         pool = wide_pool(method, reference)
         drafter = shape_drafter(drafter.model, method, pool, engine)
@@ -450,8 +448,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
                     max(s.total_tokens for s in wide),
                     "" if shape_depths(method, reference) is None else
                     f" (beam {pool.top_k}, {pool.pruning} nodes a level)")
-        shapes = candidate_shapes(method, reference, widths, wide,
-                                  holds=capacities(drafter.model, method, pool, engine))
+        shapes = candidate_shapes(method, reference, widths, wide, holds=wide_holds)
         verify = time_widths(target, shapes, engine, temperature)  # all widths in turns
     trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens, temperature)
     accept = accept_by_shape(trees, drafts, shapes)

@@ -198,7 +198,7 @@ def test_auto_tries_trees_past_the_reference_where_a_verify_is_nearly_free(
     assert gen.auto_report["pool"] == {"total_tokens": 64, "top_k": 3, "pruning": 3}
     # and at each depth no size past what that tree holds (its 64 tokens hold 2 levels of
     # 3, then 2 of 3: 13 with the root), so a shape's name is what it verifies
-    holds = {d: 1 + 3 * min(d, 4) for d in range(1, 5)}
+    holds = {d: 1 + 3 * d for d in range(1, 5)}
     assert all(row["total_tokens"] <= holds[row["depth"]]
                for row in gen.auto_report["shapes"].values())
     assert drawn_from_its_pool(gen.auto_report)
