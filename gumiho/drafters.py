@@ -73,7 +73,8 @@ class MedusaDrafter:
 
     def begin(self, target, capacity: int) -> None:
         if getattr(self, "head_target", None) is not target:  # once per target
-            self.head, self.head_target = DraftHead.for_model(target, self.model), target
+            self.head = DraftHead.for_model(target, self.model, drafting=True)
+            self.head_target = target
         device = target.device
         self.shape = DraftTree(*(getattr(self.shape, f).to(device) for f in
                                  ("tokens", "parents", "depths", "mask")),

@@ -353,6 +353,25 @@ def narrowed(weight: Tensor) -> Tensor | None:
     return None
 
 
+def drafting_copy(weight: Tensor, bias: Tensor | None = None) -> Prepared | None:
+    """A float32 CPU weight prepared from 16 bits, for products that propose rather than
+    decide (a drafter's vocabulary head, whose tokens the target verifies): its exact 16-bit
+    form where `narrowed` finds one, else its values rounded to float16 where they all lie
+    in float16's range (11 significant bits), else to bfloat16. Half the bytes to read, so
+    about half the time of a product that memory bounds; the results differ from the
+    float32 product's in the last bits (a drafter's top-k at a near-tie may differ, never
+    the output). None where `linear` cannot take the weight."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu" \
+            or kernel() is None:
+        return None
+    weight = weight.detach()
+    short = narrowed(weight)
+    if short is None:
+        fits = weight.numel() == 0 or float(weight.abs().amax()) < 65504  # (NaN: False)
+        short = weight.to(torch.float16 if fits else torch.bfloat16)
+    return Prepared(short, bias)
+
+
 def attends(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> bool:
     """Whether `attention` runs this call: one dtype (float32, bfloat16 or float16) on the
     CPU, one sequence, a bool mask, every tensor's last dim contiguous, no gradient wanted,

@@ -116,7 +116,8 @@ class SerialDrafter:
 
     def begin(self, target, capacity: int) -> None:
         if getattr(self, "head_target", None) is not target:  # once per target
-            self.head, self.head_target = DraftHead.for_model(target, self.model), target
+            self.head = DraftHead.for_model(target, self.model, drafting=True)
+            self.head_target = target
         if not (self.draft_depth == 1 and self.star_trees):
             self.star = None
         elif self.star is None or self.star.inf.device != target.device:

@@ -2,7 +2,7 @@
 verify steps by width, then whole greedy answers, plain and with a drafter, with the
 row-invariant attention both sides.
 
-    python scripts/cpu_ab.py [--switch rowamx|fused|wide|rowlayer|lean|tiles]
+    python scripts/cpu_ab.py [--switch rowamx|fused|wide|rowlayer|lean|tiles|head16]
                              [--dtype bfloat16|float32]
                              [--widths 1,8,16,64] [--rounds 3] [--new-tokens 96]
                              [--method gumiho] [--total-tokens 8] [--depth 2]
@@ -22,7 +22,10 @@ in Python, sampling.match_on_host) against the general selection and match_picks
 since aa2d97a), the same trees and tokens; --switch tiles (bf16 on an AMX CPU):
 rowattention.c's bf16 attention on AMX tiles (rowamx.c) against its FMAs (`GUMIHO_ROWATTN_AMX=0`;
 they round otherwise, so the answers may part at near-ties, each side's plain and
-speculative ones still equal). Loads SmolLM2 and the shipped drafter twice, once as
+speculative ones still equal); --switch head16 (float32): the drafter's vocabulary head
+from its 16-bit copy (`rowgemm.drafting_copy`) against its float32 weight, the target's
+side untouched (each side's answers equal plain decoding's; their drafts may part at a
+near-tie of the head's logits). Loads SmolLM2 and the shipped drafter twice, once as
 `load_target` leaves them and once with the path switched off (wide, lean and tiles: once,
 switched before each use). The prompts: the demo's and the first questions of --bench
 (mt_bench; cnndm_like for long ones). Per round: each width's verify step on the copies
@@ -98,7 +101,7 @@ def loaded(method: str, tree: TreeConfig, dtype: str, fused: bool = True):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--switch", choices=("rowamx", "fused", "wide", "rowlayer", "lean",
-                                             "tiles"),
+                                             "tiles", "head16"),
                         default="rowamx")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--widths", default="1,8,16,64")
@@ -146,11 +149,19 @@ def main(argv: list[str] | None = None) -> int:
         copies = dict.fromkeys(("AVX-512", "AVX2"), loaded(args.method, tree, args.dtype))
     elif args.switch == "tiles":
         copies = dict.fromkeys(("AMX tiles", "FMAs"), loaded(args.method, tree, args.dtype))
-    elif args.switch == "lean":  # one copy, switched before each use (as wide)
-        copies = dict.fromkeys(("lean", "general"), loaded(args.method, tree, args.dtype))
-        serial = copies["lean"][1]
+    elif args.switch in ("lean", "head16"):  # one copy, switched before each use (as wide)
+        names = ("lean", "general") if args.switch == "lean" else ("16-bit head", "float32")
+        copies = dict.fromkeys(names, loaded(args.method, tree, args.dtype))
+        serial = copies[names[0]][1]
         while hasattr(serial, "inner"):  # a lookup chain or a gate around it
             serial = serial.inner
+        if args.switch == "head16":
+            t = copies[names[0]][0]
+            run(t, serial, t.chat_ids(PROMPT), GenerateConfig(max_new_tokens=2))  # its head
+            short = serial.head.short
+            if short is None:
+                raise SystemExit("error: the drafter's head keeps no 16-bit copy here (a "
+                                 "float32 target on a CPU with rowgemm.c has one)")
     else:
         copies = {"fused": loaded(args.method, tree, args.dtype),
                   "transformers": loaded(args.method, tree, args.dtype, fused=False)}
@@ -171,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             rowgemm.set_tiled_attention(name == "AMX tiles")
         elif args.switch == "lean":  # a generation's `begin` makes the star or drops it
             loop.HOST_MATCH = serial.star_trees = name == "lean"
+        elif args.switch == "head16":
+            serial.head.short = short if name == "16-bit head" else None
         return copies[name]
 
     for name in copies:  # warm-up

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from gumiho import rowgemm
 from gumiho.checkpoint import load_drafter_model, save_drafter
 from gumiho.config import TreeConfig
 from gumiho.drafters import MedusaDrafter, random_drafter_model
@@ -66,6 +67,46 @@ def test_draft_head_is_the_lm_heads_rows(smollm2):
     assert head.to_target(torch.tensor([0, 4])).tolist() == [3, 49151]
     draft, inside = head.to_draft(torch.tensor([17, 18, 49151]))
     assert draft[inside].tolist() == [1, 4] and inside.tolist() == [True, False, True]
+
+
+def test_a_drafting_head_computes_from_16_bits(smollm2):
+    """A generation's head over a float32 CPU weight keeps a 16-bit copy and computes its
+    logits from it: exactly the float32 product of the rounded weight (half the bytes a
+    drafting pass reads). Training's head, and any product a gradient flows through, keep
+    the float32 weight."""
+    ids = torch.arange(0, 49152, 6)
+    exact = DraftHead(smollm2.lm_head, ids)
+    drafting = DraftHead(smollm2.lm_head, ids, drafting=True)
+    assert exact.short is None
+    if smollm2.device.type != "cpu" or rowgemm.kernel() is None:
+        assert drafting.short is None  # a GPU's head is bf16 already; no kernel, no copy
+        return
+    assert drafting.short.weight.dtype == torch.float16
+    assert drafting.short.weight.shape == exact.weight.shape
+    hidden = torch.randn(5, 576)
+    short = drafting(hidden)
+    assert torch.equal(short, rowgemm.linear(hidden, drafting.short.weight.float()))
+    assert torch.equal(drafting.logits(hidden, packed=False), exact(hidden))
+    torch.testing.assert_close(short, exact(hidden), rtol=0, atol=0.05)  # 11 bits a weight
+    assert not torch.equal(short, exact(hidden))  # (it is the copy that ran)
+
+
+@pytest.mark.host
+def test_a_drafting_copy_takes_the_16_bits_that_hold_the_weight():
+    if rowgemm.kernel() is None:
+        pytest.skip("rowgemm.c does not build here")
+    weight = torch.randn(8, 16)
+    assert rowgemm.drafting_copy(weight).weight.dtype == torch.float16
+    wide = weight.clone()
+    wide[3, 5] = 1e5  # past float16's range
+    assert rowgemm.drafting_copy(wide).weight.dtype == torch.bfloat16
+    held = weight.bfloat16().float()  # exactly 16-bit values: kept exactly
+    assert torch.equal(rowgemm.drafting_copy(held).weight.float(), held)
+    bias = torch.randn(8)
+    x = torch.randn(2, 16)
+    copy = rowgemm.drafting_copy(weight, bias)
+    assert torch.equal(copy(x), rowgemm.linear(x, copy.weight.float(), bias))
+    assert rowgemm.drafting_copy(weight.half()) is None  # float32 weights only
 
 
 @pytest.mark.parametrize("method", ["gumiho", "eagle2", "medusa"])

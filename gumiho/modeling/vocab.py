@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from gumiho import rowgemm
 from gumiho.linear import pack_weight, softcap, vocab_linear
 
 
@@ -80,10 +81,14 @@ class DraftHead:
     `head(hidden (..., H)) -> logits (..., D)` over the draft vocabulary;
     `to_target(indices)` maps draft ids to target ids, `to_draft` the reverse. With the full
     vocabulary it is the target's lm_head itself (no copy) and ids map to themselves.
+    A head made for drafting (`drafting=True`: a generation's drafter, not training nor
+    the accuracy probes) over a float32 weight on a CPU keeps a 16-bit copy beside it and
+    computes its logits from that (`rowgemm.drafting_copy`): a drafting pass reads its
+    head once or twice a cycle, and half the bytes cut ~0.4 ms of each on a 2-core CPU.
     """
 
     def __init__(self, lm_head: nn.Module, draft_ids: Tensor | None = None,
-                 softcap: float | None = None):
+                 softcap: float | None = None, drafting: bool = False):
         weight = lm_head.weight.detach()
         bias = getattr(lm_head, "bias", None)
         self.ids = self.lookup = None
@@ -98,6 +103,10 @@ class DraftHead:
         self.weight, self.bias = weight, None if bias is None else bias.detach()
         self.softcap = softcap  # final logit soft-capping, if the target has it
         self.packed = pack_weight(weight)  # bf16 on the CPU (linear.py), else None
+        # a drafter's float32 head on a CPU: its logits from a 16-bit copy (half the bytes
+        # of a product that reading the weight bounds; proposals, which the target checks)
+        self.short = rowgemm.drafting_copy(weight, self.bias) \
+            if drafting and self.packed is None else None
 
     @property
     def size(self) -> int:
@@ -108,7 +117,10 @@ class DraftHead:
 
     def logits(self, hidden: Tensor, packed: bool = True) -> Tensor:
         """The logits over the draft vocabulary; `packed=False` computes them as a product
-        a gradient flows through does (not from the packed bf16 copy)."""
+        a gradient flows through does (not from the packed bf16 copy, nor from a drafting
+        head's 16-bit one)."""
+        if packed and self.short is not None and self.short.takes(hidden):
+            return softcap(self.short(hidden), self.softcap)
         return softcap(vocab_linear(hidden.to(self.weight.dtype), self.weight, self.bias,
                                     self.packed if packed else None), self.softcap)
 
@@ -123,7 +135,8 @@ class DraftHead:
         return mapped.clamp(min=0), mapped >= 0
 
     @classmethod
-    def for_model(cls, target, module: nn.Module) -> DraftHead:
-        """The head of drafter network `module` (its d2t buffer, if any) on `target`."""
+    def for_model(cls, target, module: nn.Module, drafting: bool = False) -> DraftHead:
+        """The head of drafter network `module` (its d2t buffer, if any) on `target`;
+        `drafting`: for a generation's proposals (a float32 CPU head computes from 16 bits)."""
         softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
-        return cls(target.lm_head, draft_ids_of(module), softcap)
+        return cls(target.lm_head, draft_ids_of(module), softcap, drafting)
