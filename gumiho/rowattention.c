@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include "rowkernels.h"
 
+#define VALUE_BLOCK 64  /* keys whose values (16 KB at 64 float32 dims) one pass keeps in L1 */
+
 /* `lanes` of two vectors at once, the same additions in the same pairs (the halves, then
    lanes 0 + 2 and 1 + 3, then those two): lanes(a) and lanes(b) in elements 0 and 1 */
 static inline __m128 lanes2(__m256 a, __m256 b) {
@@ -64,17 +66,21 @@ static inline __attribute__((always_inline)) void dots(
     }
 }
 
-/* The values weighted by HB heads' probabilities, dims d0.. in chunks of 8 * C: each value
-   row loaded once for all heads; every element accumulates p[i] * v[i] over i in order */
+/* The values weighted by HB heads' probabilities, keys i0..i1 - 1 of the row's visible
+   ones, dims d0.. in chunks of 8 * C: each value row loaded once for all heads; every
+   element accumulates p[i] * v[i] over i in order, carried between key blocks in o (exact
+   float32 partial sums: `first`, start from zero; `last`, divide by the sum) */
 static inline __attribute__((always_inline)) int weigh(
-        const void *vg, long vj, const int *seen, int n, float *const *p, const float *sums,
-        float *const *o, int d0, int D, int HB, int C, int kind) {
+        const void *vg, long vj, const int *seen, int i0, int i1, float *const *p,
+        const float *sums, float *const *o, int d0, int D, int HB, int C, int first,
+        int last, int kind) {
     int d = d0;
     for (; d + 8 * C <= D; d += 8 * C) {
         __m256 acc[4][4];
         for (int h = 0; h < HB; h++)
-            for (int c = 0; c < C; c++) acc[h][c] = _mm256_setzero_ps();
-        for (int i = 0; i < n; i++) {
+            for (int c = 0; c < C; c++)
+                acc[h][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o[h] + d + 8 * c);
+        for (int i = i0; i < i1; i++) {
             size_t at = (size_t)seen[i] * vj + d;
             __m256 x[4];
             for (int c = 0; c < C; c++) x[c] = load8(vg, at + 8 * c, kind);
@@ -86,7 +92,8 @@ static inline __attribute__((always_inline)) int weigh(
         for (int h = 0; h < HB; h++) {
             __m256 sum = _mm256_set1_ps(sums[h]);
             for (int c = 0; c < C; c++)
-                _mm256_storeu_ps(o[h] + d + 8 * c, _mm256_div_ps(acc[h][c], sum));
+                _mm256_storeu_ps(o[h] + d + 8 * c,
+                                 last ? _mm256_div_ps(acc[h][c], sum) : acc[h][c]);
         }
     }
     return d;
@@ -140,11 +147,17 @@ static inline __attribute__((always_inline)) void attend_values(
     float sums[4];
     for (int h = 0; h < HB; h++) sums[h] = weights(p[h], n, scale);
     /* 32 dims at a time for up to two heads, 24 for three: their accumulators in registers
-       (the order each element sums in is the same for any width) */
-    int d = HB == 3 ? weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 3, kind)
-                    : weigh(vg, vj, seen, n, p, sums, o, 0, D, HB, 4, kind);
-    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 2, kind);
-    d = weigh(vg, vj, seen, n, p, sums, o, d, D, HB, 1, kind);
+       (the order each element sums in is the same for any width); the keys in blocks whose
+       values stay in L1 while every block of dims passes over them, so a long context's
+       values are read from memory once, not once a block of dims */
+    int d = 0;
+    for (int i0 = 0; i0 < n; i0 += VALUE_BLOCK) {
+        int i1 = n - i0 < VALUE_BLOCK ? n : i0 + VALUE_BLOCK, first = i0 == 0, last = i1 == n;
+        d = HB == 3 ? weigh(vg, vj, seen, i0, i1, p, sums, o, 0, D, HB, 3, first, last, kind)
+                    : weigh(vg, vj, seen, i0, i1, p, sums, o, 0, D, HB, 4, first, last, kind);
+        d = weigh(vg, vj, seen, i0, i1, p, sums, o, d, D, HB, 2, first, last, kind);
+        d = weigh(vg, vj, seen, i0, i1, p, sums, o, d, D, HB, 1, first, last, kind);
+    }
     for (; d < D; d++)  /* a head size not a multiple of 8 */
         for (int h = 0; h < HB; h++) {
             float a = 0.0f;

@@ -274,21 +274,23 @@ def test_a_built_kernel_is_reused_from_the_cache(monkeypatch, tmp_path, module):
 
 @needs_rowgemm
 @pytest.mark.host
-@pytest.mark.parametrize("dim", [64, 128, 80, 20])
-def test_rowattention_is_torchs_attention_and_each_row_its_own(dim):
+@pytest.mark.parametrize("dim, prefix", [(64, 44), (128, 44), (80, 44), (20, 44), (64, 150)])
+def test_rowattention_is_torchs_attention_and_each_row_its_own(dim, prefix):
     """Against torch's sdpa (grouped heads, a tree-like mask, strided cache views), and
     each row bit for bit what it gets as a one-row call over a cache holding only the keys
-    it sees, in order (a one-token step's view)."""
-    g = torch.Generator().manual_seed(dim)
-    cache_k, cache_v = (torch.randn(1, 3, 64, dim, generator=g) for _ in range(2))
-    k, v = cache_k[:, :, :50], cache_v[:, :, :50]  # a view of a longer cache
+    it sees, in order (a one-token step's view). 150 cached keys: the values weighed in
+    blocks of 64 keys, their sums carried between blocks."""
+    g = torch.Generator().manual_seed(dim + prefix)
+    n = prefix + 6
+    cache_k, cache_v = (torch.randn(1, 3, n + 14, dim, generator=g) for _ in range(2))
+    k, v = cache_k[:, :, :n], cache_v[:, :, :n]  # a view of a longer cache
     q = torch.randn(1, 9, 6, dim, generator=g)
-    mask = torch.zeros(1, 1, 6, 50, dtype=torch.bool)
-    mask[..., :44] = True
+    mask = torch.zeros(1, 1, 6, n, dtype=torch.bool)
+    mask[..., :prefix] = True
     parents = [-1, 0, 0, 1, 3, 2]
     for node, parent in enumerate(parents):
-        mask[0, 0, node, 44 + node] = True
-        mask[0, 0, node, 44:50] |= mask[0, 0, parent, 44:50] if parent >= 0 else False
+        mask[0, 0, node, prefix + node] = True
+        mask[0, 0, node, prefix:n] |= mask[0, 0, parent, prefix:n] if parent >= 0 else False
     assert rowgemm.attends(q, k, v, mask)
     got = rowgemm.attention(q, k, v, mask, 0.125)
     expected = torch.nn.functional.scaled_dot_product_attention(
