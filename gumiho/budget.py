@@ -358,7 +358,8 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # the fastest round each; 10: the proposals likewise; 11: with fused.py; 12: 3 tokens
     # and, for Gumiho, depth 1 among the candidates; 13: a depth-1 tree's fixed shape,
     # greedy acceptance on the host on a CPU, the finalists' whole cycles; 14: trees past the
-    # reference where its verify is nearly free); whether the
+    # reference where its verify is nearly free; 15: a float32 CPU drafter's vocabulary head
+    # from 16 bits); whether the
     # target's layers are packed ($GUMIHO_PACK), whether rowgemm (with its AVX-512 blocks)
     # and rowamx built here ($GUMIHO_ROWGEMM, $GUMIHO_ROWGEMM512, $GUMIHO_ROWAMX) and
     # whether fused.py runs the target's decoder ($GUMIHO_FUSED), and rowlayer.c its steps
@@ -367,7 +368,7 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     fused = target._fused
     steps = None if fused is None else "rowlayer" if fused.rows is not None else "fused"
     keyed = temperature_key(temperature)  # greedy keys stay as they were before T > 0
-    key = json.dumps([14, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
+    key = json.dumps([15, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, rowgemm.identity(), rowamx.identity(),
                       target.config._attn_implementation]

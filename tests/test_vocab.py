@@ -12,7 +12,7 @@ from gumiho.checkpoint import load_drafter_model, save_drafter
 from gumiho.config import TreeConfig
 from gumiho.drafters import MedusaDrafter, random_drafter_model
 from gumiho.engine import GenerateConfig, run
-from gumiho.modeling import DraftHead, draft_vocabulary
+from gumiho.modeling import DraftHead, draft_vocabulary, vocab
 from gumiho.modeling.vocab import draft_ids_of, vocab_buffers
 from gumiho.serial_drafter import SerialDrafter
 from gumiho.train.dataset import token_counts
@@ -69,7 +69,7 @@ def test_draft_head_is_the_lm_heads_rows(smollm2):
     assert draft[inside].tolist() == [1, 4] and inside.tolist() == [True, False, True]
 
 
-def test_a_drafting_head_computes_from_16_bits(smollm2):
+def test_a_drafting_head_computes_from_16_bits(smollm2, monkeypatch):
     """A generation's head over a float32 CPU weight keeps a 16-bit copy and computes its
     logits from it: exactly the float32 product of the rounded weight (half the bytes a
     drafting pass reads). Training's head, and any product a gradient flows through, keep
@@ -89,6 +89,8 @@ def test_a_drafting_head_computes_from_16_bits(smollm2):
     assert torch.equal(drafting.logits(hidden, packed=False), exact(hidden))
     torch.testing.assert_close(short, exact(hidden), rtol=0, atol=0.05)  # 11 bits a weight
     assert not torch.equal(short, exact(hidden))  # (it is the copy that ran)
+    monkeypatch.setattr(vocab, "available_memory", lambda: 2 * 2 * exact.weight.numel() - 2)
+    assert DraftHead(smollm2.lm_head, ids, drafting=True).short is None  # no room for it
 
 
 @pytest.mark.host

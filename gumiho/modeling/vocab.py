@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from gumiho import rowgemm
-from gumiho.linear import pack_weight, softcap, vocab_linear
+from gumiho.linear import available_memory, pack_weight, softcap, vocab_linear
 
 
 def draft_vocabulary(counts: Tensor, size: int, always: list[int] | tuple[int, ...] = ()
@@ -104,9 +104,14 @@ class DraftHead:
         self.softcap = softcap  # final logit soft-capping, if the target has it
         self.packed = pack_weight(weight)  # bf16 on the CPU (linear.py), else None
         # a drafter's float32 head on a CPU: its logits from a 16-bit copy (half the bytes
-        # of a product that reading the weight bounds; proposals, which the target checks)
-        self.short = rowgemm.drafting_copy(weight, self.bias) \
-            if drafting and self.packed is None else None
+        # of a product that reading the weight bounds; proposals, which the target checks),
+        # made while it takes at most half the memory available (a full 262k vocabulary's
+        # copy is ~0.3 GB)
+        self.short = None
+        if drafting and self.packed is None:
+            room = available_memory()
+            if room is None or weight.numel() * 2 <= room // 2:
+                self.short = rowgemm.drafting_copy(weight, self.bias)
 
     @property
     def size(self) -> int:
