@@ -35,6 +35,7 @@ SWITCHES = {  # what each turns off or sets (the README's Design table says more
     "GUMIHO_FUSED": "0: transformers' decoder for Llama targets on the CPU",
     "GUMIHO_ROWLAYER": "0: fused.py's torch calls for steps rowlayer.c would take",
     "GUMIHO_PACK": "0: CPU layers not packed",
+    "GUMIHO_DRAFT_HEAD16": "0: a float32 drafter's vocabulary head from float32, not 16 bits",
     "GUMIHO_SOFTCE": "0: softce.c off (training's soft cross-entropy by torch's operators)",
     "GUMIHO_DEVICE": "the default device",
     "GUMIHO_DTYPE": "the default dtype",

@@ -91,6 +91,9 @@ def test_a_drafting_head_computes_from_16_bits(smollm2, monkeypatch):
     assert not torch.equal(short, exact(hidden))  # (it is the copy that ran)
     monkeypatch.setattr(vocab, "available_memory", lambda: 2 * 2 * exact.weight.numel() - 2)
     assert DraftHead(smollm2.lm_head, ids, drafting=True).short is None  # no room for it
+    monkeypatch.undo()
+    monkeypatch.setenv("GUMIHO_DRAFT_HEAD16", "0")
+    assert DraftHead(smollm2.lm_head, ids, drafting=True).short is None  # switched off
 
 
 @pytest.mark.host

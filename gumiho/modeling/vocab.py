@@ -14,6 +14,8 @@ target token is in the draft vocabulary; its config says `draft_vocab_size`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor, nn
 
@@ -106,9 +108,9 @@ class DraftHead:
         # a drafter's float32 head on a CPU: its logits from a 16-bit copy (half the bytes
         # of a product that reading the weight bounds; proposals, which the target checks),
         # made while it takes at most half the memory available (a full 262k vocabulary's
-        # copy is ~0.3 GB)
+        # copy is ~0.3 GB; $GUMIHO_DRAFT_HEAD16=0: never)
         self.short = None
-        if drafting and self.packed is None:
+        if drafting and self.packed is None and os.environ.get("GUMIHO_DRAFT_HEAD16", "1") != "0":
             room = available_memory()
             if room is None or weight.numel() * 2 <= room // 2:
                 self.short = rowgemm.drafting_copy(weight, self.bias)
