@@ -141,7 +141,8 @@ def preset_options(preset: str | None, method: str, float32: bool, options: dict
     "reference" (or None) sets nothing: the method's reference tree, as the papers evaluate
     it. "demo" is what `gumiho demo` runs, chosen by measurement on 2-core CPUs: the tree
     sized for this device and drafter (`total_tokens="auto"`), a prompt-lookup chain of 10
-    that a cycle verifies alone when it finds one (`lookup_first`, eager engine; in bf16 on
+    that a cycle verifies alone when it finds one, while the last one found guessed right
+    (`lookup_first`, lookup.LookupDrafter's trust; eager engine; in bf16 on
     an AMX CPU too, where merging the chain into the tree read 1.77x against 1.82x:
     docs/results/campaign/lookup_first_bf16_amx.md), and in float32 the confidence floors
     above (captured engines ignore them). Only for methods with a drafter."""

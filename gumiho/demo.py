@@ -68,7 +68,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--lookup", type=nonnegative_int, default=None,
                    help=f"prompt-lookup candidates (default {DEMO_LOOKUP}: n-gram "
                    "continuations of the text so far, verified like any node; a cycle that "
-                   "finds one verifies it instead of drafting on the eager engine; 0 = the "
+                   "finds one verifies it instead of drafting on the eager engine, beside the "
+                   "draft after one whose first token was wrong; 0 = the "
                    "drafter alone)")
     p.add_argument("--min-confidence", type=probability_arg, default=None,
                    help="gumiho, eagle2: verify only drafts the drafter gives at least this "

@@ -384,7 +384,9 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                        "many n-gram continuation tokens under the root (method lookup: 10)")
     group.add_argument("--lookup-first", action="store_const", const=True, default=None,
                        help="with --lookup: when the n-gram index finds a continuation, verify "
-                       "it alone and skip the drafter that cycle (eager engine)")
+                       "it alone and skip the drafter that cycle, unless the last continuation "
+                       "found guessed the next token wrong: then its first 2 tokens go beside "
+                       "the drafter's tree (eager engine)")
     group.add_argument("--draft-gate", type=nonnegative_float, help="take a plain step instead "
                        "of drafting while this sequence's drafter cycles emit fewer tokens than "
                        "this (the break-even: a drafter cycle's cost in plain steps; eager "

@@ -186,6 +186,60 @@ def test_lookup_first_skips_the_drafter_only_where_a_chain_is_found():
     assert not captured.first  # one shape every step: the chain stays beside the tree
 
 
+def test_lookup_first_trusts_a_chain_alone_only_after_a_right_guess():
+    """A continuation is verified alone while the last one found was right about its first
+    token (the token the target emitted next); after a wrong guess the next continuation's
+    first `short` tokens go beside the drafter's tree, until a guess is right again."""
+    drafter = LookupDrafter(RandomDrafter(64, size=4, seed=0), tokens=5, first=True)
+    drafter.begin(tiny_llama(), 64)
+
+    def emitted(tokens):
+        drafter.observe(torch.zeros(len(tokens), 8), torch.tensor(tokens), tokens)
+
+    emitted([1, 2, 3, 4])
+    emitted([2])
+    emitted([3])  # (2, 3) recurs: 4, 2 followed it
+    assert drafter.propose().tokens.tolist() == [3, 4, 2]  # alone: no guess was wrong yet
+    emitted([7])  # the target's token was 7, not the guessed 4
+    assert drafter.propose().size == 4  # nothing recurs: the drafter's tree
+    emitted([2, 3])  # (2, 3) recurs again: 7, 2 followed it last
+    tree = drafter.propose()  # the drafter's 4 nodes and the chain's 2 below the root
+    assert tree.size == 6 and tree.tokens[4:].tolist() == [7, 2]
+    assert tree.parents[4:].tolist() == [0, 4]
+    emitted([7, 2])  # the guess 7 was right
+    tree = drafter.propose()  # (3, 7, 2) recurs: a 3-gram's whole continuation, alone
+    assert tree.tokens.tolist() == [2, 3, 7, 2] and tree.parents.tolist() == [-1, 0, 1, 2]
+    always = LookupDrafter(RandomDrafter(64, size=4, seed=0), tokens=5, first=True, trust=False)
+    always.begin(tiny_llama(), 64)
+    for tokens in ([1, 2, 3, 4], [2], [3]):
+        always.observe(torch.zeros(len(tokens), 8), torch.tensor(tokens), tokens)
+    always.propose()
+    for tokens in ([7], [2, 3]):
+        always.observe(torch.zeros(len(tokens), 8), torch.tensor(tokens), tokens)
+        tree = always.propose()
+    assert tree.tokens.tolist() == [3, 7, 2]  # without trust: alone after a wrong guess too
+
+
+def test_a_chain_beside_the_tree_after_a_wrong_guess_keeps_the_output(smollm2):
+    """The demo's prompt and shape with the shipped drafter: a lookup chain fails there,
+    later continuations go beside the drafter's tree, and the output is plain decoding's."""
+    from gumiho.demo import PROMPT, shipped_drafter
+
+    ids = smollm2.chat_ids(PROMPT)
+    config = GenerateConfig(max_new_tokens=96)
+    plain = run(smollm2, PlainDrafter(), ids, config)
+    tree = TreeConfig.for_method("gumiho", total_tokens=6, depth=2, lookup=10,
+                                 lookup_first=True, min_confidence=0.1,
+                                 extend_confidence=0.4)
+    drafter = load_drafter("gumiho", smollm2, str(shipped_drafter("gumiho")), tree=tree)
+    beside = []
+    inner_propose = drafter.inner.propose
+    drafter.inner.propose = lambda: beside.append(drafter.guess is not None) or inner_propose()
+    out = run(smollm2, drafter, ids, config)
+    assert out.token_ids == plain.token_ids
+    assert any(beside), "no chain went beside the drafter's tree"
+
+
 def test_lookup_first_needs_a_chain():
     from gumiho.errors import GumihoError
 
