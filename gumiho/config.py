@@ -220,7 +220,8 @@ class TreeConfig:
     # under the root, beside the drafter's tree (0 = none; the `lookup` method: 10).
     lookup: int = 0
     # With a lookup chain, a cycle where the n-gram index finds a continuation verifies
-    # that chain alone and skips the drafter (eager steps; captured ones keep one shape).
+    # that chain alone and skips the drafter, while the last continuation guessed the next
+    # token right (else it goes beside the tree; eager steps; captured ones keep one shape).
     lookup_first: bool = False
     # Draft only while it pays (gate.py): the break-even tokens per drafter cycle, in plain
     # steps; while this sequence's drafter cycles emit fewer, cycles take plain steps
