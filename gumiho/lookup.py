@@ -176,10 +176,9 @@ class LookupDrafter(DrafterWrapper):
     the drafter's tree instead, until one is right again: a chain whose first token fails
     costs a wide verify for one token and skips a drafter that would have emitted ~2 (in
     one code answer with the shipped SmolLM2 drafter, 9 of the 15 chains verified alone
-    emitted one token). On a
-    2-core CPU: the demo's prompt 1.22x -> 1.26x plain (tau 1.58 -> 1.65), six benchmarks
-    level (1.55x, 1.54x), every answer identical (docs/methods.md, "Prompt lookup that
-    trusts only what was right").
+    emitted one token). On a 2-core CPU: the demo's prompt 1.22x -> 1.26x plain (tau 1.58
+    -> 1.65), six benchmarks level (1.55x, 1.54x), every answer identical (docs/methods.md,
+    "Prompt lookup that trusts only what was right").
 
     With `static_shape`, attaching the chain (51 kernels whatever its length) is one step
     of `engine` (graphs.py), recorded by captured engines."""

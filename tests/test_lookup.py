@@ -190,33 +190,35 @@ def test_lookup_first_trusts_a_chain_alone_only_after_a_right_guess():
     """A continuation is verified alone while the last one found was right about its first
     token (the token the target emitted next); after a wrong guess the next continuation's
     first `short` tokens go beside the drafter's tree, until a guess is right again."""
-    drafter = LookupDrafter(RandomDrafter(64, size=4, seed=0), tokens=5, first=True)
-    drafter.begin(tiny_llama(), 64)
+    def started(trust):
+        drafter = LookupDrafter(RandomDrafter(64, size=4, seed=0), tokens=5, first=True,
+                                trust=trust)
+        drafter.begin(tiny_llama(), 64)
+        return drafter
 
-    def emitted(tokens):
-        drafter.observe(torch.zeros(len(tokens), 8), torch.tensor(tokens), tokens)
+    def emitted(drafter, *cycles):
+        for tokens in cycles:
+            drafter.observe(torch.zeros(len(tokens), 8), torch.tensor(tokens), tokens)
 
-    emitted([1, 2, 3, 4])
-    emitted([2])
-    emitted([3])  # (2, 3) recurs: 4, 2 followed it
+    drafter = started(trust=True)
+    emitted(drafter, [1, 2, 3, 4], [2], [3])  # (2, 3) recurs: 4, 2 followed it
     assert drafter.propose().tokens.tolist() == [3, 4, 2]  # alone: no guess was wrong yet
-    emitted([7])  # the target's token was 7, not the guessed 4
+    emitted(drafter, [7])  # the target's token was 7, not the guessed 4
     assert drafter.propose().size == 4  # nothing recurs: the drafter's tree
-    emitted([2, 3])  # (2, 3) recurs again: 7, 2 followed it last
+    emitted(drafter, [2, 3])  # (2, 3) recurs again: 7, 2 followed it last
     tree = drafter.propose()  # the drafter's 4 nodes and the chain's 2 below the root
     assert tree.size == 6 and tree.tokens[4:].tolist() == [7, 2]
     assert tree.parents[4:].tolist() == [0, 4]
-    emitted([7, 2])  # the guess 7 was right
+    emitted(drafter, [7, 2])  # the guess 7 was right
     tree = drafter.propose()  # (3, 7, 2) recurs: a 3-gram's whole continuation, alone
     assert tree.tokens.tolist() == [2, 3, 7, 2] and tree.parents.tolist() == [-1, 0, 1, 2]
-    always = LookupDrafter(RandomDrafter(64, size=4, seed=0), tokens=5, first=True, trust=False)
-    always.begin(tiny_llama(), 64)
-    for tokens in ([1, 2, 3, 4], [2], [3]):
-        always.observe(torch.zeros(len(tokens), 8), torch.tensor(tokens), tokens)
+    always = started(trust=False)
+    emitted(always, [1, 2, 3, 4], [2], [3])
     always.propose()
-    for tokens in ([7], [2, 3]):
-        always.observe(torch.zeros(len(tokens), 8), torch.tensor(tokens), tokens)
-        tree = always.propose()
+    emitted(always, [7])
+    always.propose()
+    emitted(always, [2, 3])
+    tree = always.propose()
     assert tree.tokens.tolist() == [3, 7, 2]  # without trust: alone after a wrong guess too
 
 
