@@ -271,19 +271,43 @@ def shape_drafter(model, method: str, tree: TreeConfig, engine: str):
     return cls(model, tree, engine=engine)
 
 
-def draft_step(target: Target, model, method: str, shape_tree: TreeConfig, engine: str,
-               ids: list[int]):
-    """A call of one proposal at a shape, ready to time (no catch-up: re-proposals from
-    the state after the prompt, which the first call catches up)."""
+def _primed(target: Target, model, method: str, shape_tree: TreeConfig, engine: str,
+            ids: list[int]):
+    """A drafter at a shape that has observed the prompt `ids` (not yet caught up), and
+    the prompt's features (n, H) and next tokens (n,)."""
     drafter = shape_drafter(model, method, shape_tree, engine)
     runner = TargetRunner(target, "eager")
     cache = runner.cache_for(len(ids) + 8)
     prompt = torch.tensor([ids], device=target.device)
     features, logits = prefill(target, cache, prompt)
     drafter.begin(target, len(ids) + 64)
-    root = logits[-1].argmax().view(1)
-    drafter.observe(features, torch.cat([prompt[0, 1:], root]), ids[1:] + [0])
-    return drafter.propose
+    tokens = torch.cat([prompt[0, 1:], logits[-1].argmax().view(1)])
+    drafter.observe(features, tokens, ids[1:] + [0])
+    return drafter, features, tokens
+
+
+def draft_step(target: Target, model, method: str, shape_tree: TreeConfig, engine: str,
+               ids: list[int]):
+    """A call of one proposal at a shape, ready to time (no catch-up: re-proposals from
+    the state after the prompt, which the first call catches up)."""
+    return _primed(target, model, method, shape_tree, engine, ids)[0].propose
+
+
+def cycle_step(target: Target, model, method: str, shape_tree: TreeConfig, engine: str,
+               ids: list[int]):
+    """A captured engine's whole drafting step at a shape, ready to time: the catch-up over
+    a full accept (bonus + every draft level) and the proposal, as the loop replays it, run
+    again at the same cache slots (nothing is committed). Less `draft_step`'s proposal at
+    the shape, timed in turns with it, it is the catch-up's share. None where drafting is
+    not one recorded step (the eager engine, a drafter without a catch-up: Medusa)."""
+    drafter, features, tokens = _primed(target, model, method, shape_tree, engine, ids)
+    if engine == "eager" or not getattr(drafter, "one_step", False):
+        return None
+    drafter.propose()  # catches up on the prompt (eagerly), committing it
+    width = min(drafter.draft_depth + 1, len(ids))
+    drafter.observe(features[-width:], tokens[-width:], ids[-width:])
+    pending = drafter._take_pending()[:3]  # (tokens, features, meta): recorded, uncommitted
+    return lambda: drafter._cycle_step(*pending)
 
 
 def without_wrappers(tree: TreeConfig) -> TreeConfig:
@@ -368,7 +392,7 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     fused = target._fused
     steps = None if fused is None else "rowlayer" if fused.rows is not None else "fused"
     keyed = temperature_key(temperature)  # greedy keys stay as they were before T > 0
-    key = json.dumps([15, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
+    key = json.dumps([16, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, rowgemm.identity(), rowamx.identity(),
                       target.config._attn_implementation]
@@ -460,12 +484,18 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     own = Shape(pool.total_tokens, pool.depth)  # the calibration's shape
     if own not in calls:
         calls[own] = draft_step(target, drafter.model, method, pool, engine, ids)
+    # Captured engines record a cycle's drafting, catch-up included, as one step
+    # (serial_drafter.py), so the profile has no catch-up phase: its share is that step less
+    # a proposal at the calibration's shape, both timed in these turns. (The profile's mean
+    # drafting less the fastest proposal was a difference of two windows of a shared
+    # machine's load: it could read 0 on a small drafter.) Medusa has none.
+    whole = None if fixed["draft_catchup"] else cycle_step(target, drafter.model, method,
+                                                            pool, engine, ids)
+    if whole is not None:
+        calls["cycle"] = whole
     cost = fastest_interleaved(calls, target.device, 11)
-    if not fixed["draft_catchup"]:
-        # Captured engines record a cycle's drafting, catch-up included, as one step
-        # (serial_drafter.py), so the profile has no catch-up phase: its share is the drafting
-        # less a proposal at the calibration's shape. (Medusa has none: about 0.)
-        fixed["draft_catchup"] = max(fixed["draft"] - cost[own], 0.0)
+    if whole is not None:
+        fixed["draft_catchup"] = max(cost.pop("cycle") - cost[own], 0.0)
     rows = {}
     for shape in shapes:
         cycle = fixed["draft_catchup"] + cost[shape] + verify[shape.total_tokens] + \

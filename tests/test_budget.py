@@ -113,10 +113,10 @@ def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypat
                                  depth=4)  # (the shapes' count, and so the time, grows with it)
     report = budget.choose_tree(target, "gumiho", "random", tree, engine,
                                 max_new_tokens=8, widths=(4, 8))
-    # every shape pays the catch-up: timed as a phase by eager steps, and derived from the
-    # drafting where a captured engine records it inside the one drafting step
+    # every shape pays the catch-up: timed as a phase by eager steps, and where a captured
+    # engine records it inside the one drafting step, that step less a proposal, in turns
     fixed = report["fixed_s"]
-    assert 0 < fixed["draft_catchup"] < fixed["draft"]
+    assert 0 < fixed["draft_catchup"] < fixed["draft"], fixed
     shapes = report["shapes"]
     # a size past what the tree holds at a depth (1 + 3 a level) is named for what it holds:
     # 8 tokens to depth 1 are its 4, to depth 2 its 7
