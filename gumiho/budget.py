@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from gumiho import rowamx, rowgemm, rowlayer
 from gumiho.config import TreeConfig
@@ -271,11 +272,9 @@ def shape_drafter(model, method: str, tree: TreeConfig, engine: str):
     return cls(model, tree, engine=engine)
 
 
-def _primed(target: Target, model, method: str, shape_tree: TreeConfig, engine: str,
-            ids: list[int]):
-    """A drafter at a shape that has observed the prompt `ids` (not yet caught up), and
-    the prompt's features (n, H) and next tokens (n,)."""
-    drafter = shape_drafter(model, method, shape_tree, engine)
+def _prime(target: Target, drafter, ids: list[int]) -> tuple[Tensor, Tensor]:
+    """Start `drafter` on the prompt `ids`: observed, not yet caught up. Returns the
+    prompt's features (n, H) and next tokens (n,)."""
     runner = TargetRunner(target, "eager")
     cache = runner.cache_for(len(ids) + 8)
     prompt = torch.tensor([ids], device=target.device)
@@ -283,31 +282,37 @@ def _primed(target: Target, model, method: str, shape_tree: TreeConfig, engine: 
     drafter.begin(target, len(ids) + 64)
     tokens = torch.cat([prompt[0, 1:], logits[-1].argmax().view(1)])
     drafter.observe(features, tokens, ids[1:] + [0])
-    return drafter, features, tokens
+    return features, tokens
 
 
 def draft_step(target: Target, model, method: str, shape_tree: TreeConfig, engine: str,
                ids: list[int]):
     """A call of one proposal at a shape, ready to time (no catch-up: re-proposals from
     the state after the prompt, which the first call catches up)."""
-    return _primed(target, model, method, shape_tree, engine, ids)[0].propose
+    drafter = shape_drafter(model, method, shape_tree, engine)
+    _prime(target, drafter, ids)
+    return drafter.propose
 
 
-def cycle_step(target: Target, model, method: str, shape_tree: TreeConfig, engine: str,
-               ids: list[int]):
-    """A captured engine's whole drafting step at a shape, ready to time: the catch-up over
-    a full accept (bonus + every draft level) and the proposal, as the loop replays it, run
-    again at the same cache slots (nothing is committed). Less `draft_step`'s proposal at
-    the shape, timed in turns with it, it is the catch-up's share. None where drafting is
-    not one recorded step (the eager engine, a drafter without a catch-up: Medusa)."""
-    drafter, features, tokens = _primed(target, model, method, shape_tree, engine, ids)
+def cycle_step(target: Target, drafter, engine: str, ids: list[int]):
+    """A captured engine's whole drafting step, ready to time: `drafter`'s catch-up over a
+    full accept (bonus + every draft level) and its proposal, the step the loop replays
+    (the calibration's drafter: already recorded), run again at the same cache slots
+    (nothing is committed). Less `draft_step`'s proposal at its shape, timed in turns with
+    it, it is the catch-up's share. None where drafting is not one recorded step (the eager
+    engine, a drafter without a catch-up: Medusa)."""
     if engine == "eager" or not getattr(drafter, "one_step", False):
         return None
+    features, tokens = _prime(target, drafter, ids)
     drafter.propose()  # catches up on the prompt (eagerly), committing it
     width = min(drafter.draft_depth + 1, len(ids))
     drafter.observe(features[-width:], tokens[-width:], ids[-width:])
     pending = drafter._take_pending()[:3]  # (tokens, features, meta): recorded, uncommitted
-    return lambda: drafter._cycle_step(*pending)
+
+    @torch.no_grad()  # as `propose` runs it (the step's products take other paths with grad)
+    def whole():
+        return drafter._cycle_step(*pending)
+    return whole
 
 
 def without_wrappers(tree: TreeConfig) -> TreeConfig:
@@ -489,8 +494,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # a proposal at the calibration's shape, both timed in these turns. (The profile's mean
     # drafting less the fastest proposal was a difference of two windows of a shared
     # machine's load: it could read 0 on a small drafter.) Medusa has none.
-    whole = None if fixed["draft_catchup"] else cycle_step(target, drafter.model, method,
-                                                            pool, engine, ids)
+    whole = None if fixed["draft_catchup"] else cycle_step(target, drafter, engine, ids)
     if whole is not None:
         calls["cycle"] = whole
     cost = fastest_interleaved(calls, target.device, 11)
