@@ -57,16 +57,18 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-def library(name: str, sources: list[Path], flags: tuple[str, ...] = ()
-            ) -> tuple[str, list[str], Path] | None:
-    """(compiler, flags, path) for library `name` of `sources` (rowkernels.h beside them),
-    compiled with FLAGS, `flags` and torch's OpenMP: the path carries a hash of all of them,
-    so a changed source or flag builds anew (`built`). None without a C compiler."""
+def library(name: str, sources: list[Path], flags: tuple[str, ...] = (),
+            header: Path = HEADER) -> tuple[str, list[str], Path] | None:
+    """(compiler, flags, path) for library `name` of `sources` (`header`, rowkernels.h,
+    beside them), compiled with FLAGS, `flags` and torch's OpenMP: the path carries a hash
+    of all of them, so a changed source or flag builds anew (`built`) and the same ones,
+    wherever they lie (another revision's, scripts/rowattention_ab.py), reuse the build.
+    None without a C compiler."""
     cc = compiler()
     if cc is None:
         return None
     flags = [*flags, *openmp_flags()]
-    key = hashlib.sha1(repr([[f.read_bytes() for f in (*sources, HEADER)], FLAGS, flags,
+    key = hashlib.sha1(repr([[f.read_bytes() for f in (*sources, header)], FLAGS, flags,
                              cc]).encode())
     return cc, flags, cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
 

@@ -18,7 +18,6 @@ that changes the order must say so (both builds stay row-invariant on their own)
 from __future__ import annotations
 
 import argparse
-import ctypes
 import subprocess
 import tempfile
 import time
@@ -32,14 +31,19 @@ HERE = Path(__file__).resolve().parent.parent / "gumiho"
 FILES = ("rowgemm.c", "rowattention.c", "rowkernels.h")
 
 
-def build(sources: Path, out: Path):
-    """The attention function of the C sources in `sources`, compiled as kernels.py does."""
-    here = rowgemm._library()
-    if here is None:
+def build(sources: Path):
+    """The attention function of the C sources in `sources`, compiled as kernels.py does,
+    into its cache: sources that equal a build's there (the working tree's, once the
+    package has run; HEAD's where the kernels are unchanged) are not compiled again."""
+    if rowgemm._library() is None:
         raise SystemExit("error: rowgemm's kernels do not build here (rowgemm.py)")
-    compiler, flags, _ = here
-    kernels.build(compiler, flags, out, [sources / name for name in FILES[:2]])
-    return rowgemm._bind(ctypes.CDLL(str(out)))[1]
+    files = [sources / name for name in FILES[:2]]
+    library = kernels.built(kernels.library("rowgemm", files, header=sources / FILES[2]),
+                            files, "no comparison")
+    if library is None:
+        raise SystemExit(f"error: rowgemm's kernels from {sources} did not build (run with "
+                         "logging at info for the compiler's message)")
+    return rowgemm._bind(library)[1]
 
 
 def inputs(dtype: torch.dtype, context: int, rows: int):
@@ -73,15 +77,14 @@ def main(argv: list[str] | None = None) -> int:
             text = subprocess.run(["git", "show", f"{args.base}:gumiho/{name}"], cwd=HERE,
                                   check=True, capture_output=True, text=True).stdout
             (old / name).write_text(text)
-        kernels = {"base": build(old, Path(tmp) / "base.so"),
-                   "tree": build(HERE, Path(tmp) / "tree.so")}
+        attends = {"base": build(old), "tree": build(HERE)}
         for dtype in (torch.bfloat16, torch.float32):
             for shape in args.shapes.split(","):
                 context, rows = map(int, shape.split("x"))
                 layers = [inputs(dtype, context, rows) for _ in range(args.layers)]
-                best, outs = dict.fromkeys(kernels, float("inf")), {}
+                best, outs = dict.fromkeys(attends, float("inf")), {}
                 for _ in range(args.rounds):
-                    for name, attend in kernels.items():
+                    for name, attend in attends.items():
                         start = time.perf_counter()
                         for call in range(50):
                             q, k, v, mask = layers[call % args.layers]
