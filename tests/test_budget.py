@@ -104,6 +104,37 @@ def test_a_depth_one_gumiho_tree_drafts_level_one_alone(smollm2):
     assert all(int(t.depths.max()) <= 1 and t.size <= 3 for t in shallow)
 
 
+def test_a_captured_cycle_step_replays_the_loops_drafting_and_commits_nothing(
+        tiny_target_dir):
+    """What auto times as a captured engine's catch-up (with a proposal): the drafting step
+    the loop replays, over a full accept, giving the tree the loop's catch-up and proposal
+    give from the same pairs, again and again at the same cache slots. None where drafting
+    is not one recorded step."""
+    target = load_target(tiny_target_dir)
+    tree = TreeConfig.for_method("gumiho", total_tokens=8, top_k=3, mlp_topk=3, pruning=3,
+                                 depth=4)
+    ids = list(range(8, 40))
+    drafter = load_drafter("gumiho", target, "random", tree=tree, engine="static")
+    whole = budget.cycle_step(target, drafter, "static", ids)
+    length = drafter.cache.length
+    first, again = whole(), whole()
+    assert drafter.cache.length == length == len(ids)  # the prompt's, and nothing since
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    # the loop's way: the same drafter state, the same pairs observed, then propose
+    loop = load_drafter("gumiho", target, "random", tree=tree, engine="static")
+    features, tokens = budget._prime(target, loop, ids)
+    loop.propose()
+    width = loop.draft_depth + 1
+    loop.observe(features[-width:], tokens[-width:], ids[-width:])
+    proposed = loop.propose()
+    assert torch.equal(proposed.tokens, first[0]) and torch.equal(proposed.parents, first[1])
+    assert loop.cache.length == length + width  # (the loop commits the accept)
+    for engine, method in (("eager", "gumiho"), ("static", "medusa")):
+        other = load_drafter(method, target, "random",
+                             tree=TreeConfig.for_method(method, total_tokens=8), engine=engine)
+        assert budget.cycle_step(target, other, engine, ids) is None
+
+
 @pytest.mark.parametrize("engine", ["eager", "static"])
 def test_auto_picks_the_best_measured_shape(tiny_target_dir, tmp_path, monkeypatch, engine):
     monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
