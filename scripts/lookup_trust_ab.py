@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from gumiho.demo import PROMPT, shipped_drafter  # noqa: E402
 from gumiho.drafters import PlainDrafter  # noqa: E402
 from gumiho.engine import GenerateConfig, run  # noqa: E402
+from gumiho.evaluation.benchmarks import BENCHMARKS  # noqa: E402
 from gumiho.evaluation.gen_answers import pick_questions  # noqa: E402
 from gumiho.generate import SpeculativeGenerator  # noqa: E402
 from gumiho.lookup import LookupDrafter  # noqa: E402
 
-BENCHES = ("mt_bench", "humaneval", "cnndm_like", "gsm8k_like", "alpaca_like", "nq_like")
 SIDES = ("always alone", "trusted")
 
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter = lookup = gen.drafter
     while not isinstance(lookup, LookupDrafter):  # a gate may sit around it
         lookup = lookup.inner
-    prompts = [("demo", PROMPT)] + [(bench, q["turns"][0]) for bench in BENCHES
+    prompts = [("demo", PROMPT)] + [(bench, q["turns"][0]) for bench in BENCHMARKS
                                     if args.questions
                                     for q in pick_questions(bench, 0, args.questions)]
     config = GenerateConfig(max_new_tokens=args.new_tokens, engine=gen.engine)
