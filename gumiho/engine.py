@@ -48,6 +48,8 @@ class GenerateConfig:
 
     max_new_tokens: int = 256
     temperature: float = 0.0
+    top_k: int = 0  # sampling only: the k likeliest tokens (0: all)
+    top_p: float = 1.0  # sampling only: the likeliest tokens holding this mass (1.0: all)
     seed: int = 0
     profile: bool = False  # time each phase (adds a device sync around every phase)
     verify_width: int | None = None  # pad every verify step to this many tokens (static shape)
@@ -66,6 +68,12 @@ class GenerateConfig:
         if 0 < t < MIN_TEMPERATURE:  # logits / T would overflow to inf
             raise GumihoError(f"temperature {t} is too small to sample with: use 0 (greedy) "
                               f"or at least {MIN_TEMPERATURE}")
+        check_positive_int("top_k", self.top_k, allow_zero=True)
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, int | float):
+            raise TypeError(f"top_p must be a number, got {p!r} ({type(p).__name__})")
+        if not 0 < p <= 1:  # (NaN fails too)
+            raise GumihoError(f"top_p must be in (0, 1] (1 = no nucleus cut), got {p}")
         if self.verify_width is not None:
             check_positive_int("verify_width", self.verify_width)
 
@@ -303,7 +311,8 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         drafter.timer = timer  # the drafter's own phases (serial steps, MLP heads)
     with timer("prefill"):
         features, logits = prefill(target, cache, input_ids)
-        root = sample_tokens(logits[-1], config.temperature, generator)
+        root = sample_tokens(logits[-1], config.temperature, generator, config.top_k,
+                             config.top_p)
         drafter.begin(target, capacity)
         first = int(root)  # the prefill's token, on the host
         drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]),
@@ -337,7 +346,8 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
             with timer("verify"):  # and the target's picks, as a greedy verify makes them
                 features, logits = verify_tree(target, cache, tree, width,
                                                runner.step_for(width))
-                picks = sample_tokens(logits, config.temperature, generator)
+                picks = sample_tokens(logits, config.temperature, generator, config.top_k,
+                                      config.top_p)
             with timer("accept_commit"):
                 result = accept_picks(tree, picks, config.temperature, runner.accept_step)
                 commit_accepted(cache, drafter, tree, features, result)

@@ -191,6 +191,14 @@ def probability_arg(value: str) -> float:
     return number
 
 
+def nucleus_arg(value: str) -> float:
+    """argparse type: a top-p share, above 0 and at most 1 (1 = no cut)."""
+    number = nonnegative_float(value)
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share above 0 and at most 1, got {value!r}")
+    return number
+
+
 def _int(value: str) -> int:
     try:
         return int(value)

@@ -44,6 +44,7 @@ from gumiho.errors import (
     cli_errors,
     nonnegative_float,
     nonnegative_int,
+    nucleus_arg,
     positive_int,
     probability_arg,
 )
@@ -216,36 +217,44 @@ class SpeculativeGenerator:
                         f"{', '.join(sorted({type(x).__name__ for x in prompt}))}")
 
     def _steps(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int,
-               result: GenerationResult | None = None):
+               result: GenerationResult | None = None, top_k: int = 0, top_p: float = 1.0):
         config = GenerateConfig(max_new_tokens=max_new_tokens, temperature=temperature,
-                                seed=seed, verify_width=self.verify_width,
-                                engine=self.engine)
+                                top_k=top_k, top_p=top_p, seed=seed,
+                                verify_width=self.verify_width, engine=self.engine)
         ids = self.prompt_ids(prompt)
         check_prompt(self.target, ids, max_new_tokens)  # now, not at the first piece
         return generate(self.target, self.drafter_for(temperature), ids, config, result)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
-                 seed: int = 0) -> GenerationResult:
-        """The whole answer: text, token ids and statistics (tau, tokens/s, ...). The text
-        is decoded once, at the end: a decode after every cycle, as `stream` needs (of a
-        short window), would cost plain decoding (a cycle per token) a larger share than a
-        drafter's fewer cycles on a GPU, where a small model's step takes milliseconds."""
-        for _ in self._run(prompt, max_new_tokens, temperature, seed, pieces=False):
+                 seed: int = 0, top_k: int = 0, top_p: float = 1.0) -> GenerationResult:
+        """The whole answer: text, token ids and statistics (tau, tokens/s, ...).
+
+        temperature 0 decodes greedily; above it the target samples, from its `top_k`
+        likeliest tokens (0: all) and then its `top_p` nucleus (1.0: all) where those are
+        set, as transformers' `generate(do_sample=True, top_k=..., top_p=...)` does
+        (sampling.truncated). (The tree's own top_k, drafts per level, is `load`'s.)
+
+        The text is decoded once, at the end: a decode after every cycle, as `stream` needs
+        (of a short window), would cost plain decoding (a cycle per token) a larger share
+        than a drafter's fewer cycles on a GPU, where a small model's step takes
+        milliseconds."""
+        for _ in self._run(prompt, max_new_tokens, temperature, seed, False, top_k, top_p):
             pass
         return self.last_result
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
-               seed: int = 0) -> Iterator[str]:
-        """Text pieces as the cycles emit them; the statistics land in `last_result`.
+               seed: int = 0, top_k: int = 0, top_p: float = 1.0) -> Iterator[str]:
+        """Text pieces as the cycles emit them (the arguments: `generate`'s); the
+        statistics land in `last_result`.
 
         Stopping early (`break`, or closing the iterator) leaves in `last_result` the part
         generated so far, with `stopped_by == "closed"`; an error leaves None. One
         generation at a time: a newer `generate`/`stream` call ends an older stream.
         """
-        return self._run(prompt, max_new_tokens, temperature, seed, pieces=True)
+        return self._run(prompt, max_new_tokens, temperature, seed, True, top_k, top_p)
 
     def _run(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int,
-             pieces: bool) -> Iterator[str]:
+             pieces: bool, top_k: int = 0, top_p: float = 1.0) -> Iterator[str]:
         """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the
         engine decodes the whole answer once, into `result.text`). The call itself, not
         its first piece, supersedes an older stream and checks the prompt."""
@@ -253,7 +262,7 @@ class SpeculativeGenerator:
         # The caches belong to the target, which other generators may share: one owner.
         owner = self._active = self.target.stream_owner = object()
         result = GenerationResult()
-        steps = self._steps(prompt, max_new_tokens, temperature, seed, result)
+        steps = self._steps(prompt, max_new_tokens, temperature, seed, result, top_k, top_p)
         return self._pieces(owner, steps, result, pieces)
 
     def _pieces(self, owner: object, steps: Iterator[list[int]], result: GenerationResult,
@@ -419,6 +428,19 @@ def total_tokens_arg(value: str) -> int | str:
     return number
 
 
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """--temperature, --sample-top-k, --top-p and --seed (GenerateConfig's fields)."""
+    parser.add_argument("--temperature", type=nonnegative_float, default=0.0,
+                        help="0 = greedy (default); above it the target samples")
+    parser.add_argument("--sample-top-k", type=nonnegative_int, default=0,
+                        help="sampling: from the target's k likeliest tokens only (0 = all, "
+                        "default; --top-k is the tree's drafts per level)")
+    parser.add_argument("--top-p", type=nucleus_arg, default=1.0,
+                        help="sampling: from the target's nucleus, its likeliest tokens "
+                        "holding this share of the probability (1.0 = all, default)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
+
+
 def tree_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("total_tokens", "top_k", "mlp_topk", "pruning",
                                           "depth", "serial_levels", "fta", "lookup",
@@ -436,8 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tree_args(parser)
     parser.add_argument("--prompt", required=True, help="one user turn")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
-    parser.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy")
-    parser.add_argument("--seed", type=nonnegative_int, default=0)
+    add_sampling_args(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--verify-width", type=positive_int, default=None,
                         help="pad every verify step to this many tokens (one static shape)")
@@ -457,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                                     verify_width=args.verify_width, engine=args.engine,
                                     attention=args.attention, preset=args.preset,
                                     temperature=args.temperature, **tree_options(args))
-    pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed)
+    pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed,
+                        args.sample_top_k, args.top_p)
     for piece in pieces:
         if not args.json:
             print(piece, end="", flush=True)

@@ -5,15 +5,18 @@ with the root first, `bonus` is the token the target itself emits after the last
 node. So every cycle emits n - 1 draft tokens plus the bonus token.
 
 Greedy and sampling share one rule. The target picks a token at every tree node at once:
-its argmax (T = 0), or a sample from softmax(logits / T). The accepted path is the longest
+its argmax (T = 0), or a sample from softmax(logits / T), cut to its top-k tokens and its
+top-p nucleus where those are asked for (`truncated`). The accepted path is the longest
 chain of nodes whose tokens equal the pick at their parent, and the bonus token is the pick
 at its last node. For sampling this is exactly the multi-candidate rejection rule of
 EAGLE-2 / SpecInfer for deterministic drafts (each candidate's draft probability q(x) is 1):
 trying the children x_1, x_2, ... in order, accepting x_j with probability p(x_j) after
 zeroing and renormalising away the rejected ones, accepts x_j with probability exactly
 p(x_j) and otherwise samples the residual: the same as drawing y ~ p and taking the child
-whose token is y, if any. Siblings with equal tokens are matched only at the first of them
-(the rejection rule gives a repeated token probability 0), so at most one child matches.
+whose token is y, if any (p is whatever distribution the target samples from, cut or
+not: the rule never looks at how it was made). Siblings with equal tokens are matched only
+at the first of them (the rejection rule gives a repeated token probability 0), so at most
+one child matches.
 Drawing every node's token up front keeps shapes static and costs one host sync a cycle.
 """
 
@@ -157,13 +160,74 @@ def emitted_tokens(tree: DraftTree, accepted: Tensor, bonus: Tensor) -> list[int
     return tree.tokens[accepted[1:]].tolist() + [int(bonus)]
 
 
-def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator) -> Tensor:
+def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator,
+                  top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """One token per row of logits (..., V): the argmax at T == 0, else a sample from
-    softmax(logits / T). `generator` lives on the logits' device (no transfer, no sync)."""
+    softmax(logits / T), cut to its `top_k` likeliest tokens and then to its `top_p`
+    nucleus where those are set (`cut`; 0 and 1.0: off). `generator` lives on the
+    logits' device (no transfer; a cut on the CPU reads the host, `cut`)."""
     if temperature == 0:
         return rowgemm.argmax(logits)  # torch's for other shapes and devices
     probs = torch.softmax(logits.float() / temperature, -1)
-    return draw(probs.reshape(-1, probs.shape[-1]), generator).view(probs.shape[:-1])
+    probs = probs.reshape(-1, probs.shape[-1])
+    if not is_cut(probs.shape[-1], top_k, top_p):
+        return draw(probs, generator).view(logits.shape[:-1])
+    values, indices = cut(probs, top_k, top_p)  # (N, n) each: the kept tokens among them
+    return indices.gather(-1, draw(values, generator)[:, None]).view(logits.shape[:-1])
+
+
+def is_cut(vocab: int, top_k: int, top_p: float) -> bool:
+    return 0 < top_k < vocab or top_p < 1.0
+
+
+def truncated(probs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """probs (N, V) with each row cut as `cut` cuts it, in place of the whole row: the
+    kept tokens' probabilities, zeros elsewhere (unnormalised)."""
+    if not is_cut(probs.shape[-1], top_k, top_p):
+        return probs
+    values, indices = cut(probs, top_k, top_p)
+    return torch.zeros_like(probs).scatter_(-1, indices, values)
+
+
+def cut(probs: Tensor, top_k: int = 0, top_p: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Each row of probs (N, V) cut as HF's top-k and top-p warpers cut it (in that order):
+    its `top_k` likeliest tokens (0: all), then of those the nucleus, the likeliest whose
+    mass reaches `top_p` of what is left (1.0: all; Holtzman et al. 2020, "The curious
+    case of neural text degeneration"). Each cut keeps every token at least as likely as
+    the last one it needs, so ties at an edge stay together and nothing depends on how a
+    sort orders them. Returns the n likeliest tokens' probabilities, zero where cut, and
+    their ids, (N, n) each; every kept token is among them. Unnormalised: `draw` divides
+    by the kept total.
+
+    A row's cut depends on that row alone: speculative sampling draws every tree node's
+    token from the cut distribution, and the multi-candidate rule (module doc) then emits
+    exactly what plain decoding with the same cut emits. A full sort of SmolLM2's 49,152
+    tokens takes ~4 ms a row on a 2-core CPU (its softmax 0.07), so there the kept tokens
+    are sought among the 64 likeliest first (0.1 ms), then 512, then all (one host read a
+    round); on other devices a sort is cheap and a host read is a sync: all at once."""
+    vocab = probs.shape[-1]
+    by_k = 0 < top_k < vocab
+    n = vocab if probs.device.type != "cpu" else min(vocab, max(64, top_k + 1 if by_k else 0))
+    if top_p < 1.0 and not by_k:  # (N, 1): what the nucleus takes its share of (~1)
+        total = probs.sum(-1, keepdim=True, dtype=torch.float64)
+    while True:
+        values, indices = probs.topk(n)  # (N, n), likeliest first
+        # the top-k edge: the k-th likeliest's probability (0: none)
+        edge = values[:, top_k - 1 : top_k] if by_k else torch.zeros_like(values[:, :1])
+        floor = edge
+        if top_p < 1.0:
+            mass = torch.where(values >= edge, values, 0.0).cumsum(-1, dtype=torch.float64)
+            goal = top_p * (mass[:, -1:] if by_k else total)  # of what the top-k cut left
+            reached = mass >= goal
+            # the first token whose running mass reaches the goal; where float sums never
+            # quite reach it (top_p near 1), the last: the whole window stays
+            last = torch.where(reached.any(-1), reached.int().argmax(-1), n - 1)
+            floor = torch.maximum(floor, values.gather(-1, last[:, None]))
+        # every kept token is in the window once a token past it falls below the floor (a
+        # top-k cut's own edge, so that its mass above was whole)
+        if n == vocab or bool((values[:, -1:] < (edge if by_k else floor)).all()):
+            return torch.where(values >= floor, values, 0.0), indices
+        n = min(n * 8, vocab)
 
 
 def draw(probs: Tensor, generator: torch.Generator) -> Tensor:
@@ -183,11 +247,13 @@ def draw(probs: Tensor, generator: torch.Generator) -> Tensor:
 
 
 def accept_sampling(tree: DraftTree, logits: Tensor, temperature: float,
-                    generator: torch.Generator) -> tuple[Tensor, Tensor]:
+                    generator: torch.Generator, top_k: int = 0, top_p: float = 1.0
+                    ) -> tuple[Tensor, Tensor]:
     """Multi-candidate rejection sampling for a deterministic draft tree (EAGLE-2,
     SpecInfer), in the equivalent form of the module docstring: emits exactly softmax(
-    logits / T) at every step (along the official FTA's spliced paths if it spliced)."""
-    result = accept(tree, logits, temperature, generator)
+    logits / T), cut by top_k and top_p (`truncated`), at every step (along the official
+    FTA's spliced paths if it spliced)."""
+    result = accept(tree, logits, temperature, generator, top_k=top_k, top_p=top_p)
     return result.nodes, result.bonus
 
 
@@ -213,11 +279,12 @@ def sample_along_paths(tree: DraftTree, picks: Tensor) -> Acceptance:
 
 
 def accept(tree: DraftTree, logits: Tensor, temperature: float,
-           generator: torch.Generator, step=None) -> Acceptance:
+           generator: torch.Generator, step=None, top_k: int = 0, top_p: float = 1.0
+           ) -> Acceptance:
     """The accepted path, bonus token and emitted tokens of a cycle: the target's picks
     (`sample_tokens`), then `accept_picks`."""
-    return accept_picks(tree, sample_tokens(logits, temperature, generator), temperature,
-                        step)
+    picks = sample_tokens(logits, temperature, generator, top_k, top_p)
+    return accept_picks(tree, picks, temperature, step)
 
 
 def accept_picks(tree: DraftTree, picks: Tensor, temperature: float, step=None

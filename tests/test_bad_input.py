@@ -96,6 +96,9 @@ BAD = {
     "generate_whitespace_prompt": ("generate", ["--target", "{tiny}", "--prompt", " \n\t"]),
     "generate_nan_temperature": ("generate", [*HI, "--temperature", "nan"]),
     "generate_negative_temperature": ("generate", [*HI, "--temperature", "-0.5"]),
+    "generate_zero_top_p": ("generate", [*HI, "--temperature", "1", "--top-p", "0"]),
+    "generate_negative_sample_top_k": ("generate", [*HI, "--temperature", "1",
+                                                    "--sample-top-k", "-3"]),
     "generate_banana_device": ("generate", [*HI, "--device", "banana"]),
     "generate_mlp_topk_beyond_vocab": ("generate", [*HI, *RANDOM_GUMIHO, "--mlp-topk",
                                                     "100000"]),
@@ -387,6 +390,12 @@ def test_api_bad_prompts(plain_gen, prompt, error, words):
     ({"temperature": "hot"}, TypeError, "temperature must be a number"),
     ({"temperature": 1e-40}, GumihoError, "too small to sample with"),
     ({"seed": -1}, GumihoError, "seed must be >= 0"),
+    ({"temperature": 1.0, "top_p": 0.0}, GumihoError, r"top_p must be in \(0, 1\]"),
+    ({"temperature": 1.0, "top_p": 1.5}, GumihoError, r"top_p must be in \(0, 1\]"),
+    ({"temperature": 1.0, "top_p": float("nan")}, GumihoError, "top_p must be in"),
+    ({"temperature": 1.0, "top_p": "0.9"}, TypeError, "top_p must be a number"),
+    ({"temperature": 1.0, "top_k": -1}, GumihoError, "top_k must be >= 0"),
+    ({"temperature": 1.0, "top_k": 2.0}, TypeError, "top_k must be an int"),
 ])
 def test_api_bad_settings(plain_gen, kwargs, error, words):
     with pytest.raises(error, match=words):

@@ -106,3 +106,20 @@ def test_a_generator_loaded_with_the_demo_preset_runs_the_demos_tree(smollm2, re
     assert (tree.min_confidence, tree.extend_confidence) == ((0.1, 0.4) if floors else (0, 0))
     ids, plain = reference
     assert gen.generate(ids, len(plain.token_ids)).token_ids == plain.token_ids
+
+
+def test_sampling_from_the_top_1_is_greedy_decoding(smollm2, reference):
+    """At T > 0 with top_k 1, or a nucleus too small for a second token, every draw is the
+    target's argmax: the shipped Gumiho drafter's sampled answer is plain greedy decoding's
+    for any seed, drafts taken on the way; without the cut the same seed samples another."""
+    from gumiho import SpeculativeGenerator
+
+    gen = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
+                                    total_tokens=8)
+    ids, plain = reference
+    n = len(plain.token_ids)
+    for seed, cut in [(0, {"top_k": 1}), (1, {"top_p": 1e-6}), (2, {"top_k": 40, "top_p": 1e-6})]:
+        out = gen.generate(ids, n, temperature=1.0, seed=seed, **cut)
+        assert out.token_ids == plain.token_ids, cut
+        assert out.tau > 1.2, cut
+    assert gen.generate(ids, n, temperature=1.0, seed=0).token_ids != plain.token_ids

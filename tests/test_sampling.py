@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gumiho.engine import GenerateConfig, run
-from gumiho.sampling import accept_sampling, draw
+from gumiho.sampling import accept_sampling, draw, truncated
 from gumiho.tree import DraftTree
 
 from conftest import tiny_llama
@@ -73,11 +73,81 @@ def test_accept_sampling_emits_target_distribution(temperature):
     assert chi_square_rejects(first, torch.softmax(logits[0] / (temperature * 1.15), -1))
 
 
-def exact_marginals(target, prompt, temperature, vocab):
+def cut_by_sorting(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The top-k / top-p cut by a full sort, token by token, normalised: the reference."""
+    out = torch.zeros_like(probs)
+    for row, p in enumerate(probs):
+        values, order = p.double().sort(descending=True)
+        keep = len(values) if top_k == 0 else top_k
+        while keep < len(values) and values[keep] == values[keep - 1]:
+            keep += 1  # a tie with the last kept token stays
+        values, order = values[:keep], order[:keep]
+        mass, need = values.sum(), 0
+        while need < keep and values[:need].sum() < top_p * mass:
+            need += 1
+        while need < keep and values[need] == values[need - 1]:
+            need += 1
+        out[row, order[:need]] = p[order[:need]]
+    return out / out.sum(-1, keepdim=True)
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (20, 1.0), (20, 0.7), (0, 0.3),
+                                          (0, 1e-6), (1, 1.0), (500, 0.95)])
+def test_the_cut_keeps_what_transformers_warpers_keep(top_k, top_p):
+    """`truncated` keeps, row by row, the tokens transformers' TopK and TopP warpers keep
+    (in that order, after the temperature), with their probabilities renormalised, and
+    the tokens a full sort keeps."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(top_k + int(top_p * 100))
+    logits = torch.randn(6, 300, generator=g) * torch.tensor([0.3, 1, 2, 4, 8, 16])[:, None]
+    want = logits / 0.8
+    if top_k:
+        want = TopKLogitsWarper(top_k)(None, want)
+    if top_p < 1:
+        want = TopPLogitsWarper(top_p)(None, want)
+    want = torch.softmax(want, -1)
+    got = truncated(torch.softmax(logits / 0.8, -1), top_k, top_p)
+    got = got / got.sum(-1, keepdim=True)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got > 0, cut_by_sorting(torch.softmax(logits / 0.8, -1), top_k, top_p) > 0)
+
+
+@pytest.mark.host
+def test_a_wide_nucleus_is_found_past_the_first_rounds_and_ties_stay_together():
+    """On the CPU the nucleus is sought among the 64, then 512 likeliest, then all: rows
+    whose nucleus needs ~40, ~300 and ~3,000 of 5,000 tokens get what a full sort gives, and
+    a row of equal probabilities keeps all of them or none."""
+    g = torch.Generator().manual_seed(0)
+    # geometric rows (a nucleus of 0.9 holds about ln(10) / rate tokens), shuffled
+    rows = [-torch.arange(5000.0)[torch.randperm(5000, generator=g)] * rate
+            for rate in (math.log(10) / 40, math.log(10) / 300, 5e-4)]
+    tied = torch.zeros(2, 5000)
+    tied[0, :10] = 12.0  # ten equally likely tokens holding 99.7%, nothing else close
+    tied[1, 4900:] = 12.0  # a hundred, past the first window of 64
+    probs = torch.softmax(torch.cat([torch.stack(rows), tied]), -1)
+    for top_k, top_p in [(0, 0.9), (0, 0.5), (2000, 0.95), (3, 1.0), (0, 0.35), (63, 1.0)]:
+        got = truncated(probs, top_k, top_p)
+        want = cut_by_sorting(probs, top_k, top_p)
+        assert torch.equal(got > 0, want > 0), (top_k, top_p)
+        assert torch.equal(got[got > 0], probs[got > 0])  # cut, never reweighted
+        # the ties: all of them, whatever k or p (at k = 63 row 3's edge lies among its
+        # 4,990 equal small tokens: all of those stay too, as transformers' TopK keeps them)
+        assert (got[3] > 0).sum() == (5000 if top_k == 63 else 10)
+        assert (got[4] > 0).sum() == 100
+    sizes = (truncated(probs, 0, 0.9) > 0).sum(-1).tolist()
+    assert sizes[0] < 64 < sizes[1] < 512 < sizes[2], sizes  # each round was needed
+
+
+def exact_marginals(target, prompt, temperature, vocab, top_k=0, top_p=1.0):
     """P(t2) and P(t3) of ancestral sampling from the target, by enumeration."""
     with torch.inference_mode():
         def probs(seqs):
-            return torch.softmax(target.model(torch.tensor(seqs)).logits[:, -1] / temperature, -1)
+            p = torch.softmax(target.model(torch.tensor(seqs)).logits[:, -1] / temperature, -1)
+            p = truncated(p, top_k, top_p)
+            return p / p.sum(-1, keepdim=True)
 
         p1 = probs([prompt])[0]  # (V,)
         p2 = probs([prompt + [a] for a in range(vocab)])  # (V, V): [t1, t2]
@@ -88,21 +158,24 @@ def exact_marginals(target, prompt, temperature, vocab):
 
 
 def assert_samples_match_target(target, drafter, prompt, vocab, temperature=1.0,
-                                runs=1500) -> int:
+                                runs=1500, top_k=0, top_p=1.0) -> int:
     """Sample 3 tokens `runs` times through the loop with `drafter`; the 2nd and 3rd
-    tokens' counts must fit the target's exact marginals. Returns the drafts accepted in
-    the first cycles (a test where none are accepted checks nothing)."""
-    want2, want3 = exact_marginals(target, prompt, temperature, vocab)
+    tokens' counts must fit the target's exact marginals (none where they are 0). Returns
+    the drafts accepted in the first cycles (a test where none are accepted checks
+    nothing)."""
+    want2, want3 = exact_marginals(target, prompt, temperature, vocab, top_k, top_p)
     got2, got3 = torch.zeros(vocab), torch.zeros(vocab)
     drafted = 0
     for seed in range(runs):
-        out = run(target, drafter, prompt, GenerateConfig(max_new_tokens=3,
-                                                          temperature=temperature, seed=seed))
+        config = GenerateConfig(max_new_tokens=3, temperature=temperature, top_k=top_k,
+                                top_p=top_p, seed=seed)
+        out = run(target, drafter, prompt, config)
         got2[out.token_ids[1]] += 1
         got3[out.token_ids[2]] += 1
         drafted += out.accept_lengths[1] - 1
     assert not chi_square_rejects(got2, want2)
     assert not chi_square_rejects(got3, want3)
+    assert got2[want2 == 0].sum() == 0 and got3[want3 == 0].sum() == 0
     return drafted
 
 
@@ -112,6 +185,18 @@ def test_speculative_sampling_end_to_end_matches_target(temperature):
     target = tiny_llama(vocab_size=vocab, seed=1, logit_scale=25.0)
     drafted = assert_samples_match_target(target, RandomDrafter(vocab, size=24, seed=0),
                                           [3, 9, 1, 12], vocab, temperature)
+    assert drafted > 200, "too few accepted drafts for the test to mean anything"
+
+
+def test_speculative_sampling_with_top_k_and_top_p_matches_the_cut_target():
+    """With the target's distribution cut (top-k 6, then the 0.8 nucleus) the loop emits
+    the cut distribution: the acceptance rule draws every node's token from it."""
+    vocab = 16
+    target = tiny_llama(vocab_size=vocab, seed=1, logit_scale=25.0)
+    want2, want3 = exact_marginals(target, [3, 9, 1, 12], 1.0, vocab, 6, 0.8)
+    assert (want2 == 0).sum() >= 4 and (want3 == 0).sum() >= 4  # the cut cuts
+    drafted = assert_samples_match_target(target, RandomDrafter(vocab, size=24, seed=0),
+                                          [3, 9, 1, 12], vocab, 1.0, top_k=6, top_p=0.8)
     assert drafted > 200, "too few accepted drafts for the test to mean anything"
 
 
