@@ -164,6 +164,57 @@ def test_gen_answers_writes_the_label_and_resumes_without_comparing_it(tiny_targ
     assert labels == ["first", "second"]
 
 
+def test_gen_answers_records_the_sampling_cut_and_resumes_only_with_it(tiny_target_dir,
+                                                                      tmp_path, capsys):
+    """--sample-top-k and --top-p reach every answer's settings; a file resumes with the
+    same cut only, and a file from before the cut existed counts as made without one."""
+    path = tmp_path / "a.jsonl"
+    args = ["--target", tiny_target_dir, "--method", "ar", "--bench", "mt_bench",
+            "--max-new-tokens", "4", "--answer-file", str(path), "--warmup", "0",
+            "--temperature", "1"]
+    cut = ["--sample-top-k", "20", "--top-p", "0.9"]
+    assert gen_answers.main([*args, *cut, "--question-end", "1"]) == 0
+    settings = json.loads(path.read_text())["settings"]
+    assert (settings["sample_top_k"], settings["top_p"]) == (20, 0.9)
+    assert gen_answers.main([*args, "--top-p", "0.9", "--question-end", "2"]) == 2
+    assert "sample_top_k=20 in the file, 0 now" in capsys.readouterr().err
+    assert gen_answers.main([*args, *cut, "--question-end", "2"]) == 0
+    old = [json.loads(line) for line in path.read_text().splitlines()]
+    for rec in old:  # as the code before the cut wrote them
+        del rec["settings"]["sample_top_k"], rec["settings"]["top_p"]
+    path.write_text("".join(json.dumps(rec) + "\n" for rec in old))
+    assert gen_answers.main([*args, *cut, "--question-end", "3"]) == 2
+    assert "sample_top_k=0 in the file, 20 now" in capsys.readouterr().err
+    assert gen_answers.main([*args, "--question-end", "3"]) == 0
+    assert len(path.read_text().splitlines()) == 3
+
+
+def test_report_splits_answers_by_their_sampling_cut(tmp_path):
+    """Answers sampled with a cut get a table of their own ("1.0, top-p 0.9"), with their
+    own plain baseline; at T = 0 a cut is moot and answers pool as greedy ones."""
+    def run(method, wall, temperature=1.0, **cut):
+        recs = [record(q, method, 4, 2 if method != "ar" else 4, wall, [1, 3], "mt_bench",
+                       None, temperature) for q in range(2)]
+        for rec in recs:
+            rec["settings"].update(cut)
+        return recs
+    files = write_files(tmp_path, {
+        "ar": run("ar", 1.0), "gm": run("gumiho", 0.8),
+        "ar_p": run("ar", 1.0, top_p=0.9), "gm_p": run("gumiho", 0.5, top_p=0.9),
+        "ar_k": run("ar", 2.0, sample_top_k=5, top_p=0.5),
+        "gm_k": run("gumiho", 1.0, sample_top_k=5, top_p=0.5),
+        "ar0": run("ar", 1.0, 0.0, top_p=0.9), "gm0": run("gumiho", 0.5, 0.0)})
+    rep = speed.report(speed.read_answers(files))
+    assert set(rep) == {"0.0", "1.0", "1.0, top-p 0.9", "1.0, top-k 5, top-p 0.5"}
+    assert rep["1.0"]["mt_bench"]["gumiho"]["speedup"] == pytest.approx(1.25)
+    assert rep["1.0, top-p 0.9"]["mt_bench"]["gumiho"]["speedup"] == pytest.approx(2.0)
+    assert rep["1.0, top-k 5, top-p 0.5"]["mt_bench"]["gumiho"]["speedup"] == \
+        pytest.approx(2.0)
+    assert rep["0.0"]["mt_bench"]["gumiho"]["speedup"] == pytest.approx(2.0)
+    assert speed.main(["--answers", *files, "--out", str(tmp_path / "r")]) == 0
+    assert "### T = 1.0, top-p 0.9" in (tmp_path / "r.md").read_text()
+
+
 def test_report_names_an_answer_slowed_by_a_busy_machine(tmp_path, capsys):
     """One answer at a third of its run's median rate is named (stderr and report.md);
     the ordinary 2x spread of speculative answers is not."""

@@ -22,10 +22,13 @@ TURN_KEYS = ("new_tokens", "cycles", "wall_s", "accept_lengths")
 # How every record line starts (json.dumps of a dict whose first key is question_id).
 RECORD_START = b'{"question_id": '
 RESUME_KEYS = ("target", "method", "draft", "draft_sha256", "bench", "temperature",
-               "max_new_tokens", "seed", "tree", "engine")
+               "sample_top_k", "top_p", "max_new_tokens", "seed", "tree", "engine")
 # Settings recorded since a later version: a record without one (older code's) is not
 # compared on it, so its file still resumes and still pools in a report.
 LATER_KEYS = ("draft_sha256",)
+# Settings recorded since a later version whose absence means a value: answers from before
+# the sampling cut existed were sampled without one.
+DEFAULTS = {"sample_top_k": 0, "top_p": 1.0}
 
 
 @dataclass
@@ -117,7 +120,7 @@ def settings_mismatch(old: dict, new: dict, keys: tuple[str, ...] = RESUME_KEYS,
     """The first of `keys` on which two records' settings differ, each value followed by
     its side's name."""
     for key in keys:
-        a, b = old.get(key), new.get(key)
+        a, b = old.get(key, DEFAULTS.get(key)), new.get(key, DEFAULTS.get(key))
         if key in ("target", "draft") and a and b and same_place(a, b):
             continue
         if key in LATER_KEYS and (key not in old or key not in new):

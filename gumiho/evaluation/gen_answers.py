@@ -25,7 +25,6 @@ from gumiho.errors import (
     ArgumentParser,
     GumihoError,
     cli_errors,
-    nonnegative_float,
     nonnegative_int,
     positive_int,
 )
@@ -41,6 +40,7 @@ from gumiho.evaluation.benchmarks import LABELS, pick_questions
 from gumiho.generate import (
     SpeculativeGenerator,
     add_preset_arg,
+    add_sampling_args,
     add_target_args,
     add_tree_args,
     check_context_room,
@@ -77,12 +77,12 @@ def drafter_sha256(draft: str | None) -> str | None:
 
 
 def answer(gen: SpeculativeGenerator, question: dict, max_new_tokens: int,
-           temperature: float, seed: int) -> list[dict]:
+           temperature: float, seed: int, top_k: int = 0, top_p: float = 1.0) -> list[dict]:
     """All turns of one question; later turns see the model's own earlier answers."""
     messages, turns = [], []
     for i, turn in enumerate(question["turns"]):
         messages.append({"role": "user", "content": turn})
-        result = gen.generate(messages, max_new_tokens, temperature, seed + i)
+        result = gen.generate(messages, max_new_tokens, temperature, seed + i, top_k, top_p)
         messages.append({"role": "assistant", "content": result.text})
         turns.append({"text": result.text, "new_tokens": result.new_tokens,
                       "cycles": result.cycles, "wall_s": result.wall_s,
@@ -98,7 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--draft", default=None)
     p.add_argument("--bench", required=True, choices=list(LABELS))
-    p.add_argument("--temperature", type=nonnegative_float, default=0.0)
     p.add_argument("--max-new-tokens", type=positive_int, default=512)
     p.add_argument("--question-begin", type=nonnegative_int, default=0)
     p.add_argument("--question-end", type=nonnegative_int, default=None)
@@ -109,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default=None,
                    help="the report's name for this run (default: the method and what sets "
                    "it apart, e.g. two drafters of one method side by side)")
-    p.add_argument("--seed", type=nonnegative_int, default=0)
+    add_sampling_args(p)
     p.add_argument("--warmup", type=nonnegative_int, default=1,
                    help="untimed warm-up generations")
     add_preset_arg(p)
@@ -178,7 +177,7 @@ class AnswerWriter:
 
 # checked before the slow load (the tree and device after it)
 RESUME_IDENTITY = ("target", "method", "draft", "draft_sha256", "bench", "temperature",
-                   "max_new_tokens", "seed")
+                   "sample_top_k", "top_p", "max_new_tokens", "seed")
 
 
 class Job:
@@ -220,12 +219,14 @@ class Job:
         self.env = environment(gen)
         check_resume(self.path, self.found, self.settings, env=self.env)
         for _ in range(a.warmup):
-            gen.generate(self.todo[0]["turns"][0], min(32, a.max_new_tokens), a.temperature)
+            gen.generate(self.todo[0]["turns"][0], min(32, a.max_new_tokens), a.temperature,
+                         0, a.sample_top_k, a.top_p)
         self.gen, self.writer = gen, AnswerWriter(self.path, self.found)
 
     def answer(self, question: dict) -> None:
         a = self.args
-        turns = answer(self.gen, question, a.max_new_tokens, a.temperature, a.seed)
+        turns = answer(self.gen, question, a.max_new_tokens, a.temperature, a.seed,
+                       a.sample_top_k, a.top_p)
         self.writer.write({"question_id": question["question_id"], "turns": turns,
                            "settings": self.settings, "env": self.env})
 

@@ -44,6 +44,16 @@ RESAMPLES = 2000  # bootstrap draws for a speedup's interval (seeded: reports re
 GROUP_KEYS = ("target", "draft", "draft_sha256", "max_new_tokens", "seed", "tree", "engine")
 
 
+def sampling_key(settings: dict) -> float | str:
+    """How a run's answers were decoded, the report's first split: the temperature, and
+    past it the sampling cut where one was set ("0.7, top-p 0.9"; a cut is moot at T = 0,
+    and a record from before the cut existed has none)."""
+    t = settings["temperature"]
+    k, p = settings.get("sample_top_k", 0), settings.get("top_p", 1.0)
+    cut = ([f"top-k {k}"] if k else []) + ([f"top-p {p:g}"] if p < 1 else [])
+    return ", ".join([str(t), *cut]) if t and cut else t
+
+
 def method_label(settings: dict) -> str:
     """The method, plus what sets this run apart: a random drafter, a non-default FTA, a
     tree size other than the reference's (auto's or the user's) or a wider pool, a
@@ -103,8 +113,8 @@ def wider_than_reference(tree: dict, spec) -> list[str]:
 
 
 def read_answers(paths: list[str], notes: list[str] | None = None) -> dict[tuple, dict]:
-    """{(label, bench, temperature): {question_id: record}}; a half-written last line (an
-    interrupted run's) is left out with a line in `notes`."""
+    """{(label, bench, sampling): {question_id: record}} (`sampling_key`); a half-written
+    last line (an interrupted run's) is left out with a line in `notes`."""
     groups: dict[tuple, dict] = defaultdict(dict)
     first: dict[tuple, tuple[str, dict]] = {}  # group -> (file, record) it started with
     source: dict[tuple, str] = {}  # (group, question) -> the file that answered it
@@ -118,7 +128,7 @@ def read_answers(paths: list[str], notes: list[str] | None = None) -> dict[tuple
                          "writing it): left out (rerunning that run answers it again)")
         for rec in found.records:
             s = rec["settings"]
-            key = (method_label(s), s["bench"], s["temperature"])
+            key = (method_label(s), s["bench"], sampling_key(s))
             where, ref = first.setdefault(key, (path, rec))
             diff = run_mismatch(ref, rec, GROUP_KEYS, (f"in {where}", f"in {path}"))
             if diff:
@@ -311,7 +321,7 @@ def paired_row(key: tuple, answers: dict, base: dict, baseline: str, notes: list
         if label != baseline and len(shared) > 1:  # one question: no spread to bound
             row["speedup_interval"] = speedup_interval(answers, base, shared)
     # Greedy output must equal plain decoding's (SPEC: lossless); sampled need not.
-    if float(temp) == 0.0 and label != baseline:
+    if temp == 0 and label != baseline:
         same = identical_count(answers, base, shared)
         if same is not None:
             row["identical"] = same
