@@ -6,7 +6,7 @@ node. So every cycle emits n - 1 draft tokens plus the bonus token.
 
 Greedy and sampling share one rule. The target picks a token at every tree node at once:
 its argmax (T = 0), or a sample from softmax(logits / T), cut to its top-k tokens and its
-top-p nucleus where those are asked for (`truncated`). The accepted path is the longest
+top-p nucleus where those are asked for (`cut`). The accepted path is the longest
 chain of nodes whose tokens equal the pick at their parent, and the bonus token is the pick
 at its last node. For sampling this is exactly the multi-candidate rejection rule of
 EAGLE-2 / SpecInfer for deterministic drafts (each candidate's draft probability q(x) is 1):
@@ -177,6 +177,7 @@ def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator
 
 
 def is_cut(vocab: int, top_k: int, top_p: float) -> bool:
+    """Whether top_k and top_p cut anything from a vocab-sized distribution."""
     return 0 < top_k < vocab or top_p < 1.0
 
 
