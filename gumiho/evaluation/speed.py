@@ -29,7 +29,7 @@ from pathlib import Path
 
 from gumiho.config import TreeConfig
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int
-from gumiho.evaluation.answers import read_answer_file, settings_mismatch
+from gumiho.evaluation.answers import DEFAULTS, read_answer_file, settings_mismatch
 from gumiho.evaluation.benchmarks import LABELS, pick_questions
 from gumiho.evaluation.speed_tables import markdown, plot
 from gumiho.methods import BY_NAME
@@ -49,7 +49,7 @@ def sampling_key(settings: dict) -> float | str:
     past it the sampling cut where one was set ("0.7, top-p 0.9"; a cut is moot at T = 0,
     and a record from before the cut existed has none)."""
     t = settings["temperature"]
-    k, p = settings.get("sample_top_k", 0), settings.get("top_p", 1.0)
+    k, p = (settings.get(key, DEFAULTS[key]) for key in ("sample_top_k", "top_p"))
     cut = ([f"top-k {k}"] if k else []) + ([f"top-p {p:g}"] if p < 1 else [])
     return ", ".join([str(t), *cut]) if t and cut else t
 
