@@ -232,7 +232,7 @@ class SpeculativeGenerator:
         temperature 0 decodes greedily; above it the target samples, from its `top_k`
         likeliest tokens (0: all) and then its `top_p` nucleus (1.0: all) where those are
         set, as transformers' `generate(do_sample=True, top_k=..., top_p=...)` does
-        (sampling.truncated). (The tree's own top_k, drafts per level, is `load`'s.)
+        (sampling.cut). (The tree's own top_k, drafts per level, is `load`'s.)
 
         The text is decoded once, at the end: a decode after every cycle, as `stream` needs
         (of a short window), would cost plain decoding (a cycle per token) a larger share
