@@ -252,7 +252,7 @@ def accept_sampling(tree: DraftTree, logits: Tensor, temperature: float,
                     ) -> tuple[Tensor, Tensor]:
     """Multi-candidate rejection sampling for a deterministic draft tree (EAGLE-2,
     SpecInfer), in the equivalent form of the module docstring: emits exactly softmax(
-    logits / T), cut by top_k and top_p (`truncated`), at every step (along the official
+    logits / T), cut by top_k and top_p (`cut`), at every step (along the official
     FTA's spliced paths if it spliced)."""
     result = accept(tree, logits, temperature, generator, top_k=top_k, top_p=top_p)
     return result.nodes, result.bonus
