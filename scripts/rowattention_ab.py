@@ -31,19 +31,34 @@ HERE = Path(__file__).resolve().parent.parent / "gumiho"
 FILES = ("rowgemm.c", "rowattention.c", "rowkernels.h")
 
 
-def build(sources: Path):
-    """The attention function of the C sources in `sources`, compiled as kernels.py does,
-    into its cache: sources that equal a build's there (the working tree's, once the
-    package has run; HEAD's where the kernels are unchanged) are not compiled again."""
+def library(sources: Path):
+    """rowgemm's library (product and attention) of the C sources in `sources`, compiled as
+    kernels.py does, into its cache: sources that equal a build's there (the working
+    tree's, once the package has run; HEAD's where the kernels are unchanged) are not
+    compiled again."""
     if rowgemm._library() is None:
         raise SystemExit("error: rowgemm's kernels do not build here (rowgemm.py)")
     files = [sources / name for name in FILES[:2]]
-    library = kernels.built(kernels.library("rowgemm", files, header=sources / FILES[2]),
-                            files, "no comparison")
-    if library is None:
+    built = kernels.built(kernels.library("rowgemm", files, header=sources / FILES[2]),
+                          files, "no comparison")
+    if built is None:
         raise SystemExit(f"error: rowgemm's kernels from {sources} did not build (run with "
                          "logging at info for the compiler's message)")
-    return rowgemm._bind(library)[1]
+    return built
+
+
+def build(sources: Path):
+    """The attention function of the C sources in `sources` (`library`)."""
+    return rowgemm._bind(library(sources))[1]
+
+
+def checkout(base: str, folder: Path) -> Path:
+    """The kernels' sources (FILES) at git revision `base`, written into `folder`."""
+    for name in FILES:
+        text = subprocess.run(["git", "show", f"{base}:gumiho/{name}"], cwd=HERE,
+                              check=True, capture_output=True, text=True).stdout
+        (folder / name).write_text(text)
+    return folder
 
 
 def inputs(dtype: torch.dtype, context: int, rows: int):
@@ -71,13 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "base"
-        old.mkdir()
-        for name in FILES:
-            text = subprocess.run(["git", "show", f"{args.base}:gumiho/{name}"], cwd=HERE,
-                                  check=True, capture_output=True, text=True).stdout
-            (old / name).write_text(text)
-        attends = {"base": build(old), "tree": build(HERE)}
+        attends = {"base": build(checkout(args.base, Path(tmp))), "tree": build(HERE)}
         for dtype in (torch.bfloat16, torch.float32):
             for shape in args.shapes.split(","):
                 context, rows = map(int, shape.split("x"))
