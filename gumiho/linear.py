@@ -228,24 +228,36 @@ def rows_independent(dtype: torch.dtype = torch.bfloat16, rows: int = 32) -> boo
     packs) give each of up to `rows` input rows bit for bit what it gets alone. oneDNN's
     AMX bf16 kernels do, for up to 32 rows on the 2026-11-26 dev machine (not for 40), and
     rowamx.c's, which run a packed bf16 layer's 1 to rowamx.MAX_ROWS rows where they build;
-    float32 MKL's do not, rowgemm.c's do (up to rowgemm.MAX_ROWS rows). With it and a
-    row-invariant attention (attention.py), a verify's tokens get exactly the hidden states
-    of one-token steps."""
+    float32 MKL's do not, rowgemm.c's do (up to rowgemm.MAX_ROWS rows). oneDNN's bf16
+    kernels without AMX (AVX512-BF16, the 2026-12-01 machine) do for inputs of up to 1,024
+    features and not past them (a 1,536 or 2,048-wide input splits its sum by the row
+    count), so the probe takes a wide input as well as a narrow one, and several row counts:
+    whether a split shows depends on the values. With it and a row-invariant attention
+    (attention.py), a verify's tokens get exactly the hidden states of one-token steps."""
     with torch.device("cpu"):  # a probe of this CPU, whatever default the caller set
         return _rows_independent(dtype, rows)
 
 
+PROBE_SHAPES = ((576, 1536), (1536, 576), (2048, 640))  # (in, out): SmolLM2's MLP, Gemma's
+
+
 def _rows_independent(dtype: torch.dtype, rows: int) -> bool:
     g = torch.Generator().manual_seed(0)  # the caller's random state stays as it was
-    layer = nn.Linear(576, 1536, bias=False, device="meta")
-    layer.weight = nn.Parameter((torch.randn(1536, 576, generator=g) * 0.05).to(dtype),
-                                requires_grad=False)
-    if can_pack(layer.weight):
-        layer = PackedLinear(layer)
-    x = torch.randn(1, rows, 576, generator=g).to(dtype)
-    with torch.no_grad():
-        out = layer(x)
-        return all(torch.equal(out[0, r], layer(x[:, r:r + 1])[0, 0]) for r in range(rows))
+    counts = sorted({n for n in (2, 3, 5, 8, rows) if 2 <= n <= rows})
+    for features, out_features in PROBE_SHAPES:
+        layer = nn.Linear(features, out_features, bias=False, device="meta")
+        weight = torch.randn(out_features, features, generator=g) * 0.05
+        layer.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        if can_pack(layer.weight):
+            layer = PackedLinear(layer)
+        for count in counts:
+            x = torch.randn(1, count, features, generator=g).to(dtype)
+            with torch.no_grad():
+                out = layer(x)
+                if not all(torch.equal(out[0, r], layer(x[:, r:r + 1])[0, 0])
+                           for r in range(count)):
+                    return False
+    return True
 
 
 def can_pack(weight: Tensor) -> bool:
