@@ -70,6 +70,8 @@ class MedusaDrafter:
         self.max_rank = int(self.ranks.max()) + 1
         self._heads_step = StaticStep(self._heads_fn, engine)
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)
+        self.engine = engine
+        self.penalty = None  # the generation's repetition penalty (engine.py), eager only
 
     def begin(self, target, capacity: int) -> None:
         if getattr(self, "head_target", None) is not target:  # once per target
@@ -88,7 +90,10 @@ class MedusaDrafter:
     def _heads_fn(self, feature: Tensor, root: Tensor) -> tuple[Tensor]:
         """The tree's tokens (K,): the root, then each node's head's rank-r token."""
         hidden = self.model(feature.to(self.model.w.dtype))  # (N, H)
-        ranked = self.model.logits(hidden, self.head).topk(self.max_rank).indices  # (N, r)
+        logits = self.model.logits(hidden, self.head).float()  # (N, Vd)
+        if self.penalty is not None and self.engine == "eager":  # (penalty.py)
+            logits = self.penalty.drafted(logits, self.head.ids)
+        ranked = logits.topk(self.max_rank).indices  # (N, r)
         ranked = self.head.to_target(ranked)
         depths = self.shape.depths
         return (torch.where(depths > 0, ranked[(depths - 1).clamp(min=0), self.ranks], root),)

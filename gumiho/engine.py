@@ -26,6 +26,7 @@ from gumiho.errors import GumihoError, check_positive_int
 from gumiho.fta import official_for_sampling
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
+from gumiho.penalty import RepetitionPenalty
 from gumiho.profiling import PhaseTimer
 from gumiho.sampling import (
     Acceptance,
@@ -50,6 +51,8 @@ class GenerateConfig:
     temperature: float = 0.0
     top_k: int = 0  # sampling only: the k likeliest tokens (0: all)
     top_p: float = 1.0  # sampling only: the likeliest tokens holding this mass (1.0: all)
+    min_p: float = 0.0  # sampling only: tokens at least this share of the likeliest's (0: all)
+    repetition_penalty: float = 1.0  # the sequence's tokens' logits / it (penalty.py; 1: off)
     seed: int = 0
     profile: bool = False  # time each phase (adds a device sync around every phase)
     verify_width: int | None = None  # pad every verify step to this many tokens (static shape)
@@ -74,6 +77,18 @@ class GenerateConfig:
             raise TypeError(f"top_p must be a number, got {p!r} ({type(p).__name__})")
         if not 0 < p <= 1:  # (NaN fails too)
             raise GumihoError(f"top_p must be in (0, 1] (1 = no nucleus cut), got {p}")
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, int | float):
+            raise TypeError(f"min_p must be a number, got {m!r} ({type(m).__name__})")
+        if not 0 <= m <= 1:
+            raise GumihoError(f"min_p must be in [0, 1] (0 = no min-p cut), got {m}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, int | float):
+            raise TypeError(f"repetition_penalty must be a number, got {r!r} "
+                            f"({type(r).__name__})")
+        if not (math.isfinite(r) and r > 0):
+            raise GumihoError(f"repetition_penalty must be a finite number > 0 (1 = none, "
+                              f"above 1 discourages repeats), got {r}")
         if self.verify_width is not None:
             check_positive_int("verify_width", self.verify_width)
 
@@ -260,6 +275,15 @@ def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features:
                     result.tokens)
 
 
+def share_penalty(drafter: Drafter, penalty: RepetitionPenalty | None) -> None:
+    """Hand a generation's repetition penalty (None: none) to the drafters that draft with
+    it (a `penalty` attribute: the serial drafters and Medusa's), through any wrappers."""
+    while drafter is not None:
+        if hasattr(drafter, "penalty"):
+            drafter.penalty = penalty
+        drafter = getattr(drafter, "inner", None)
+
+
 def context_length(target: Target) -> int | None:
     """The most positions the target was trained for (None if its config does not say)."""
     config = target.config.get_text_config()
@@ -309,48 +333,62 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
     cache = runner.cache_for(capacity)
     if timer.enabled and hasattr(drafter, "timer"):
         drafter.timer = timer  # the drafter's own phases (serial steps, MLP heads)
+    cut = config.top_k, config.top_p, config.min_p
     with timer("prefill"):
         features, logits = prefill(target, cache, input_ids)
-        root = sample_tokens(logits[-1], config.temperature, generator, config.top_k,
-                             config.top_p)
+        penalty = None
+        if config.repetition_penalty != 1.0:
+            penalty = RepetitionPenalty(config.repetition_penalty, logits.shape[-1],
+                                        input_ids[0])
+            logits = penalty.last(logits)
+        root = sample_tokens(logits[-1], config.temperature, generator, *cut)
+        share_penalty(drafter, penalty)
         drafter.begin(target, capacity)
+        if penalty is not None:
+            penalty.add(root.view(1))
         first = int(root)  # the prefill's token, on the host
         drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]),
                         prompt_ids[1:] + [first])
     yield [first]
     # Greedy acceptance: inside the verify's (recorded) step on a device, so that a cycle
-    # syncs once; eagerly on a CPU, in Python over the tree's host copy (match_on_host)
+    # syncs once; eagerly on a CPU, in Python over the tree's host copy (match_on_host).
+    # A penalty needs the logits: its greedy cycles pick outside the step.
     host_match = runner.engine == "eager" and target.device.type == "cpu" and HOST_MATCH
     while True:
         with timer("draft"):
             tree = drafter.propose()
             if config.temperature > 0 and tree.spliced_paths is not None:
                 tree = official_for_sampling(tree)  # the released order at T > 0 (fta.py)
-        if config.temperature == 0 and tree.spliced_paths is None and \
-                tree.spliced_attend is None:
-            if host_match:
-                with timer("verify"):  # and the target's picks, as on a device
-                    features, logits = verify_tree(target, cache, tree, width,
-                                                   runner.step_for(width))
-                    picks = rowgemm.argmax(logits).tolist()
-                with timer("accept_commit"):
-                    result = match_on_host(tree, picks)
-                    commit_accepted(cache, drafter, tree, features, result)
-            else:
-                with timer("verify"):  # and greedy acceptance, in one step
-                    features, result = verify_greedy(target, cache, tree, width,
-                                                     runner.step_for(width, greedy=True))
-                with timer("accept_commit"):
-                    commit_accepted(cache, drafter, tree, features, result)
+        greedy = config.temperature == 0 and tree.spliced_paths is None and \
+            tree.spliced_attend is None
+        if greedy and host_match:
+            with timer("verify"):  # and the target's picks, as on a device
+                features, logits = verify_tree(target, cache, tree, width,
+                                               runner.step_for(width))
+                if penalty is not None:
+                    logits = penalty.rows(logits, tree.tokens, tree.verify_mask)
+                picks = rowgemm.argmax(logits).tolist()
+            with timer("accept_commit"):
+                result = match_on_host(tree, picks)
+                commit_accepted(cache, drafter, tree, features, result)
+        elif greedy and penalty is None:
+            with timer("verify"):  # and greedy acceptance, in one step
+                features, result = verify_greedy(target, cache, tree, width,
+                                                 runner.step_for(width, greedy=True))
+            with timer("accept_commit"):
+                commit_accepted(cache, drafter, tree, features, result)
         else:
             with timer("verify"):  # and the target's picks, as a greedy verify makes them
                 features, logits = verify_tree(target, cache, tree, width,
                                                runner.step_for(width))
-                picks = sample_tokens(logits, config.temperature, generator, config.top_k,
-                                      config.top_p)
+                if penalty is not None:
+                    logits = penalty.rows(logits, tree.tokens, tree.verify_mask)
+                picks = sample_tokens(logits, config.temperature, generator, *cut)
             with timer("accept_commit"):
                 result = accept_picks(tree, picks, config.temperature, runner.accept_step)
                 commit_accepted(cache, drafter, tree, features, result)
+        if penalty is not None:  # the emitted tokens, from the device (no host sync)
+            penalty.add(torch.cat([tree.tokens[result.nodes[1:]], result.bonus.view(1)]))
         if on_cycle is not None:
             on_cycle(tree, result.tokens)
         yield result.tokens

@@ -199,6 +199,22 @@ def nucleus_arg(value: str) -> float:
     return number
 
 
+def share_arg(value: str) -> float:
+    """argparse type: a share from 0 to 1 (min-p; 0 = no cut)."""
+    number = nonnegative_float(value)
+    if number > 1:
+        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1, got {value!r}")
+    return number
+
+
+def positive_float(value: str) -> float:
+    """argparse type: a finite number above 0 (a repetition penalty)."""
+    number = nonnegative_float(value)
+    if number == 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {value!r}")
+    return number
+
+
 def _int(value: str) -> int:
     try:
         return int(value)

@@ -45,8 +45,10 @@ from gumiho.errors import (
     nonnegative_float,
     nonnegative_int,
     nucleus_arg,
+    positive_float,
     positive_int,
     probability_arg,
+    share_arg,
 )
 from gumiho.graphs import ENGINES, resolve_engine
 from gumiho.methods import METHODS, method_spec
@@ -216,34 +218,42 @@ class SpeculativeGenerator:
                         "a list of token ids (ints), got a list holding "
                         f"{', '.join(sorted({type(x).__name__ for x in prompt}))}")
 
-    def _steps(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int,
-               result: GenerationResult | None = None, top_k: int = 0, top_p: float = 1.0):
-        config = GenerateConfig(max_new_tokens=max_new_tokens, temperature=temperature,
-                                top_k=top_k, top_p=top_p, seed=seed,
-                                verify_width=self.verify_width, engine=self.engine)
+    def _steps(self, prompt: Prompt, result: GenerationResult | None = None, **settings):
+        """The engine's generator for `prompt` with `settings` (GenerateConfig's fields)."""
+        config = GenerateConfig(**settings, verify_width=self.verify_width,
+                                engine=self.engine)
         ids = self.prompt_ids(prompt)
-        check_prompt(self.target, ids, max_new_tokens)  # now, not at the first piece
-        return generate(self.target, self.drafter_for(temperature), ids, config, result)
+        check_prompt(self.target, ids, config.max_new_tokens)  # now, not at the first piece
+        return generate(self.target, self.drafter_for(config.temperature), ids, config,
+                        result)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
-                 seed: int = 0, top_k: int = 0, top_p: float = 1.0) -> GenerationResult:
+                 seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0) -> GenerationResult:
         """The whole answer: text, token ids and statistics (tau, tokens/s, ...).
 
         temperature 0 decodes greedily; above it the target samples, from its `top_k`
-        likeliest tokens (0: all) and then its `top_p` nucleus (1.0: all) where those are
-        set, as transformers' `generate(do_sample=True, top_k=..., top_p=...)` does
+        likeliest tokens (0: all), then its `top_p` nucleus (1.0: all), then the tokens at
+        least `min_p` times as likely as the likeliest (0.0: all), where those are set, as
+        transformers' `generate(do_sample=True, top_k=..., top_p=..., min_p=...)` does
         (sampling.cut). (The tree's own top_k, drafts per level, is `load`'s.)
+        `repetition_penalty` (1.0: none; transformers' and vLLM's, e.g. 1.1-1.3) divides
+        the logits of the tokens already in the sequence, prompt included, at any
+        temperature (penalty.py): the output is plain decoding's with the same penalty.
 
         The text is decoded once, at the end: a decode after every cycle, as `stream` needs
         (of a short window), would cost plain decoding (a cycle per token) a larger share
         than a drafter's fewer cycles on a GPU, where a small model's step takes
         milliseconds."""
-        for _ in self._run(prompt, max_new_tokens, temperature, seed, False, top_k, top_p):
+        for _ in self._run(prompt, False, max_new_tokens=max_new_tokens,
+                           temperature=temperature, seed=seed, top_k=top_k, top_p=top_p,
+                           min_p=min_p, repetition_penalty=repetition_penalty):
             pass
         return self.last_result
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
-               seed: int = 0, top_k: int = 0, top_p: float = 1.0) -> Iterator[str]:
+               seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+               repetition_penalty: float = 1.0) -> Iterator[str]:
         """Text pieces as the cycles emit them (the arguments: `generate`'s); the
         statistics land in `last_result`.
 
@@ -251,18 +261,20 @@ class SpeculativeGenerator:
         generated so far, with `stopped_by == "closed"`; an error leaves None. One
         generation at a time: a newer `generate`/`stream` call ends an older stream.
         """
-        return self._run(prompt, max_new_tokens, temperature, seed, True, top_k, top_p)
+        return self._run(prompt, True, max_new_tokens=max_new_tokens,
+                         temperature=temperature, seed=seed, top_k=top_k, top_p=top_p,
+                         min_p=min_p, repetition_penalty=repetition_penalty)
 
-    def _run(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int,
-             pieces: bool, top_k: int = 0, top_p: float = 1.0) -> Iterator[str]:
+    def _run(self, prompt: Prompt, pieces: bool, **settings) -> Iterator[str]:
         """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the
         engine decodes the whole answer once, into `result.text`). The call itself, not
-        its first piece, supersedes an older stream and checks the prompt."""
+        its first piece, supersedes an older stream and checks the prompt and `settings`
+        (GenerateConfig's fields)."""
         self.last_result = None
         # The caches belong to the target, which other generators may share: one owner.
         owner = self._active = self.target.stream_owner = object()
         result = GenerationResult()
-        steps = self._steps(prompt, max_new_tokens, temperature, seed, result, top_k, top_p)
+        steps = self._steps(prompt, result, **settings)
         return self._pieces(owner, steps, result, pieces)
 
     def _pieces(self, owner: object, steps: Iterator[list[int]], result: GenerationResult,
@@ -429,7 +441,8 @@ def total_tokens_arg(value: str) -> int | str:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    """--temperature, --sample-top-k, --top-p and --seed (GenerateConfig's fields)."""
+    """--temperature, --sample-top-k, --top-p, --min-p, --repetition-penalty and --seed
+    (GenerateConfig's fields; `sampling_settings` reads them back)."""
     parser.add_argument("--temperature", type=nonnegative_float, default=0.0,
                         help="0 = greedy (default); above it the target samples")
     parser.add_argument("--sample-top-k", type=nonnegative_int, default=0,
@@ -438,7 +451,21 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=nucleus_arg, default=1.0,
                         help="sampling: from the target's nucleus, its likeliest tokens "
                         "holding this share of the probability (1.0 = all, default)")
+    parser.add_argument("--min-p", type=share_arg, default=0.0,
+                        help="sampling: only tokens at least this share as likely as the "
+                        "likeliest (0 = all, default)")
+    parser.add_argument("--repetition-penalty", type=positive_float, default=1.0,
+                        help="divide the logits of tokens already in the text (prompt "
+                        "included) by this, at any temperature, as transformers' "
+                        "repetition_penalty (1.0 = none, default; e.g. 1.1-1.3)")
     parser.add_argument("--seed", type=nonnegative_int, default=0)
+
+
+def sampling_settings(args: argparse.Namespace) -> dict:
+    """`generate`/`stream`'s keyword arguments from `add_sampling_args`' flags."""
+    return {"temperature": args.temperature, "seed": args.seed, "top_k": args.sample_top_k,
+            "top_p": args.top_p, "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty}
 
 
 def tree_options(args: argparse.Namespace) -> dict:
@@ -478,8 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                                     verify_width=args.verify_width, engine=args.engine,
                                     attention=args.attention, preset=args.preset,
                                     temperature=args.temperature, **tree_options(args))
-    pieces = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.seed,
-                        args.sample_top_k, args.top_p)
+    pieces = gen.stream(args.prompt, args.max_new_tokens, **sampling_settings(args))
     for piece in pieces:
         if not args.json:
             print(piece, end="", flush=True)

@@ -5,11 +5,13 @@ with the root first, `bonus` is the token the target itself emits after the last
 node. So every cycle emits n - 1 draft tokens plus the bonus token.
 
 Greedy and sampling share one rule. The target picks a token at every tree node at once:
-its argmax (T = 0), or a sample from softmax(logits / T), cut to its top-k tokens and its
-top-p nucleus where those are asked for (`cut`). The accepted path is the longest
-chain of nodes whose tokens equal the pick at their parent, and the bonus token is the pick
-at its last node. For sampling this is exactly the multi-candidate rejection rule of
-EAGLE-2 / SpecInfer for deterministic drafts (each candidate's draft probability q(x) is 1):
+its argmax (T = 0), or a sample from softmax(logits / T), cut to its top-k tokens, its
+top-p nucleus and its min-p floor where those are asked for (`cut`); where a repetition
+penalty is asked for, each node's logits are first penalised over its own sequence
+(penalty.py). The accepted path is the longest chain of nodes whose tokens equal the pick
+at their parent, and the bonus token is the pick at its last node. For sampling this is
+exactly the multi-candidate rejection rule of EAGLE-2 / SpecInfer for deterministic drafts
+(each candidate's draft probability q(x) is 1):
 trying the children x_1, x_2, ... in order, accepting x_j with probability p(x_j) after
 zeroing and renormalising away the rejected ones, accepts x_j with probability exactly
 p(x_j) and otherwise samples the residual: the same as drawing y ~ p and taking the child
@@ -161,40 +163,46 @@ def emitted_tokens(tree: DraftTree, accepted: Tensor, bonus: Tensor) -> list[int
 
 
 def sample_tokens(logits: Tensor, temperature: float, generator: torch.Generator,
-                  top_k: int = 0, top_p: float = 1.0) -> Tensor:
+                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
     """One token per row of logits (..., V): the argmax at T == 0, else a sample from
-    softmax(logits / T), cut to its `top_k` likeliest tokens and then to its `top_p`
-    nucleus where those are set (`cut`; 0 and 1.0: off). `generator` lives on the
-    logits' device (no transfer; a cut on the CPU reads the host, `cut`)."""
+    softmax(logits / T), cut to its `top_k` likeliest tokens, then to its `top_p` nucleus,
+    then to those at least `min_p` times as likely as the likeliest, where those are set
+    (`cut`; 0, 1.0 and 0.0: off). `generator` lives on the logits' device (no transfer; a
+    cut on the CPU reads the host, `cut`)."""
     if temperature == 0:
         return rowgemm.argmax(logits)  # torch's for other shapes and devices
     probs = torch.softmax(logits.float() / temperature, -1)
     probs = probs.reshape(-1, probs.shape[-1])
-    if not is_cut(probs.shape[-1], top_k, top_p):
+    if not is_cut(probs.shape[-1], top_k, top_p, min_p):
         return draw(probs, generator).view(logits.shape[:-1])
-    values, indices = cut(probs, top_k, top_p)  # (N, n) each: the kept tokens among them
+    values, indices = cut(probs, top_k, top_p, min_p)  # (N, n): the kept tokens among them
     return indices.gather(-1, draw(values, generator)[:, None]).view(logits.shape[:-1])
 
 
-def is_cut(vocab: int, top_k: int, top_p: float) -> bool:
-    """Whether top_k and top_p cut anything from a vocab-sized distribution."""
-    return 0 < top_k < vocab or top_p < 1.0
+def is_cut(vocab: int, top_k: int, top_p: float, min_p: float = 0.0) -> bool:
+    """Whether top_k, top_p and min_p cut anything from a vocab-sized distribution."""
+    return 0 < top_k < vocab or top_p < 1.0 or min_p > 0.0
 
 
-def truncated(probs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+def truncated(probs: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+              ) -> Tensor:
     """probs (N, V) with each row cut as `cut` cuts it, in place of the whole row: the
     kept tokens' probabilities, zeros elsewhere (unnormalised)."""
-    if not is_cut(probs.shape[-1], top_k, top_p):
+    if not is_cut(probs.shape[-1], top_k, top_p, min_p):
         return probs
-    values, indices = cut(probs, top_k, top_p)
+    values, indices = cut(probs, top_k, top_p, min_p)
     return torch.zeros_like(probs).scatter_(-1, indices, values)
 
 
-def cut(probs: Tensor, top_k: int = 0, top_p: float = 1.0) -> tuple[Tensor, Tensor]:
-    """Each row of probs (N, V) cut as HF's top-k and top-p warpers cut it (in that order):
-    its `top_k` likeliest tokens (0: all), then of those the nucleus, the likeliest whose
-    mass reaches `top_p` of what is left (1.0: all; Holtzman et al. 2020, "The curious
-    case of neural text degeneration"). Each cut keeps every token at least as likely as
+def cut(probs: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+        ) -> tuple[Tensor, Tensor]:
+    """Each row of probs (N, V) cut as HF's top-k, top-p and min-p warpers cut it (in that
+    order): its `top_k` likeliest tokens (0: all), then of those the nucleus, the likeliest
+    whose mass reaches `top_p` of what is left (1.0: all; Holtzman et al. 2020, "The curious
+    case of neural text degeneration"), then of those the tokens at least `min_p` times as
+    likely as the likeliest (0.0: all; Nguyen et al. 2024, "Turning up the heat: min-p
+    sampling"; the ratio is the same before and after the earlier cuts renormalise, and the
+    likeliest token always stays). Each cut keeps every token at least as likely as
     the last one it needs, so ties at an edge stay together and nothing depends on how a
     sort orders them. Returns the n likeliest tokens' probabilities, zero where cut, and
     their ids, (N, n) each; every kept token is among them. Unnormalised: `draw` divides
@@ -224,6 +232,8 @@ def cut(probs: Tensor, top_k: int = 0, top_p: float = 1.0) -> tuple[Tensor, Tens
             # quite reach it (top_p near 1), the last: the whole window stays
             last = torch.where(reached.any(-1), reached.int().argmax(-1), n - 1)
             floor = torch.maximum(floor, values.gather(-1, last[:, None]))
+        if min_p > 0.0:
+            floor = torch.maximum(floor, min_p * values[:, :1])
         # every kept token is in the window once a token past it falls below the floor (a
         # top-k cut's own edge, so that its mass above was whole)
         if n == vocab or bool((values[:, -1:] < (edge if by_k else floor)).all()):
@@ -248,13 +258,14 @@ def draw(probs: Tensor, generator: torch.Generator) -> Tensor:
 
 
 def accept_sampling(tree: DraftTree, logits: Tensor, temperature: float,
-                    generator: torch.Generator, top_k: int = 0, top_p: float = 1.0
-                    ) -> tuple[Tensor, Tensor]:
+                    generator: torch.Generator, top_k: int = 0, top_p: float = 1.0,
+                    min_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """Multi-candidate rejection sampling for a deterministic draft tree (EAGLE-2,
     SpecInfer), in the equivalent form of the module docstring: emits exactly softmax(
-    logits / T), cut by top_k and top_p (`cut`), at every step (along the official
+    logits / T), cut by top_k, top_p and min_p (`cut`), at every step (along the official
     FTA's spliced paths if it spliced)."""
-    result = accept(tree, logits, temperature, generator, top_k=top_k, top_p=top_p)
+    result = accept(tree, logits, temperature, generator, top_k=top_k, top_p=top_p,
+                    min_p=min_p)
     return result.nodes, result.bonus
 
 
@@ -280,11 +291,11 @@ def sample_along_paths(tree: DraftTree, picks: Tensor) -> Acceptance:
 
 
 def accept(tree: DraftTree, logits: Tensor, temperature: float,
-           generator: torch.Generator, step=None, top_k: int = 0, top_p: float = 1.0
-           ) -> Acceptance:
+           generator: torch.Generator, step=None, top_k: int = 0, top_p: float = 1.0,
+           min_p: float = 0.0) -> Acceptance:
     """The accepted path, bonus token and emitted tokens of a cycle: the target's picks
     (`sample_tokens`), then `accept_picks`."""
-    picks = sample_tokens(logits, temperature, generator, top_k, top_p)
+    picks = sample_tokens(logits, temperature, generator, top_k, top_p, min_p)
     return accept_picks(tree, picks, temperature, step)
 
 

@@ -101,6 +101,7 @@ class SerialDrafter:
         self.star_trees, self.star = True, None
         self.cache: KVCache | None = None
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)  # the loop's, to profile
+        self.penalty = None  # the generation's repetition penalty (engine.py), eager only
 
     def pool_nodes(self) -> int:
         """The most candidates a cycle's pool holds (root not counted), so the largest tree
@@ -151,7 +152,10 @@ class SerialDrafter:
         floored at LOGPROB_FLOOR (an underflow to -inf would tie and break the tree's
         ranking; flooring here, inside the recorded steps, spares the tree one kernel
         per level), and their target ids (..., k)."""
-        top = torch.log_softmax(self.head(hidden).float(), -1).topk(k)
+        logits = self.head(hidden).float()
+        if self.penalty is not None and self.engine == "eager":  # (penalty.py)
+            logits = self.penalty.drafted(logits, self.head.ids)
+        top = torch.log_softmax(logits, -1).topk(k)
         return top.values.clamp(min=LOGPROB_FLOOR), self.head.to_target(top.indices)
 
     def _phase(self, name: str):

@@ -113,6 +113,8 @@ class OracleHead:
     """Logits from an oracle hidden state: full[index] scores 10 while on the path; other
     tokens get fixed pseudo-random scores in [0, 1)."""
 
+    ids = None  # drafts over the whole vocabulary (DraftHead.ids)
+
     def __init__(self, full: list[int], vocab_size: int):
         self.full, self.vocab = torch.tensor(full), vocab_size
         self.noise = torch.rand(len(full) + 16, vocab_size, generator=torch.Generator()

@@ -99,6 +99,9 @@ BAD = {
     "generate_zero_top_p": ("generate", [*HI, "--temperature", "1", "--top-p", "0"]),
     "generate_negative_sample_top_k": ("generate", [*HI, "--temperature", "1",
                                                     "--sample-top-k", "-3"]),
+    "generate_min_p_above_one": ("generate", [*HI, "--temperature", "1", "--min-p", "1.5"]),
+    "generate_zero_repetition_penalty": ("generate", [*HI, "--repetition-penalty", "0"]),
+    "generate_word_repetition_penalty": ("generate", [*HI, "--repetition-penalty", "high"]),
     "generate_banana_device": ("generate", [*HI, "--device", "banana"]),
     "generate_mlp_topk_beyond_vocab": ("generate", [*HI, *RANDOM_GUMIHO, "--mlp-topk",
                                                     "100000"]),
@@ -396,6 +399,14 @@ def test_api_bad_prompts(plain_gen, prompt, error, words):
     ({"temperature": 1.0, "top_p": "0.9"}, TypeError, "top_p must be a number"),
     ({"temperature": 1.0, "top_k": -1}, GumihoError, "top_k must be >= 0"),
     ({"temperature": 1.0, "top_k": 2.0}, TypeError, "top_k must be an int"),
+    ({"temperature": 1.0, "min_p": -0.1}, GumihoError, r"min_p must be in \[0, 1\]"),
+    ({"temperature": 1.0, "min_p": 1.5}, GumihoError, r"min_p must be in \[0, 1\]"),
+    ({"temperature": 1.0, "min_p": None}, TypeError, "min_p must be a number"),
+    ({"repetition_penalty": 0.0}, GumihoError, "repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": -1.2}, GumihoError, "repetition_penalty must be a finite"),
+    ({"repetition_penalty": float("inf")}, GumihoError, "repetition_penalty must be a finite"),
+    ({"repetition_penalty": float("nan")}, GumihoError, "repetition_penalty must be a finite"),
+    ({"repetition_penalty": "1.2"}, TypeError, "repetition_penalty must be a number"),
 ])
 def test_api_bad_settings(plain_gen, kwargs, error, words):
     with pytest.raises(error, match=words):

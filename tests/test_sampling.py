@@ -73,8 +73,10 @@ def test_accept_sampling_emits_target_distribution(temperature):
     assert chi_square_rejects(first, torch.softmax(logits[0] / (temperature * 1.15), -1))
 
 
-def cut_by_sorting(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """The top-k / top-p cut by a full sort, token by token, normalised: the reference."""
+def cut_by_sorting(probs: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0
+                   ) -> torch.Tensor:
+    """The top-k / top-p / min-p cut by a full sort, token by token, normalised: the
+    reference."""
     out = torch.zeros_like(probs)
     for row, p in enumerate(probs):
         values, order = p.double().sort(descending=True)
@@ -87,18 +89,22 @@ def cut_by_sorting(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
             need += 1
         while need < keep and values[need] == values[need - 1]:
             need += 1
+        while need > 1 and p[order[need - 1]] < min_p * p.max():  # in probs' dtype, as HF
+            need -= 1
         out[row, order[:need]] = p[order[:need]]
     return out / out.sum(-1, keepdim=True)
 
 
 @pytest.mark.host
-@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (20, 1.0), (20, 0.7), (0, 0.3),
-                                          (0, 1e-6), (1, 1.0), (500, 0.95)])
-def test_the_cut_keeps_what_transformers_warpers_keep(top_k, top_p):
-    """`truncated` keeps, row by row, the tokens transformers' TopK and TopP warpers keep
-    (in that order, after the temperature), with their probabilities renormalised, and
-    the tokens a full sort keeps."""
-    from transformers import TopKLogitsWarper, TopPLogitsWarper
+@pytest.mark.parametrize("top_k, top_p, min_p", [
+    (0, 0.9, 0.0), (20, 1.0, 0.0), (20, 0.7, 0.0), (0, 0.3, 0.0), (0, 1e-6, 0.0),
+    (1, 1.0, 0.0), (500, 0.95, 0.0), (0, 1.0, 0.05), (0, 1.0, 0.3), (20, 0.9, 0.1),
+    (0, 1.0, 1.0)])
+def test_the_cut_keeps_what_transformers_warpers_keep(top_k, top_p, min_p):
+    """`truncated` keeps, row by row, the tokens transformers' TopK, TopP and MinP warpers
+    keep (in that order, after the temperature), with their probabilities renormalised,
+    and the tokens a full sort keeps."""
+    from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     g = torch.Generator().manual_seed(top_k + int(top_p * 100))
     logits = torch.randn(6, 300, generator=g) * torch.tensor([0.3, 1, 2, 4, 8, 16])[:, None]
@@ -107,12 +113,19 @@ def test_the_cut_keeps_what_transformers_warpers_keep(top_k, top_p):
         want = TopKLogitsWarper(top_k)(None, want)
     if top_p < 1:
         want = TopPLogitsWarper(top_p)(None, want)
+    if min_p:
+        want = MinPLogitsWarper(min_p)(None, want)
     want = torch.softmax(want, -1)
-    got = truncated(torch.softmax(logits / 0.8, -1), top_k, top_p)
+    got = truncated(torch.softmax(logits / 0.8, -1), top_k, top_p, min_p)
     got = got / got.sum(-1, keepdim=True)
     assert torch.equal(got > 0, want > 0)
     torch.testing.assert_close(got, want)
-    assert torch.equal(got > 0, cut_by_sorting(torch.softmax(logits / 0.8, -1), top_k, top_p) > 0)
+    reference = cut_by_sorting(torch.softmax(logits / 0.8, -1), top_k, top_p, min_p)
+    assert torch.equal(got > 0, reference > 0)
+    if min_p:  # the floor cuts here, and a row keeps more than its top token somewhere
+        assert (got > 0).sum() < (truncated(torch.softmax(logits / 0.8, -1), top_k, top_p)
+                                  > 0).sum()
+        assert min_p == 1.0 or ((got > 0).sum(-1) > 1).any()
 
 
 @pytest.mark.host
@@ -139,14 +152,26 @@ def test_a_wide_nucleus_is_found_past_the_first_rounds_and_ties_stay_together():
         assert (got[4] > 0).sum() == 100
     sizes = (truncated(probs, 0, 0.9) > 0).sum(-1).tolist()
     assert sizes[0] < 64 < sizes[1] < 512 < sizes[2], sizes  # each round was needed
+    floor = truncated(probs[:3], 0, 1.0, 0.01)  # min-p alone: ~80, ~600 and ~4,600 tokens
+    assert torch.equal(floor > 0, cut_by_sorting(probs[:3], 0, 1.0, 0.01) > 0)
+    sizes = (floor > 0).sum(-1).tolist()
+    assert sizes[0] > 64 and sizes[1] > 512, sizes
 
 
-def exact_marginals(target, prompt, temperature, vocab, top_k=0, top_p=1.0):
-    """P(t2) and P(t3) of ancestral sampling from the target, by enumeration."""
+def exact_marginals(target, prompt, temperature, vocab, top_k=0, top_p=1.0, min_p=0.0,
+                    penalty=1.0):
+    """P(t2) and P(t3) of ancestral sampling from the target, by enumeration (a repetition
+    penalty as transformers' processor applies it to each whole sequence)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
     with torch.inference_mode():
         def probs(seqs):
-            p = torch.softmax(target.model(torch.tensor(seqs)).logits[:, -1] / temperature, -1)
-            p = truncated(p, top_k, top_p)
+            seqs = torch.tensor(seqs)
+            logits = target.model(seqs).logits[:, -1].float()
+            if penalty != 1.0:
+                logits = RepetitionPenaltyLogitsProcessor(penalty)(seqs, logits)
+            p = torch.softmax(logits / temperature, -1)
+            p = truncated(p, top_k, top_p, min_p)
             return p / p.sum(-1, keepdim=True)
 
         p1 = probs([prompt])[0]  # (V,)
@@ -158,17 +183,19 @@ def exact_marginals(target, prompt, temperature, vocab, top_k=0, top_p=1.0):
 
 
 def assert_samples_match_target(target, drafter, prompt, vocab, temperature=1.0,
-                                runs=1500, top_k=0, top_p=1.0) -> int:
+                                runs=1500, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0) -> int:
     """Sample 3 tokens `runs` times through the loop with `drafter`; the 2nd and 3rd
     tokens' counts must fit the target's exact marginals (none where they are 0). Returns
     the drafts accepted in the first cycles (a test where none are accepted checks
     nothing)."""
-    want2, want3 = exact_marginals(target, prompt, temperature, vocab, top_k, top_p)
+    want2, want3 = exact_marginals(target, prompt, temperature, vocab, top_k, top_p, min_p,
+                                   penalty)
     got2, got3 = torch.zeros(vocab), torch.zeros(vocab)
     drafted = 0
     for seed in range(runs):
         config = GenerateConfig(max_new_tokens=3, temperature=temperature, top_k=top_k,
-                                top_p=top_p, seed=seed)
+                                top_p=top_p, min_p=min_p, repetition_penalty=penalty,
+                                seed=seed)
         out = run(target, drafter, prompt, config)
         got2[out.token_ids[1]] += 1
         got3[out.token_ids[2]] += 1
@@ -197,6 +224,22 @@ def test_speculative_sampling_with_top_k_and_top_p_matches_the_cut_target():
     assert (want2 == 0).sum() >= 4 and (want3 == 0).sum() >= 4  # the cut cuts
     drafted = assert_samples_match_target(target, RandomDrafter(vocab, size=24, seed=0),
                                           [3, 9, 1, 12], vocab, 1.0, top_k=6, top_p=0.8)
+    assert drafted > 200, "too few accepted drafts for the test to mean anything"
+
+
+def test_speculative_sampling_with_min_p_and_a_repetition_penalty_matches_the_target():
+    """With a min-p floor and a repetition penalty (each tree node's logits penalised over
+    its own sequence) the loop emits what sampling the penalised, cut target token by token
+    emits; the penalty moves the marginals (the test can tell), and so does min-p."""
+    vocab = 16
+    target = tiny_llama(vocab_size=vocab, seed=1, logit_scale=25.0)
+    prompt = [3, 9, 1, 12]
+    plain2, plain3 = exact_marginals(target, prompt, 1.0, vocab)
+    want2, want3 = exact_marginals(target, prompt, 1.0, vocab, min_p=0.05, penalty=3.0)
+    assert (want2 - plain2).abs().sum() > 0.2 and (want3 - plain3).abs().sum() > 0.2
+    assert (want2 == 0).sum() > (plain2 == 0).sum()
+    drafted = assert_samples_match_target(target, RandomDrafter(vocab, size=24, seed=0),
+                                          prompt, vocab, 1.0, min_p=0.05, penalty=3.0)
     assert drafted > 200, "too few accepted drafts for the test to mean anything"
 
 

@@ -44,6 +44,7 @@ from gumiho.generate import (
     add_target_args,
     add_tree_args,
     check_context_room,
+    sampling_settings,
     tree_options,
 )
 from gumiho.methods import METHODS
@@ -76,13 +77,15 @@ def drafter_sha256(draft: str | None) -> str | None:
     return file_sha256(weights_file(check_drafter_dir(draft)))
 
 
-def answer(gen: SpeculativeGenerator, question: dict, max_new_tokens: int,
-           temperature: float, seed: int, top_k: int = 0, top_p: float = 1.0) -> list[dict]:
-    """All turns of one question; later turns see the model's own earlier answers."""
+def answer(gen: SpeculativeGenerator, question: dict, max_new_tokens: int, seed: int = 0,
+           **settings) -> list[dict]:
+    """All turns of one question; later turns see the model's own earlier answers (turn i
+    sampled with seed + i). `settings`: generate's other keywords (temperature, the cut,
+    the penalty)."""
     messages, turns = [], []
     for i, turn in enumerate(question["turns"]):
         messages.append({"role": "user", "content": turn})
-        result = gen.generate(messages, max_new_tokens, temperature, seed + i, top_k, top_p)
+        result = gen.generate(messages, max_new_tokens, seed=seed + i, **settings)
         messages.append({"role": "assistant", "content": result.text})
         turns.append({"text": result.text, "new_tokens": result.new_tokens,
                       "cycles": result.cycles, "wall_s": result.wall_s,
@@ -177,7 +180,8 @@ class AnswerWriter:
 
 # checked before the slow load (the tree and device after it)
 RESUME_IDENTITY = ("target", "method", "draft", "draft_sha256", "bench", "temperature",
-                   "sample_top_k", "top_p", "max_new_tokens", "seed")
+                   "sample_top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
+                   "seed")
 
 
 class Job:
@@ -219,14 +223,13 @@ class Job:
         self.env = environment(gen)
         check_resume(self.path, self.found, self.settings, env=self.env)
         for _ in range(a.warmup):
-            gen.generate(self.todo[0]["turns"][0], min(32, a.max_new_tokens), a.temperature,
-                         0, a.sample_top_k, a.top_p)
+            gen.generate(self.todo[0]["turns"][0], min(32, a.max_new_tokens),
+                         **{**sampling_settings(a), "seed": 0})
         self.gen, self.writer = gen, AnswerWriter(self.path, self.found)
 
     def answer(self, question: dict) -> None:
         a = self.args
-        turns = answer(self.gen, question, a.max_new_tokens, a.temperature, a.seed,
-                       a.sample_top_k, a.top_p)
+        turns = answer(self.gen, question, a.max_new_tokens, **sampling_settings(a))
         self.writer.write({"question_id": question["question_id"], "turns": turns,
                            "settings": self.settings, "env": self.env})
 

@@ -10,8 +10,8 @@ every method question 2, and so on, with the order rotating by one from question
 question, so drift falls on all of them alike and each method runs first equally often.
 
 Common flags (once, outside --run): --target, --device, --dtype, --chat-template, --bench,
---temperature, --sample-top-k, --top-p, --max-new-tokens, --question-begin,
---question-end, --seed, --warmup, --overwrite. Each --run holds one method's own
+--temperature, --sample-top-k, --top-p, --min-p, --repetition-penalty, --max-new-tokens,
+--question-begin, --question-end, --seed, --warmup, --overwrite. Each --run holds one method's own
 `gen_answers` flags: --method, --draft, --answer-file, --engine and the tree flags. The
 target is loaded once and shared. Answer files are exactly gen_answers' (the speed report
 reads them as usual), and rerunning the same command resumes each of them where it
@@ -33,8 +33,9 @@ from gumiho.target import load_target
 
 # flags that must be the same for every run: one target, one question list
 COMMON = ("--target", "--device", "--dtype", "--chat-template", "--attention", "--bench",
-          "--temperature", "--sample-top-k", "--top-p", "--max-new-tokens", "--question-begin",
-          "--question-end", "--seed", "--warmup", "--overwrite")
+          "--temperature", "--sample-top-k", "--top-p", "--min-p", "--repetition-penalty",
+          "--max-new-tokens", "--question-begin", "--question-end", "--seed", "--warmup",
+          "--overwrite")
 
 
 def parse_runs(argv: list[str] | None) -> list:

@@ -46,12 +46,16 @@ GROUP_KEYS = ("target", "draft", "draft_sha256", "max_new_tokens", "seed", "tree
 
 def sampling_key(settings: dict) -> float | str:
     """How a run's answers were decoded, the report's first split: the temperature, and
-    past it the sampling cut where one was set ("0.7, top-p 0.9"; a cut is moot at T = 0,
-    and a record from before the cut existed has none)."""
+    past it the sampling cut where one was set ("0.7, top-p 0.9"; a cut is moot at T = 0)
+    and a repetition penalty (at any T: "0, repetition penalty 1.3"). A record from
+    before these existed has none (answers.DEFAULTS)."""
     t = settings["temperature"]
-    k, p = (settings.get(key, DEFAULTS[key]) for key in ("sample_top_k", "top_p"))
-    cut = ([f"top-k {k}"] if k else []) + ([f"top-p {p:g}"] if p < 1 else [])
-    return ", ".join([str(t), *cut]) if t and cut else t
+    k, p, m, r = (settings.get(key, DEFAULTS[key])
+                  for key in ("sample_top_k", "top_p", "min_p", "repetition_penalty"))
+    cut = ([f"top-k {k}"] if k else []) + ([f"top-p {p:g}"] if p < 1 else []) + \
+        ([f"min-p {m:g}"] if m else [])
+    parts = (cut if t else []) + ([f"repetition penalty {r:g}"] if r != 1 else [])
+    return ", ".join([str(t), *parts]) if parts else t
 
 
 def method_label(settings: dict) -> str:
@@ -321,7 +325,7 @@ def paired_row(key: tuple, answers: dict, base: dict, baseline: str, notes: list
         if label != baseline and len(shared) > 1:  # one question: no spread to bound
             row["speedup_interval"] = speedup_interval(answers, base, shared)
     # Greedy output must equal plain decoding's (SPEC: lossless); sampled need not.
-    if temp == 0 and label != baseline:
+    if answers[shared[0]]["settings"]["temperature"] == 0 and label != baseline:
         same = identical_count(answers, base, shared)
         if same is not None:
             row["identical"] = same
