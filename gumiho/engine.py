@@ -36,6 +36,7 @@ from gumiho.sampling import (
     matched,
     sample_tokens,
 )
+from gumiho.stops import StopStrings, check_stops
 from gumiho.target import Target
 from gumiho.tree import DraftTree
 
@@ -53,6 +54,7 @@ class GenerateConfig:
     top_p: float = 1.0  # sampling only: the likeliest tokens holding this mass (1.0: all)
     min_p: float = 0.0  # sampling only: tokens at least this share of the likeliest's (0: all)
     repetition_penalty: float = 1.0  # the sequence's tokens' logits / it (penalty.py; 1: off)
+    stop: tuple[str, ...] = ()  # stop strings: the answer ends at the first (stops.py)
     seed: int = 0
     profile: bool = False  # time each phase (adds a device sync around every phase)
     verify_width: int | None = None  # pad every verify step to this many tokens (static shape)
@@ -89,6 +91,7 @@ class GenerateConfig:
         if not (math.isfinite(r) and r > 0):
             raise GumihoError(f"repetition_penalty must be a finite number > 0 (1 = none, "
                               f"above 1 discourages repeats), got {r}")
+        object.__setattr__(self, "stop", check_stops(self.stop))  # a string, or a list
         if self.verify_width is not None:
             check_positive_int("verify_width", self.verify_width)
 
@@ -102,8 +105,8 @@ class GenerationResult:
     accept_lengths: list[int] = field(default_factory=list)  # per cycle, prefill first
     cycle_s: list[float] = field(default_factory=list)  # each cycle's own time
     wall_s: float = 0.0
-    text: str = ""
-    # "stop_token", "max_new_tokens", or "closed" (the caller stopped a stream early)
+    text: str = ""  # the tokens' text, ending before a stop string (GenerateConfig.stop)
+    # "stop_token", "stop_string", "max_new_tokens", or "closed" (a stream stopped early)
     stopped_by: str = ""
     phase_s: dict[str, float] = field(default_factory=dict)  # with GenerateConfig.profile
 
@@ -412,13 +415,17 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
     # The caller's time between cycles (a stream's printing) is its own, not the loop's:
     # wall_s and cycle_s leave out every pause at `yield`.
     away, paused_at = 0.0, None
+    strings = StopStrings(target.decode, config.stop) if config.stop else None
     cycles = speculative_cycles(target, drafter, prompt_ids, config, timer, on_cycle)
     try:
         for new in cycles:
             room = config.max_new_tokens - result.new_tokens
             stops = [i for i, t in enumerate(new[:room]) if t in target.stop_token_ids]
-            if stops:
-                new, result.stopped_by = new[: stops[0] + 1], "stop_token"
+            end = stops[0] + 1 if stops else min(len(new), room)
+            if strings is not None and (kept := strings.through(new[:end])) is not None:
+                new, result.stopped_by = new[:kept], "stop_string"
+            elif stops:
+                new, result.stopped_by = new[:end], "stop_token"
             elif len(new) >= room:
                 new, result.stopped_by = new[:room], "max_new_tokens"
             now = paused_at = time.perf_counter()
@@ -437,6 +444,8 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
         result.wall_s = end - start - away
         result.phase_s = dict(timer.totals)
         result.text = target.decode(result.token_ids)
+        if strings is not None:  # the stop string is not part of the answer's text
+            result.text = strings.text(result.text)
     return result
 
 

@@ -15,8 +15,9 @@ import json
 import logging
 import operator
 import os
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -52,6 +53,7 @@ from gumiho.errors import (
 )
 from gumiho.graphs import ENGINES, resolve_engine
 from gumiho.methods import METHODS, method_spec
+from gumiho.stops import HeldText, check_stops
 from gumiho.target import (
     ATTENTION_CHOICES,
     Target,
@@ -229,7 +231,8 @@ class SpeculativeGenerator:
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                  seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                 repetition_penalty: float = 1.0) -> GenerationResult:
+                 repetition_penalty: float = 1.0, stop: str | Sequence[str] = ()
+                 ) -> GenerationResult:
         """The whole answer: text, token ids and statistics (tau, tokens/s, ...).
 
         temperature 0 decodes greedily; above it the target samples, from its `top_k`
@@ -240,6 +243,9 @@ class SpeculativeGenerator:
         `repetition_penalty` (1.0: none; transformers' and vLLM's, e.g. 1.1-1.3) divides
         the logits of the tokens already in the sequence, prompt included, at any
         temperature (penalty.py): the output is plain decoding's with the same penalty.
+        `stop` (a string or several) ends the answer after the token that completes the
+        first of them in its text (`stopped_by == "stop_string"`); the text ends before
+        it, the token ids keep the tokens that spelled it (stops.py).
 
         The text is decoded once, at the end: a decode after every cycle, as `stream` needs
         (of a short window), would cost plain decoding (a cycle per token) a larger share
@@ -247,15 +253,17 @@ class SpeculativeGenerator:
         milliseconds."""
         for _ in self._run(prompt, False, max_new_tokens=max_new_tokens,
                            temperature=temperature, seed=seed, top_k=top_k, top_p=top_p,
-                           min_p=min_p, repetition_penalty=repetition_penalty):
+                           min_p=min_p, repetition_penalty=repetition_penalty, stop=stop):
             pass
         return self.last_result
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-               repetition_penalty: float = 1.0) -> Iterator[str]:
+               repetition_penalty: float = 1.0, stop: str | Sequence[str] = ()
+               ) -> Iterator[str]:
         """Text pieces as the cycles emit them (the arguments: `generate`'s); the
-        statistics land in `last_result`.
+        statistics land in `last_result`. With `stop`, text that may be the start of a
+        stop string waits for the next cycle, so no piece shows any part of one.
 
         Stopping early (`break`, or closing the iterator) leaves in `last_result` the part
         generated so far, with `stopped_by == "closed"`; an error leaves None. One
@@ -263,7 +271,7 @@ class SpeculativeGenerator:
         """
         return self._run(prompt, True, max_new_tokens=max_new_tokens,
                          temperature=temperature, seed=seed, top_k=top_k, top_p=top_p,
-                         min_p=min_p, repetition_penalty=repetition_penalty)
+                         min_p=min_p, repetition_penalty=repetition_penalty, stop=stop)
 
     def _run(self, prompt: Prompt, pieces: bool, **settings) -> Iterator[str]:
         """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the
@@ -275,11 +283,13 @@ class SpeculativeGenerator:
         owner = self._active = self.target.stream_owner = object()
         result = GenerationResult()
         steps = self._steps(prompt, result, **settings)
-        return self._pieces(owner, steps, result, pieces)
+        stops = check_stops(settings.get("stop"))
+        return self._pieces(owner, steps, result, pieces, stops)
 
     def _pieces(self, owner: object, steps: Iterator[list[int]], result: GenerationResult,
-                pieces: bool) -> Iterator[str]:
+                pieces: bool, stops: tuple[str, ...] = ()) -> Iterator[str]:
         text = TextPieces(self.target.decode) if pieces else None
+        held = HeldText(stops) if pieces and stops else None
         try:
             while True:
                 if self.target.stream_owner is not owner:
@@ -290,11 +300,17 @@ class SpeculativeGenerator:
                     new = next(steps)
                 except StopIteration:
                     self.last_result = result
-                    if text is not None and (rest := text.finish(result.text)):
-                        yield rest
+                    if text is not None:
+                        rest = (held.finish(result.text) if held is not None
+                                else text.finish(result.text))
+                        if rest:
+                            yield rest
                     return
                 if text is not None and (piece := text.push(new)):
-                    yield piece
+                    if held is not None:
+                        piece = held.push(piece)
+                    if piece:
+                        yield piece
         except GeneratorExit:  # the caller stopped early: describe what it got
             steps.close()
             if self._active is owner:
@@ -440,6 +456,15 @@ def total_tokens_arg(value: str) -> int | str:
     return number
 
 
+def stop_arg(value: str) -> str:
+    """--stop's text, with \\n, \\t and \\\\ read as a newline, a tab and a backslash."""
+    text = re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)],
+                  value)
+    if not text:
+        raise argparse.ArgumentTypeError("expected some text to stop at, got ''")
+    return text
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """--temperature, --sample-top-k, --top-p, --min-p, --repetition-penalty and --seed
     (GenerateConfig's fields; `sampling_settings` reads them back)."""
@@ -486,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", required=True, help="one user turn")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     add_sampling_args(parser)
+    parser.add_argument("--stop", action="append", type=stop_arg, default=[],
+                        metavar="TEXT", help="end the answer at this text (left out of it; "
+                        "repeat for several; \\n and \\t are a newline and a tab)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--verify-width", type=positive_int, default=None,
                         help="pad every verify step to this many tokens (one static shape)")
@@ -505,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
                                     verify_width=args.verify_width, engine=args.engine,
                                     attention=args.attention, preset=args.preset,
                                     temperature=args.temperature, **tree_options(args))
-    pieces = gen.stream(args.prompt, args.max_new_tokens, **sampling_settings(args))
+    pieces = gen.stream(args.prompt, args.max_new_tokens, **sampling_settings(args),
+                        stop=args.stop)
     for piece in pieces:
         if not args.json:
             print(piece, end="", flush=True)

@@ -102,6 +102,7 @@ BAD = {
     "generate_min_p_above_one": ("generate", [*HI, "--temperature", "1", "--min-p", "1.5"]),
     "generate_zero_repetition_penalty": ("generate", [*HI, "--repetition-penalty", "0"]),
     "generate_word_repetition_penalty": ("generate", [*HI, "--repetition-penalty", "high"]),
+    "generate_empty_stop": ("generate", [*HI, "--stop", ""]),
     "generate_banana_device": ("generate", [*HI, "--device", "banana"]),
     "generate_mlp_topk_beyond_vocab": ("generate", [*HI, *RANDOM_GUMIHO, "--mlp-topk",
                                                     "100000"]),
@@ -407,6 +408,9 @@ def test_api_bad_prompts(plain_gen, prompt, error, words):
     ({"repetition_penalty": float("inf")}, GumihoError, "repetition_penalty must be a finite"),
     ({"repetition_penalty": float("nan")}, GumihoError, "repetition_penalty must be a finite"),
     ({"repetition_penalty": "1.2"}, TypeError, "repetition_penalty must be a number"),
+    ({"stop": ""}, GumihoError, "a stop string must not be empty"),
+    ({"stop": ["User:", None]}, TypeError, "stop must be a string or a list of strings"),
+    ({"stop": 7}, TypeError, "stop must be a string or a list of strings"),
 ])
 def test_api_bad_settings(plain_gen, kwargs, error, words):
     with pytest.raises(error, match=words):
