@@ -14,7 +14,9 @@ Only the answer is searched, not the prompt. Each cycle decodes a short window: 
 `2 * longest + 8` tokens before the cycle's new ones (every token spells at least one
 character, or an empty special token, so a string of n characters spans at most n
 tokens) and the new ones; only where the window holds a stop string are its prefixes
-decoded to find the token that completed it.
+decoded to find the token that completed it. On the 2-core Xeon (2026-12-01, SmolLM2's
+tokenizer, 3 tokens a cycle) that cost 13 us a cycle for "\\n\\n" and 17 us for two
+strings of up to 7 characters, against a 22 ms plain step.
 """
 
 from __future__ import annotations
