@@ -71,7 +71,7 @@ class MedusaDrafter:
         self._heads_step = StaticStep(self._heads_fn, engine)
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)
         self.engine = engine
-        self.penalty = None  # the generation's repetition penalty (engine.py), eager only
+        self.penalty = None  # the generation's penalties (engine.py, penalty.py), eager only
 
     def begin(self, target, capacity: int) -> None:
         if getattr(self, "head_target", None) is not target:  # once per target

@@ -26,7 +26,7 @@ from gumiho.errors import GumihoError, check_positive_int
 from gumiho.fta import official_for_sampling
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
-from gumiho.penalty import RepetitionPenalty
+from gumiho.penalty import Penalties, penalties
 from gumiho.profiling import PhaseTimer
 from gumiho.sampling import (
     Acceptance,
@@ -54,6 +54,8 @@ class GenerateConfig:
     top_p: float = 1.0  # sampling only: the likeliest tokens holding this mass (1.0: all)
     min_p: float = 0.0  # sampling only: tokens at least this share of the likeliest's (0: all)
     repetition_penalty: float = 1.0  # the sequence's tokens' logits / it (penalty.py; 1: off)
+    presence_penalty: float = 0.0  # subtracted from the answer's tokens' logits (penalty.py)
+    frequency_penalty: float = 0.0  # times a token's count in the answer, subtracted too
     stop: tuple[str, ...] = ()  # stop strings: the answer ends at the first (stops.py)
     seed: int = 0
     profile: bool = False  # time each phase (adds a device sync around every phase)
@@ -91,6 +93,12 @@ class GenerateConfig:
         if not (math.isfinite(r) and r > 0):
             raise GumihoError(f"repetition_penalty must be a finite number > 0 (1 = none, "
                               f"above 1 discourages repeats), got {r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise TypeError(f"{name} must be a number, got {v!r} ({type(v).__name__})")
+            if not -2 <= v <= 2:  # (NaN fails too) OpenAI's and vLLM's range
+                raise GumihoError(f"{name} must be in [-2, 2] (0 = none), got {v}")
         object.__setattr__(self, "stop", check_stops(self.stop))  # a string, or a list
         if self.verify_width is not None:
             check_positive_int("verify_width", self.verify_width)
@@ -278,8 +286,8 @@ def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features:
                     result.tokens)
 
 
-def share_penalty(drafter: Drafter, penalty: RepetitionPenalty | None) -> None:
-    """Hand a generation's repetition penalty (None: none) to the drafters that draft with
+def share_penalty(drafter: Drafter, penalty: Penalties | None) -> None:
+    """Hand a generation's penalties (None: none) to the drafters that draft with
     it (a `penalty` attribute: the serial drafters and Medusa's), through any wrappers."""
     while drafter is not None:
         if hasattr(drafter, "penalty"):
@@ -339,10 +347,9 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
     cut = config.top_k, config.top_p, config.min_p
     with timer("prefill"):
         features, logits = prefill(target, cache, input_ids)
-        penalty = None
-        if config.repetition_penalty != 1.0:
-            penalty = RepetitionPenalty(config.repetition_penalty, logits.shape[-1],
-                                        input_ids[0])
+        penalty = penalties(config.repetition_penalty, config.presence_penalty,
+                            config.frequency_penalty, logits.shape[-1], input_ids[0])
+        if penalty is not None:
             logits = penalty.last(logits)
         root = sample_tokens(logits[-1], config.temperature, generator, *cut)
         share_penalty(drafter, penalty)

@@ -215,6 +215,18 @@ def positive_float(value: str) -> float:
     return number
 
 
+def penalty_arg(value: str) -> float:
+    """argparse type: a number from -2 to 2 (a presence or frequency penalty)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from -2 to 2, got {value!r}") \
+            from None
+    if not -2 <= number <= 2:  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"expected a number from -2 to 2, got {value!r}")
+    return number
+
+
 def _int(value: str) -> int:
     try:
         return int(value)

@@ -46,6 +46,7 @@ from gumiho.errors import (
     nonnegative_float,
     nonnegative_int,
     nucleus_arg,
+    penalty_arg,
     positive_float,
     positive_int,
     probability_arg,
@@ -231,7 +232,8 @@ class SpeculativeGenerator:
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                  seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                 repetition_penalty: float = 1.0, stop: str | Sequence[str] = ()
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, stop: str | Sequence[str] = ()
                  ) -> GenerationResult:
         """The whole answer: text, token ids and statistics (tau, tokens/s, ...).
 
@@ -243,6 +245,9 @@ class SpeculativeGenerator:
         `repetition_penalty` (1.0: none; transformers' and vLLM's, e.g. 1.1-1.3) divides
         the logits of the tokens already in the sequence, prompt included, at any
         temperature (penalty.py): the output is plain decoding's with the same penalty.
+        `presence_penalty` and `frequency_penalty` (0.0: none; OpenAI's and vLLM's, in
+        [-2, 2]) subtract from the logit of each token in the answer (not the prompt) the
+        first, plus the second times its count there, after the repetition penalty.
         `stop` (a string or several) ends the answer after the token that completes the
         first of them in its text (`stopped_by == "stop_string"`); the text ends before
         it, the token ids keep the tokens that spelled it (stops.py).
@@ -253,13 +258,16 @@ class SpeculativeGenerator:
         milliseconds."""
         for _ in self._run(prompt, False, max_new_tokens=max_new_tokens,
                            temperature=temperature, seed=seed, top_k=top_k, top_p=top_p,
-                           min_p=min_p, repetition_penalty=repetition_penalty, stop=stop):
+                           min_p=min_p, repetition_penalty=repetition_penalty,
+                           presence_penalty=presence_penalty,
+                           frequency_penalty=frequency_penalty, stop=stop):
             pass
         return self.last_result
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-               repetition_penalty: float = 1.0, stop: str | Sequence[str] = ()
+               repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, stop: str | Sequence[str] = ()
                ) -> Iterator[str]:
         """Text pieces as the cycles emit them (the arguments: `generate`'s); the
         statistics land in `last_result`. With `stop`, text that may be the start of a
@@ -271,7 +279,9 @@ class SpeculativeGenerator:
         """
         return self._run(prompt, True, max_new_tokens=max_new_tokens,
                          temperature=temperature, seed=seed, top_k=top_k, top_p=top_p,
-                         min_p=min_p, repetition_penalty=repetition_penalty, stop=stop)
+                         min_p=min_p, repetition_penalty=repetition_penalty,
+                         presence_penalty=presence_penalty,
+                         frequency_penalty=frequency_penalty, stop=stop)
 
     def _run(self, prompt: Prompt, pieces: bool, **settings) -> Iterator[str]:
         """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the
@@ -466,7 +476,7 @@ def stop_arg(value: str) -> str:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    """--temperature, --sample-top-k, --top-p, --min-p, --repetition-penalty and --seed
+    """--temperature, --sample-top-k, --top-p, --min-p, the three penalties and --seed
     (GenerateConfig's fields; `sampling_settings` reads them back)."""
     parser.add_argument("--temperature", type=nonnegative_float, default=0.0,
                         help="0 = greedy (default); above it the target samples")
@@ -483,6 +493,14 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                         help="divide the logits of tokens already in the text (prompt "
                         "included) by this, at any temperature, as transformers' "
                         "repetition_penalty (1.0 = none, default; e.g. 1.1-1.3)")
+    parser.add_argument("--presence-penalty", type=penalty_arg, default=0.0,
+                        help="subtract this from the logit of every token already in the "
+                        "answer, at any temperature, as OpenAI's and vLLM's presence_penalty "
+                        "(-2 to 2; 0 = none, default)")
+    parser.add_argument("--frequency-penalty", type=penalty_arg, default=0.0,
+                        help="subtract this times its count in the answer from each token's "
+                        "logit, as OpenAI's and vLLM's frequency_penalty (-2 to 2; 0 = none, "
+                        "default)")
     parser.add_argument("--seed", type=nonnegative_int, default=0)
 
 
@@ -490,7 +508,9 @@ def sampling_settings(args: argparse.Namespace) -> dict:
     """`generate`/`stream`'s keyword arguments from `add_sampling_args`' flags."""
     return {"temperature": args.temperature, "seed": args.seed, "top_k": args.sample_top_k,
             "top_p": args.top_p, "min_p": args.min_p,
-            "repetition_penalty": args.repetition_penalty}
+            "repetition_penalty": args.repetition_penalty,
+            "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty}
 
 
 def tree_options(args: argparse.Namespace) -> dict:

@@ -1,14 +1,20 @@
-"""The repetition penalty over a draft tree (Keskar et al. 2019, "CTRL"; transformers'
-`generate(repetition_penalty=...)`, vLLM's `repetition_penalty`).
+"""Penalties over a draft tree: the repetition penalty (Keskar et al. 2019, "CTRL";
+transformers' `generate(repetition_penalty=...)`, vLLM's `repetition_penalty`), and the
+presence and frequency penalties (OpenAI's API, vLLM's `presence_penalty` and
+`frequency_penalty`), which subtract from the logit of every token the answer holds
+`presence + frequency * count` (its count in the answer, the prompt left out), applied
+after the repetition penalty, as vLLM applies them.
 
-Plain decoding divides the logit of every token already in the sequence (the prompt and
-what was generated) by the penalty where the logit is positive and multiplies it where it
-is negative, before the temperature and any cut (transformers'
+For the repetition penalty plain decoding divides the logit of every token already in the
+sequence (the prompt and what was generated) by the penalty where the logit is positive
+and multiplies it where it is negative, before the temperature and any cut (transformers'
 RepetitionPenaltyLogitsProcessor, in float32). In a tree each node has a sequence of its
 own: the committed tokens, then the nodes its row of the verify mask sees (its ancestors
 and itself; what the target conditions that row on). So each row is penalised over its own
-sequence, and a node's pick is what plain decoding would pick after that sequence: the
-loop stays lossless, greedy output equal to plain decoding's with the same penalty, and
+sequence (for the presence and frequency penalties, the answer so far and the node's path
+below the root, whose token the answer already holds), and a node's pick is what plain
+decoding would pick after that sequence: the loop stays lossless, greedy output equal to
+plain decoding's with the same penalties, and
 sampling draws from the same penalised distribution.
 
 The drafters penalise their own logits over the sequence so far too (`drafted`; not over
@@ -111,3 +117,119 @@ class RepetitionPenalty:
         values = logits.gather(1, columns)
         return logits.scatter_(1, columns, torch.where(flag, scaled(values, self.penalty),
                                                        values))
+
+
+def subtracted(logits: Tensor, counts: Tensor, presence: float, frequency: float) -> Tensor:
+    """logits minus `presence` where a count is above 0 and `frequency` times the count
+    (the presence and frequency penalties; entries with a count of 0 keep their bits)."""
+    return logits - (frequency * counts + presence * (counts > 0).to(counts.dtype))
+
+
+class AnswerPenalty:
+    """One generation's presence and frequency penalties: how often each token stands in
+    the answer so far (`counts`, a (V,) float32 tensor on the device, grown from device
+    tensors), and what each tree row adds; by columns on a CPU, through whole (K, V) counts
+    elsewhere, as `RepetitionPenalty` (the same values: tests/test_penalty.py)."""
+
+    def __init__(self, presence: float, frequency: float, vocab: int, device: torch.device):
+        self.presence, self.frequency = presence, frequency
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.by_columns = torch.device(device).type == "cpu"
+        self._ids: Tensor | None = None
+        self._drafted: dict[int, tuple] = {}  # per draft vocabulary (ids kept: id() stays)
+
+    def add(self, tokens: Tensor) -> None:
+        """Tokens (1-D, on the device) that joined the answer."""
+        tokens = tokens.reshape(-1)
+        self.counts.index_add_(0, tokens, torch.ones(tokens.shape, device=tokens.device))
+        self._ids, self._drafted = None, {}
+
+    @property
+    def ids(self) -> Tensor:
+        """The ids in the answer so far, each once (a host sync: CPU only)."""
+        if self._ids is None:
+            self._ids = self.counts.nonzero().view(-1)
+        return self._ids
+
+    def _subtract(self, logits: Tensor, counts: Tensor) -> Tensor:
+        return subtracted(logits, counts, self.presence, self.frequency)
+
+    def last(self, logits: Tensor) -> Tensor:
+        """The penalised logits (..., V) of the answer's next token."""
+        if not self.by_columns:
+            return self._subtract(logits.float(), self.counts)
+        logits = logits.float().clone()
+        logits[..., self.ids] = self._subtract(logits[..., self.ids], self.counts[self.ids])
+        return logits
+
+    def drafted(self, logits: Tensor, ids: Tensor | None) -> Tensor:
+        """A drafter's fresh logits (..., Vd) over its draft vocabulary (target ids `ids`,
+        None: the whole vocabulary), penalised over the answer so far, in place."""
+        key = 0 if ids is None else id(ids)
+        if key not in self._drafted:
+            counts = self.counts if ids is None else self.counts[ids]
+            columns = counts.nonzero().view(-1) if self.by_columns else None
+            self._drafted[key] = (ids, counts, columns)
+        _, counts, columns = self._drafted[key]
+        if columns is None:
+            return logits.copy_(self._subtract(logits, counts))
+        logits[..., columns] = self._subtract(logits[..., columns], counts[columns])
+        return logits
+
+    def rows(self, logits: Tensor, tokens: Tensor, sees: Tensor) -> Tensor:
+        """The penalised logits (K, V) of a verify's K rows: row i over the answer so far
+        and the tree's `tokens` (K,) below the root where `sees[i]` (K, K) is True."""
+        k, vocab = logits.shape
+        path = sees.clone()
+        path[:, 0] = False  # the root's token is the answer's last, counted already
+        if not self.by_columns:
+            own = torch.zeros(k, vocab, device=logits.device).scatter_add_(
+                1, tokens.view(1, k).expand(k, k), path.float())
+            return self._subtract(logits.float(), self.counts + own)
+        logits = logits.float()
+        columns = tokens.view(1, k).expand(k, k)
+        raw = logits.gather(1, columns)
+        logits = self.last(logits)  # the answer's tokens, in every row
+        same = (tokens[:, None] == tokens[None, :]).float()  # (K, K)
+        extra = path.float() @ same  # row i's count of tokens[j] on its own path
+        now = self.counts[tokens][None, :] + extra
+        values = torch.where(extra > 0, self._subtract(raw, now), logits.gather(1, columns))
+        return logits.scatter_(1, columns, values)
+
+
+class Penalties:
+    """A generation's penalties applied one after another (repetition first, as vLLM),
+    with `RepetitionPenalty`'s interface, which the loop and the drafters call."""
+
+    def __init__(self, *parts):
+        self.parts = parts
+
+    def add(self, tokens: Tensor) -> None:
+        for part in self.parts:
+            part.add(tokens)
+
+    def last(self, logits: Tensor) -> Tensor:
+        for part in self.parts:
+            logits = part.last(logits)
+        return logits
+
+    def drafted(self, logits: Tensor, ids: Tensor | None) -> Tensor:
+        for part in self.parts:
+            logits = part.drafted(logits, ids)
+        return logits
+
+    def rows(self, logits: Tensor, tokens: Tensor, sees: Tensor) -> Tensor:
+        for part in self.parts:
+            logits = part.rows(logits, tokens, sees)
+        return logits
+
+
+def penalties(repetition: float, presence: float, frequency: float, vocab: int,
+              prompt: Tensor) -> Penalties | None:
+    """The penalties a generation set (None: none), `prompt` its token ids on the device."""
+    parts = []
+    if repetition != 1.0:
+        parts.append(RepetitionPenalty(repetition, vocab, prompt))
+    if presence != 0.0 or frequency != 0.0:
+        parts.append(AnswerPenalty(presence, frequency, vocab, prompt.device))
+    return Penalties(*parts) if parts else None

@@ -101,7 +101,7 @@ class SerialDrafter:
         self.star_trees, self.star = True, None
         self.cache: KVCache | None = None
         self.timer = PhaseTimer(torch.device("cpu"), enabled=False)  # the loop's, to profile
-        self.penalty = None  # the generation's repetition penalty (engine.py), eager only
+        self.penalty = None  # the generation's penalties (engine.py, penalty.py), eager only
 
     def pool_nodes(self) -> int:
         """The most candidates a cycle's pool holds (root not counted), so the largest tree

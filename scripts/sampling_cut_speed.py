@@ -1,4 +1,4 @@
-"""Decoding with and without a top-k / top-p cut (or a repetition penalty), plain and
+"""Decoding with and without a top-k / top-p cut (or penalties), plain and
 speculative, side by side in one process: does speculation pay under the settings a chat
 front end sets?
 
@@ -6,13 +6,15 @@ front end sets?
                                          [--prompts 4] [--bench mt_bench] [--rounds 2]
                                          [--new-tokens 96] [--dtype float32]
     python scripts/sampling_cut_speed.py --repetition-penalty 1.3 [--temperature 0] ...
+    python scripts/sampling_cut_speed.py --presence-penalty 0.5 --frequency-penalty 0.5 ...
 
 Loads SmolLM2 once, plain decoding and the shipped Gumiho drafter at the demo's preset
 (`--total-tokens auto` sized for the temperature), then per round answers each prompt
-plainly and with the drafter, without the cut and with it (with --repetition-penalty:
-without the penalty and with it, no cut), in turns (a fresh seed per answer, the same for
-both sides). Prints each setting's tokens/s, tau and speedup over plain decoding with the
-same setting, and at T = 0 whether the drafter's answers equal plain decoding's.
+plainly and with the drafter, without the cut and with it (with --repetition-penalty or
+--presence-penalty: without the penalties and with them, no cut), in turns (a fresh seed
+per answer, the same for both sides). Prints each setting's tokens/s, tau and speedup
+over plain decoding with the same setting, and at T = 0 whether the drafter's answers
+equal plain decoding's.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-k", type=int, default=0, help="the sampling cut's k (0: none)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="compare this penalty with none (instead of the cut)")
+    p.add_argument("--presence-penalty", type=float, default=None,
+                   help="compare presence and frequency penalties with none")
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--bench", default="mt_bench")
     p.add_argument("--rounds", type=int, default=2)
@@ -47,7 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     spec = SpeculativeGenerator.load(target, "gumiho", str(shipped_drafter()), preset="demo",
                                      temperature=a.temperature)
     prompts = [PROMPT] + [q["turns"][0] for q in load_questions(a.bench)[: a.prompts - 1]]
-    if a.repetition_penalty is None:
+    if a.presence_penalty is not None:
+        cuts = {"no penalty": {}, f"presence {a.presence_penalty}, frequency "
+                f"{a.frequency_penalty}": {"presence_penalty": a.presence_penalty,
+                                           "frequency_penalty": a.frequency_penalty}}
+    elif a.repetition_penalty is None:
         cuts = {"no cut": {}, f"top-k {a.top_k}, top-p {a.top_p}": {"top_k": a.top_k,
                                                                      "top_p": a.top_p}}
     else:

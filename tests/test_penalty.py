@@ -1,6 +1,6 @@
-"""The repetition penalty: each tree row penalised as transformers penalises its sequence,
-and greedy decoding with it equal to transformers' `generate(repetition_penalty=...)`
-for plain decoding and every drafter."""
+"""The penalties: each tree row penalised as transformers (repetition) and vLLM (presence,
+frequency) penalise its sequence, and greedy decoding with them equal to transformers'
+`generate(repetition_penalty=...)`, and to plain decoding's, for every drafter."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from gumiho.config import TreeConfig
 from gumiho.drafters import load_drafter
 from gumiho.engine import GenerateConfig, run
-from gumiho.penalty import RepetitionPenalty, penalize
+from gumiho.penalty import AnswerPenalty, RepetitionPenalty, penalize, penalties
 from gumiho.tree import DraftTree
 
 from conftest import REFERENCE_PROMPT as PROMPT
@@ -143,3 +143,104 @@ def test_the_shipped_drafter_drafts_with_the_penalty(smollm2, monkeypatch):
     untold = gen.generate(prompt, 64, repetition_penalty=1.3)
     assert told.token_ids == untold.token_ids
     assert told.tau > untold.tau + 0.2, (told.tau, untold.tau)
+
+
+def answer_penalised(logits, answer, presence, frequency):
+    """vLLM's presence and frequency penalties over one sequence's answer, written out
+    (in float32, in the order penalty.subtracted rounds them)."""
+    logits = logits.clone()
+    for token in set(answer):
+        count = torch.tensor(float(answer.count(token)))
+        logits[token] = logits[token] - (frequency * count + presence * torch.tensor(1.0))
+    return logits
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("by_columns", [True, False])
+def test_each_tree_row_gets_presence_and_frequency_over_its_own_answer(by_columns):
+    """Row i's presence and frequency penalties count the answer so far and the tree
+    tokens below the root on its own path (a token twice on a path counts twice; the
+    root's token, the answer's last, once), bit for bit as written out per sequence; after
+    a repetition penalty too (`penalties`, vLLM's order)."""
+    # root 7 -> {1: 3, 2: 5}; 1 -> {3: 7, 4: 3}; 3 -> {5: 3}; 2 -> {6: 11}
+    tokens = torch.tensor([7, 3, 5, 7, 3, 3, 11])
+    tree = DraftTree.from_parents(tokens, torch.tensor([-1, 0, 0, 1, 1, 3, 2]))
+    prompt, generated = torch.tensor([1, 2, 2, 4, 11]), [6, 3, 6, 7]  # ends with the root
+    logits = torch.randn(7, 16, generator=torch.Generator().manual_seed(1)) * 3
+    answer_only = AnswerPenalty(0.4, 0.7, 16, torch.device("cpu"))
+    both = penalties(1.5, 0.4, 0.7, 16, prompt)
+    for penalty in (answer_only, *both.parts):
+        penalty.by_columns = by_columns
+    for penalty in (answer_only, both):
+        penalty.add(torch.tensor(generated))
+    got, got_both = (p.rows(logits, tree.tokens, tree.verify_mask)
+                     for p in (answer_only, both))
+    parents = tree.parents.tolist()
+    for i in range(7):
+        path, node = [], i
+        while node > 0:
+            path.insert(0, tokens[node].item())
+            node = parents[node]
+        answer = generated + path
+        assert torch.equal(got[i], answer_penalised(logits[i], answer, 0.4, 0.7)), i
+        sequence = torch.cat([prompt, torch.tensor(answer)])
+        repeated = RepetitionPenaltyLogitsProcessor(1.5)(sequence[None], logits[i:i + 1])[0]
+        assert torch.equal(got_both[i], answer_penalised(repeated, answer, 0.4, 0.7)), i
+    assert got[5, 3] == answer_penalised(logits[5], [3] * 3, 0.4, 0.7)[3]  # once + twice on path
+    assert got[0, 11] == logits[0, 11]  # in the prompt only
+    assert torch.equal(answer_only.last(logits[:1]), got[:1])
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("by_columns", [True, False])
+def test_a_drafter_gets_presence_and_frequency_over_its_own_vocabulary(by_columns):
+    ids = torch.tensor([9, 2, 14, 4, 0, 11, 7, 3, 15, 6])  # draft id -> target id
+    penalty = AnswerPenalty(-0.5, 1.2, 16, torch.device("cpu"))
+    penalty.by_columns = by_columns
+    penalty.add(torch.tensor([2, 7, 7, 5]))
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(2)) * 3
+    got = penalty.drafted(logits.clone(), ids)
+    # target 2 once, 7 twice; 5 is not in the draft vocabulary
+    want = answer_penalised(logits.T, [1, 6, 6], -0.5, 1.2).T
+    assert torch.equal(got, want) and (got != logits).sum() == 4
+
+
+@pytest.fixture(scope="module")
+def answer_penalised_greedy(smollm2):
+    """Plain greedy decoding's answer to the reference prompt with presence and frequency
+    penalties of 0.6 and 0.8 (tried: 0.3 / 0.3 left the 24 tokens as they were)."""
+    from gumiho import SpeculativeGenerator
+
+    ids = smollm2.chat_ids(PROMPT)
+    plain = SpeculativeGenerator.load(smollm2, "ar")
+    return ids, plain.generate(ids, N, presence_penalty=0.6, frequency_penalty=0.8).token_ids
+
+
+def test_greedy_with_presence_and_frequency_is_plain_decodings(smollm2, reference,
+                                                               answer_penalised_greedy):
+    """Prompt lookup, the shipped Gumiho drafter, an oracle drafter proposing the whole
+    answer, and Medusa sampling from the top 1, with a repetition penalty as well: each
+    gives plain decoding's answer under the same penalties."""
+    from gumiho import SpeculativeGenerator
+
+    ids, want = answer_penalised_greedy
+    assert want != reference[1].token_ids[:len(want)]  # the penalties change the answer
+    settings = {"presence_penalty": 0.6, "frequency_penalty": 0.8}
+    lookup = SpeculativeGenerator.load(smollm2, "lookup")
+    assert lookup.generate(ids, N, **settings).token_ids == want
+    gumiho = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
+                                       total_tokens=8)
+    out = gumiho.generate(ids, N, **settings)
+    assert out.token_ids == want and out.tau > 1.1, out.tau
+    oracle = oracle_drafter("gumiho", smollm2, ids + want, TreeConfig.for_method("gumiho"))
+    out = run(smollm2, oracle, ids, GenerateConfig(max_new_tokens=N, **settings))
+    assert out.token_ids == want and out.tau > 4
+    medusa = load_drafter("medusa", smollm2, "gumiho/assets/smollm2/medusa",
+                          tree=TreeConfig.for_method("medusa", total_tokens=16))
+    plain = SpeculativeGenerator.load(smollm2, "ar")
+    with_all = {**settings, "repetition_penalty": 1.2}
+    want_all = plain.generate(ids, N, **with_all).token_ids
+    out = run(smollm2, medusa, ids, GenerateConfig(max_new_tokens=N, temperature=0.8, seed=3,
+                                                   top_k=1, **with_all))
+    assert out.token_ids == want_all
+    assert gumiho.generate(ids, N, **with_all).token_ids == want_all

@@ -159,17 +159,22 @@ def test_a_wide_nucleus_is_found_past_the_first_rounds_and_ties_stay_together():
 
 
 def exact_marginals(target, prompt, temperature, vocab, top_k=0, top_p=1.0, min_p=0.0,
-                    penalty=1.0):
+                    penalty=1.0, presence=0.0, frequency=0.0):
     """P(t2) and P(t3) of ancestral sampling from the target, by enumeration (a repetition
-    penalty as transformers' processor applies it to each whole sequence)."""
+    penalty as transformers' processor applies it to each whole sequence, then presence
+    and frequency penalties over each sequence's answer, as vLLM applies them)."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
     with torch.inference_mode():
         def probs(seqs):
+            answers = [seq[len(prompt):] for seq in seqs]
             seqs = torch.tensor(seqs)
             logits = target.model(seqs).logits[:, -1].float()
             if penalty != 1.0:
                 logits = RepetitionPenaltyLogitsProcessor(penalty)(seqs, logits)
+            for row, answer in enumerate(answers):
+                for token in set(answer):
+                    logits[row, token] -= presence + frequency * answer.count(token)
             p = torch.softmax(logits / temperature, -1)
             p = truncated(p, top_k, top_p, min_p)
             return p / p.sum(-1, keepdim=True)
@@ -183,18 +188,20 @@ def exact_marginals(target, prompt, temperature, vocab, top_k=0, top_p=1.0, min_
 
 
 def assert_samples_match_target(target, drafter, prompt, vocab, temperature=1.0,
-                                runs=1500, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0) -> int:
+                                runs=1500, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0,
+                                presence=0.0, frequency=0.0) -> int:
     """Sample 3 tokens `runs` times through the loop with `drafter`; the 2nd and 3rd
     tokens' counts must fit the target's exact marginals (none where they are 0). Returns
     the drafts accepted in the first cycles (a test where none are accepted checks
     nothing)."""
     want2, want3 = exact_marginals(target, prompt, temperature, vocab, top_k, top_p, min_p,
-                                   penalty)
+                                   penalty, presence, frequency)
     got2, got3 = torch.zeros(vocab), torch.zeros(vocab)
     drafted = 0
     for seed in range(runs):
         config = GenerateConfig(max_new_tokens=3, temperature=temperature, top_k=top_k,
                                 top_p=top_p, min_p=min_p, repetition_penalty=penalty,
+                                presence_penalty=presence, frequency_penalty=frequency,
                                 seed=seed)
         out = run(target, drafter, prompt, config)
         got2[out.token_ids[1]] += 1
@@ -240,6 +247,22 @@ def test_speculative_sampling_with_min_p_and_a_repetition_penalty_matches_the_ta
     assert (want2 == 0).sum() > (plain2 == 0).sum()
     drafted = assert_samples_match_target(target, RandomDrafter(vocab, size=24, seed=0),
                                           prompt, vocab, 1.0, min_p=0.05, penalty=3.0)
+    assert drafted > 200, "too few accepted drafts for the test to mean anything"
+
+
+def test_speculative_sampling_with_presence_and_frequency_penalties_matches_the_target():
+    """With presence and frequency penalties (over each node's own answer: the tokens so
+    far and its path below the root) the loop emits what sampling the penalised target
+    token by token emits; the penalties move the third token's marginal (the test can
+    tell)."""
+    vocab = 16
+    target = tiny_llama(vocab_size=vocab, seed=1, logit_scale=25.0)
+    prompt = [3, 9, 1, 12]
+    _, plain3 = exact_marginals(target, prompt, 1.0, vocab)
+    _, want3 = exact_marginals(target, prompt, 1.0, vocab, presence=1.5, frequency=2.0)
+    assert (want3 - plain3).abs().sum() > 0.2
+    drafted = assert_samples_match_target(target, RandomDrafter(vocab, size=24, seed=0),
+                                          prompt, vocab, 1.0, presence=1.5, frequency=2.0)
     assert drafted > 200, "too few accepted drafts for the test to mean anything"
 
 

@@ -10,7 +10,7 @@ every method question 2, and so on, with the order rotating by one from question
 question, so drift falls on all of them alike and each method runs first equally often.
 
 Common flags (once, outside --run): --target, --device, --dtype, --chat-template, --bench,
---temperature, --sample-top-k, --top-p, --min-p, --repetition-penalty, --max-new-tokens,
+--temperature, --sample-top-k, --top-p, --min-p, the three penalties, --max-new-tokens,
 --question-begin, --question-end, --seed, --warmup, --overwrite. Each --run holds one method's own
 `gen_answers` flags: --method, --draft, --answer-file, --engine and the tree flags. The
 target is loaded once and shared. Answer files are exactly gen_answers' (the speed report
@@ -34,6 +34,7 @@ from gumiho.target import load_target
 # flags that must be the same for every run: one target, one question list
 COMMON = ("--target", "--device", "--dtype", "--chat-template", "--attention", "--bench",
           "--temperature", "--sample-top-k", "--top-p", "--min-p", "--repetition-penalty",
+          "--presence-penalty", "--frequency-penalty",
           "--max-new-tokens", "--question-begin", "--question-end", "--seed", "--warmup",
           "--overwrite")
 

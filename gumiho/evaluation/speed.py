@@ -47,14 +47,18 @@ GROUP_KEYS = ("target", "draft", "draft_sha256", "max_new_tokens", "seed", "tree
 def sampling_key(settings: dict) -> float | str:
     """How a run's answers were decoded, the report's first split: the temperature, and
     past it the sampling cut where one was set ("0.7, top-p 0.9"; a cut is moot at T = 0)
-    and a repetition penalty (at any T: "0, repetition penalty 1.3"). A record from
+    and any penalty (at any T: "0, repetition penalty 1.3"). A record from
     before these existed has none (answers.DEFAULTS)."""
     t = settings["temperature"]
-    k, p, m, r = (settings.get(key, DEFAULTS[key])
-                  for key in ("sample_top_k", "top_p", "min_p", "repetition_penalty"))
+    k, p, m, r, pp, fp = (settings.get(key, DEFAULTS[key]) for key in (
+        "sample_top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+        "frequency_penalty"))
     cut = ([f"top-k {k}"] if k else []) + ([f"top-p {p:g}"] if p < 1 else []) + \
         ([f"min-p {m:g}"] if m else [])
-    parts = (cut if t else []) + ([f"repetition penalty {r:g}"] if r != 1 else [])
+    penalties = ([f"repetition penalty {r:g}"] if r != 1 else []) + \
+        ([f"presence penalty {pp:g}"] if pp else []) + \
+        ([f"frequency penalty {fp:g}"] if fp else [])
+    parts = (cut if t else []) + penalties
     return ", ".join([str(t), *parts]) if parts else t
 
 
