@@ -57,6 +57,7 @@ class GenerateConfig:
     presence_penalty: float = 0.0  # subtracted from the answer's tokens' logits (penalty.py)
     frequency_penalty: float = 0.0  # times a token's count in the answer, subtracted too
     stop: tuple[str, ...] = ()  # stop strings: the answer ends at the first (stops.py)
+    logprobs: bool = False  # each emitted token's log-probability under the target's logits
     seed: int = 0
     profile: bool = False  # time each phase (adds a device sync around every phase)
     verify_width: int | None = None  # pad every verify step to this many tokens (static shape)
@@ -117,6 +118,9 @@ class GenerationResult:
     # "stop_token", "stop_string", "max_new_tokens", or "closed" (a stream stopped early)
     stopped_by: str = ""
     phase_s: dict[str, float] = field(default_factory=dict)  # with GenerateConfig.profile
+    # with GenerateConfig.logprobs: each token's log-probability under the target's own
+    # distribution (its logits' log-softmax, before penalties, temperature and cut)
+    logprobs: list[float] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -143,7 +147,8 @@ class GenerationResult:
                 "cycles": self.cycles, "tau": self.tau, "tau_official": self.tau_official,
                 "accept_lengths": self.accept_lengths, "wall_s": self.wall_s,
                 "tokens_per_s": self.tokens_per_s, "stopped_by": self.stopped_by,
-                **({"phase_s": self.phase_s} if self.phase_s else {})}
+                **({"phase_s": self.phase_s} if self.phase_s else {}),
+                **({"logprobs": self.logprobs} if self.logprobs is not None else {})}
 
 
 def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -286,6 +291,12 @@ def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features:
                     result.tokens)
 
 
+def token_logprobs(logits: Tensor, tokens: Tensor) -> list[float]:
+    """log p(tokens[i]) under the softmax of logits[i] (N, V), in float32, on the host."""
+    rows = torch.log_softmax(logits.float(), -1)
+    return rows.gather(1, tokens.view(-1, 1).to(rows.device)).view(-1).tolist()
+
+
 def share_penalty(drafter: Drafter, penalty: Penalties | None) -> None:
     """Hand a generation's penalties (None: none) to the drafters that draft with
     it (a `penalty` attribute: the serial drafters and Medusa's), through any wrappers."""
@@ -327,11 +338,12 @@ def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> 
 
 def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
                        config: GenerateConfig, timer: PhaseTimer | None = None,
-                       on_cycle: Callable[[DraftTree, list[int]], None] | None = None
-                       ) -> Iterator[list[int]]:
+                       on_cycle: Callable[[DraftTree, list[int]], None] | None = None,
+                       logprobs: list[float] | None = None) -> Iterator[list[int]]:
     """Yield the tokens each cycle emits (host ints), the prefill's single token first.
     Unbounded: the caller stops it (see `generate`). on_cycle(tree, emitted): called after
-    each verify cycle (calibration and analysis hooks)."""
+    each verify cycle (calibration and analysis hooks). `logprobs`, with config.logprobs,
+    gets each emitted token's log-probability (`token_logprobs`) before it is yielded."""
     check_prompt(target, prompt_ids, config.max_new_tokens)
     timer = timer or PhaseTimer(target.device, enabled=False)
     generator = torch.Generator(device=target.device).manual_seed(config.seed)
@@ -347,6 +359,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
     cut = config.top_k, config.top_p, config.min_p
     with timer("prefill"):
         features, logits = prefill(target, cache, input_ids)
+        raw = logits
         penalty = penalties(config.repetition_penalty, config.presence_penalty,
                             config.frequency_penalty, logits.shape[-1], input_ids[0])
         if penalty is not None:
@@ -357,6 +370,8 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         if penalty is not None:
             penalty.add(root.view(1))
         first = int(root)  # the prefill's token, on the host
+        if config.logprobs:
+            logprobs += token_logprobs(raw[-1:], root.view(1))
         drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]),
                         prompt_ids[1:] + [first])
     yield [first]
@@ -375,13 +390,14 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
             with timer("verify"):  # and the target's picks, as on a device
                 features, logits = verify_tree(target, cache, tree, width,
                                                runner.step_for(width))
+                raw = logits
                 if penalty is not None:
                     logits = penalty.rows(logits, tree.tokens, tree.verify_mask)
                 picks = rowgemm.argmax(logits).tolist()
             with timer("accept_commit"):
                 result = match_on_host(tree, picks)
                 commit_accepted(cache, drafter, tree, features, result)
-        elif greedy and penalty is None:
+        elif greedy and penalty is None and not config.logprobs:
             with timer("verify"):  # and greedy acceptance, in one step
                 features, result = verify_greedy(target, cache, tree, width,
                                                  runner.step_for(width, greedy=True))
@@ -391,14 +407,19 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
             with timer("verify"):  # and the target's picks, as a greedy verify makes them
                 features, logits = verify_tree(target, cache, tree, width,
                                                runner.step_for(width))
+                raw = logits
                 if penalty is not None:
                     logits = penalty.rows(logits, tree.tokens, tree.verify_mask)
                 picks = sample_tokens(logits, config.temperature, generator, *cut)
             with timer("accept_commit"):
                 result = accept_picks(tree, picks, config.temperature, runner.accept_step)
                 commit_accepted(cache, drafter, tree, features, result)
-        if penalty is not None:  # the emitted tokens, from the device (no host sync)
-            penalty.add(torch.cat([tree.tokens[result.nodes[1:]], result.bonus.view(1)]))
+        if penalty is not None or config.logprobs:  # the emitted tokens, on the device
+            emitted = torch.cat([tree.tokens[result.nodes[1:]], result.bonus.view(1)])
+            if penalty is not None:
+                penalty.add(emitted)
+            if config.logprobs:  # row n_i of the path predicted its token i + 1
+                logprobs += token_logprobs(raw[result.nodes], emitted)
         if on_cycle is not None:
             on_cycle(tree, result.tokens)
         yield result.tokens
@@ -423,7 +444,9 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
     # wall_s and cycle_s leave out every pause at `yield`.
     away, paused_at = 0.0, None
     strings = StopStrings(target.decode, config.stop) if config.stop else None
-    cycles = speculative_cycles(target, drafter, prompt_ids, config, timer, on_cycle)
+    logprobs = [] if config.logprobs else None
+    cycles = speculative_cycles(target, drafter, prompt_ids, config, timer, on_cycle,
+                                logprobs)
     try:
         for new in cycles:
             room = config.max_new_tokens - result.new_tokens
@@ -451,6 +474,8 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
         result.wall_s = end - start - away
         result.phase_s = dict(timer.totals)
         result.text = target.decode(result.token_ids)
+        if logprobs is not None:  # the tokens kept (a stop may have cut a cycle short)
+            result.logprobs = logprobs[:result.new_tokens]
         if strings is not None:  # the stop string is not part of the answer's text
             result.text = strings.text(result.text)
     return result

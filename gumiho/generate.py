@@ -233,8 +233,8 @@ class SpeculativeGenerator:
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                  seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, stop: str | Sequence[str] = ()
-                 ) -> GenerationResult:
+                 frequency_penalty: float = 0.0, stop: str | Sequence[str] = (),
+                 logprobs: bool = False) -> GenerationResult:
         """The whole answer: text, token ids and statistics (tau, tokens/s, ...).
 
         temperature 0 decodes greedily; above it the target samples, from its `top_k`
@@ -251,6 +251,9 @@ class SpeculativeGenerator:
         `stop` (a string or several) ends the answer after the token that completes the
         first of them in its text (`stopped_by == "stop_string"`); the text ends before
         it, the token ids keep the tokens that spelled it (stops.py).
+        `logprobs` fills `logprobs`: each token's log-probability under the target's own
+        distribution (the log-softmax of its logits, before penalties, temperature and
+        cut; vLLM's default "raw" logprobs), from the verify that accepted it.
 
         The text is decoded once, at the end: a decode after every cycle, as `stream` needs
         (of a short window), would cost plain decoding (a cycle per token) a larger share
@@ -260,15 +263,16 @@ class SpeculativeGenerator:
                            temperature=temperature, seed=seed, top_k=top_k, top_p=top_p,
                            min_p=min_p, repetition_penalty=repetition_penalty,
                            presence_penalty=presence_penalty,
-                           frequency_penalty=frequency_penalty, stop=stop):
+                           frequency_penalty=frequency_penalty, stop=stop,
+                           logprobs=logprobs):
             pass
         return self.last_result
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0,
                seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-               frequency_penalty: float = 0.0, stop: str | Sequence[str] = ()
-               ) -> Iterator[str]:
+               frequency_penalty: float = 0.0, stop: str | Sequence[str] = (),
+               logprobs: bool = False) -> Iterator[str]:
         """Text pieces as the cycles emit them (the arguments: `generate`'s); the
         statistics land in `last_result`. With `stop`, text that may be the start of a
         stop string waits for the next cycle, so no piece shows any part of one.
@@ -281,7 +285,8 @@ class SpeculativeGenerator:
                          temperature=temperature, seed=seed, top_k=top_k, top_p=top_p,
                          min_p=min_p, repetition_penalty=repetition_penalty,
                          presence_penalty=presence_penalty,
-                         frequency_penalty=frequency_penalty, stop=stop)
+                         frequency_penalty=frequency_penalty, stop=stop,
+                         logprobs=logprobs)
 
     def _run(self, prompt: Prompt, pieces: bool, **settings) -> Iterator[str]:
         """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the
@@ -534,6 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop", action="append", type=stop_arg, default=[],
                         metavar="TEXT", help="end the answer at this text (left out of it; "
                         "repeat for several; \\n and \\t are a newline and a tab)")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="with --json: each token's log-probability under the target")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--verify-width", type=positive_int, default=None,
                         help="pad every verify step to this many tokens (one static shape)")
@@ -554,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                                     attention=args.attention, preset=args.preset,
                                     temperature=args.temperature, **tree_options(args))
     pieces = gen.stream(args.prompt, args.max_new_tokens, **sampling_settings(args),
-                        stop=args.stop)
+                        stop=args.stop, logprobs=args.logprobs)
     for piece in pieces:
         if not args.json:
             print(piece, end="", flush=True)

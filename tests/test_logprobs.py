@@ -1,0 +1,62 @@
+"""Log-probabilities: each emitted token's under the target's own distribution, the same
+whether it came from a one-token step or deep in an accepted draft path, and the same as
+the model's forward over the whole answer gives."""
+
+import torch
+
+from gumiho.config import TreeConfig
+from gumiho.engine import GenerateConfig, run
+
+from conftest import REFERENCE_TOKENS as N
+from drafters_for_tests import oracle_drafter
+
+
+def forward_logprobs(target, prompt, answer):
+    """log p(answer[i] | prompt + answer[:i]) from one forward over the whole sequence."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + answer], device=target.device)
+        logits = target.model(ids).logits[0, len(prompt) - 1:-1].float()
+        rows = torch.log_softmax(logits, -1)
+    return rows.gather(1, torch.tensor(answer, device=rows.device)[:, None]).view(-1).tolist()
+
+
+def close(got, want, tol=2e-4):
+    return len(got) == len(want) and all(abs(a - b) <= tol for a, b in zip(got, want,
+                                                                             strict=True))
+
+
+def test_logprobs_are_the_targets_for_every_drafter(smollm2, reference):
+    """Plain decoding, the shipped Gumiho drafter and an oracle drafter (most tokens from
+    deep in accepted paths) give each token the log-probability the model's forward over
+    the whole answer gives it (float32: equal to rounding)."""
+    from gumiho import SpeculativeGenerator
+
+    ids, full = reference[0], reference[1].token_ids
+    want = forward_logprobs(smollm2, ids, full)
+    assert all(-30 < lp <= 0 for lp in want) and min(want) < -0.01  # not all certain
+    plain = SpeculativeGenerator.load(smollm2, "ar")
+    out = plain.generate(ids, N, logprobs=True)
+    assert out.token_ids == full and close(out.logprobs, want)
+    gumiho = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
+                                       total_tokens=8)
+    out = gumiho.generate(ids, N, logprobs=True)
+    assert out.token_ids == full and close(out.logprobs, want) and out.tau > 1.1
+    oracle = oracle_drafter("gumiho", smollm2, ids + full, TreeConfig.for_method("gumiho"))
+    out = run(smollm2, oracle, ids, GenerateConfig(max_new_tokens=N, logprobs=True))
+    assert out.token_ids == full and close(out.logprobs, want) and out.tau > 4
+    assert "logprobs" not in gumiho.generate(ids, 4).to_json()  # only when asked for
+    assert gumiho.last_result.logprobs is None
+
+
+def test_logprobs_are_the_raw_distributions_when_sampling_with_penalties(smollm2, reference):
+    """At T = 0.8 with a repetition penalty and a stop string the log-probabilities are
+    still the target's unprocessed ones (vLLM's default), one per kept token."""
+    from gumiho import SpeculativeGenerator
+
+    ids = reference[0]
+    gumiho = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
+                                       total_tokens=8)
+    out = gumiho.generate(ids, 40, temperature=0.8, seed=5, repetition_penalty=1.3,
+                          stop="\n", logprobs=True)
+    assert close(out.logprobs, forward_logprobs(smollm2, ids, out.token_ids))
+    assert out.tau > 1 and len(out.logprobs) == out.new_tokens
