@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +57,9 @@ class GenerateConfig:
     presence_penalty: float = 0.0  # subtracted from the answer's tokens' logits (penalty.py)
     frequency_penalty: float = 0.0  # times a token's count in the answer, subtracted too
     stop: tuple[str, ...] = ()  # stop strings: the answer ends at the first (stops.py)
+    stop_token_ids: tuple[int, ...] = ()  # ids that end the answer too (its last token)
+    ignore_eos: bool = False  # the target's own stop tokens do not end the answer
+    min_tokens: int = 0  # no stop token before the answer holds this many (penalty.py)
     logprobs: bool = False  # each emitted token's log-probability under the target's logits
     seed: int = 0
     profile: bool = False  # time each phase (adds a device sync around every phase)
@@ -101,6 +104,19 @@ class GenerateConfig:
             if not -2 <= v <= 2:  # (NaN fails too) OpenAI's and vLLM's range
                 raise GumihoError(f"{name} must be in [-2, 2] (0 = none), got {v}")
         object.__setattr__(self, "stop", check_stops(self.stop))  # a string, or a list
+        ids = self.stop_token_ids
+        if isinstance(ids, int | str) or not isinstance(ids, Iterable):
+            raise TypeError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        ids = tuple(ids)
+        for i in ids:
+            check_positive_int("a stop token id", i, allow_zero=True)
+        object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        check_positive_int("min_tokens", self.min_tokens, allow_zero=True)
+        if self.min_tokens > self.max_new_tokens:
+            raise GumihoError(f"min_tokens ({self.min_tokens}) must not exceed "
+                              f"max_new_tokens ({self.max_new_tokens})")
         if self.verify_width is not None:
             check_positive_int("verify_width", self.verify_width)
 
@@ -312,6 +328,19 @@ def context_length(target: Target) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
+def answer_stops(target: Target, config: GenerateConfig) -> frozenset[int]:
+    """The token ids that end an answer (emitted, then it stops): the target's stop tokens
+    (its eos and chat end markers; none with `ignore_eos`) and `config.stop_token_ids`,
+    which must lie in the vocabulary."""
+    vocab = target.embed_tokens.weight.shape[0]
+    bad = next((t for t in config.stop_token_ids if t >= vocab), None)
+    if bad is not None:
+        raise GumihoError(f"stop token id {bad} is outside the vocabulary of {target.name} "
+                          f"(0..{vocab - 1})")
+    own = frozenset() if config.ignore_eos else frozenset(target.stop_token_ids)
+    return own | frozenset(config.stop_token_ids)
+
+
 def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> None:
     """Refuse, before any forward, what would fail deep inside torch or silently run past
     the target's context: empty prompts, token ids outside the vocabulary, and prompt +
@@ -345,6 +374,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
     each verify cycle (calibration and analysis hooks). `logprobs`, with config.logprobs,
     gets each emitted token's log-probability (`token_logprobs`) before it is yielded."""
     check_prompt(target, prompt_ids, config.max_new_tokens)
+    stop_ids = answer_stops(target, config)
     timer = timer or PhaseTimer(target.device, enabled=False)
     generator = torch.Generator(device=target.device).manual_seed(config.seed)
     input_ids = torch.tensor([prompt_ids], device=target.device)
@@ -361,7 +391,8 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         features, logits = prefill(target, cache, input_ids)
         raw = logits
         penalty = penalties(config.repetition_penalty, config.presence_penalty,
-                            config.frequency_penalty, logits.shape[-1], input_ids[0])
+                            config.frequency_penalty, logits.shape[-1], input_ids[0],
+                            config.min_tokens, stop_ids)
         if penalty is not None:
             logits = penalty.last(logits)
         root = sample_tokens(logits[-1], config.temperature, generator, *cut)
@@ -444,13 +475,14 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
     # wall_s and cycle_s leave out every pause at `yield`.
     away, paused_at = 0.0, None
     strings = StopStrings(target.decode, config.stop) if config.stop else None
+    stop_ids = answer_stops(target, config)
     logprobs = [] if config.logprobs else None
     cycles = speculative_cycles(target, drafter, prompt_ids, config, timer, on_cycle,
                                 logprobs)
     try:
         for new in cycles:
             room = config.max_new_tokens - result.new_tokens
-            stops = [i for i, t in enumerate(new[:room]) if t in target.stop_token_ids]
+            stops = [i for i, t in enumerate(new[:room]) if t in stop_ids]
             end = stops[0] + 1 if stops else min(len(new), room)
             if strings is not None and (kept := strings.through(new[:end])) is not None:
                 new, result.stopped_by = new[:kept], "stop_string"

@@ -37,7 +37,13 @@ from gumiho.config import (
 )
 from gumiho.drafter_api import Drafter
 from gumiho.drafters import load_drafter
-from gumiho.engine import GenerateConfig, GenerationResult, check_prompt, generate
+from gumiho.engine import (
+    GenerateConfig,
+    GenerationResult,
+    answer_stops,
+    check_prompt,
+    generate,
+)
 from gumiho.errors import (
     ArgumentParser,
     GumihoError,
@@ -227,6 +233,7 @@ class SpeculativeGenerator:
                                 engine=self.engine)
         ids = self.prompt_ids(prompt)
         check_prompt(self.target, ids, config.max_new_tokens)  # now, not at the first piece
+        answer_stops(self.target, config)
         return generate(self.target, self.drafter_for(config.temperature), ids, config,
                         result)
 
@@ -234,7 +241,8 @@ class SpeculativeGenerator:
                  seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, stop: str | Sequence[str] = (),
-                 logprobs: bool = False) -> GenerationResult:
+                 logprobs: bool = False, stop_token_ids: Sequence[int] = (),
+                 ignore_eos: bool = False, min_tokens: int = 0) -> GenerationResult:
         """The whole answer: text, token ids and statistics (tau, tokens/s, ...).
 
         temperature 0 decodes greedily; above it the target samples, from its `top_k`
@@ -254,6 +262,13 @@ class SpeculativeGenerator:
         `logprobs` fills `logprobs`: each token's log-probability under the target's own
         distribution (the log-softmax of its logits, before penalties, temperature and
         cut; vLLM's default "raw" logprobs), from the verify that accepted it.
+        `stop_token_ids` end the answer too, as the target's stop tokens (its eos and chat
+        end markers) do, the token kept (`stopped_by == "stop_token"`); `ignore_eos` lets
+        the answer run past the target's own stop tokens (to `max_new_tokens`, a stop
+        string or `stop_token_ids`), and `min_tokens` keeps every token that would end it
+        out of reach until the answer holds that many (vLLM's `min_tokens`, transformers'
+        `min_new_tokens`; penalty.py): both are plain decoding's answers under the same
+        settings.
 
         The text is decoded once, at the end: a decode after every cycle, as `stream` needs
         (of a short window), would cost plain decoding (a cycle per token) a larger share
@@ -264,7 +279,8 @@ class SpeculativeGenerator:
                            min_p=min_p, repetition_penalty=repetition_penalty,
                            presence_penalty=presence_penalty,
                            frequency_penalty=frequency_penalty, stop=stop,
-                           logprobs=logprobs):
+                           logprobs=logprobs, stop_token_ids=stop_token_ids,
+                           ignore_eos=ignore_eos, min_tokens=min_tokens):
             pass
         return self.last_result
 
@@ -272,7 +288,8 @@ class SpeculativeGenerator:
                seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, stop: str | Sequence[str] = (),
-               logprobs: bool = False) -> Iterator[str]:
+               logprobs: bool = False, stop_token_ids: Sequence[int] = (),
+               ignore_eos: bool = False, min_tokens: int = 0) -> Iterator[str]:
         """Text pieces as the cycles emit them (the arguments: `generate`'s); the
         statistics land in `last_result`. With `stop`, text that may be the start of a
         stop string waits for the next cycle, so no piece shows any part of one.
@@ -286,7 +303,8 @@ class SpeculativeGenerator:
                          min_p=min_p, repetition_penalty=repetition_penalty,
                          presence_penalty=presence_penalty,
                          frequency_penalty=frequency_penalty, stop=stop,
-                         logprobs=logprobs)
+                         logprobs=logprobs, stop_token_ids=stop_token_ids,
+                         ignore_eos=ignore_eos, min_tokens=min_tokens)
 
     def _run(self, prompt: Prompt, pieces: bool, **settings) -> Iterator[str]:
         """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the
@@ -481,7 +499,8 @@ def stop_arg(value: str) -> str:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    """--temperature, --sample-top-k, --top-p, --min-p, the three penalties and --seed
+    """--temperature, --sample-top-k, --top-p, --min-p, the three penalties, --ignore-eos
+    and --seed
     (GenerateConfig's fields; `sampling_settings` reads them back)."""
     parser.add_argument("--temperature", type=nonnegative_float, default=0.0,
                         help="0 = greedy (default); above it the target samples")
@@ -506,6 +525,9 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                         help="subtract this times its count in the answer from each token's "
                         "logit, as OpenAI's and vLLM's frequency_penalty (-2 to 2; 0 = none, "
                         "default)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="run past the target's own stop tokens (to --max-new-tokens, "
+                        "a --stop or a --stop-token-id): answers of a fixed length")
     parser.add_argument("--seed", type=nonnegative_int, default=0)
 
 
@@ -515,7 +537,7 @@ def sampling_settings(args: argparse.Namespace) -> dict:
             "top_p": args.top_p, "min_p": args.min_p,
             "repetition_penalty": args.repetition_penalty,
             "presence_penalty": args.presence_penalty,
-            "frequency_penalty": args.frequency_penalty}
+            "frequency_penalty": args.frequency_penalty, "ignore_eos": args.ignore_eos}
 
 
 def tree_options(args: argparse.Namespace) -> dict:
@@ -539,6 +561,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop", action="append", type=stop_arg, default=[],
                         metavar="TEXT", help="end the answer at this text (left out of it; "
                         "repeat for several; \\n and \\t are a newline and a tab)")
+    parser.add_argument("--stop-token-id", action="append", type=nonnegative_int,
+                        default=[], metavar="ID", help="end the answer at this token id too "
+                        "(kept in it; repeat for several)")
+    parser.add_argument("--min-tokens", type=nonnegative_int, default=0,
+                        help="no token that ends the answer before it holds this many "
+                        "(0 = none, default)")
     parser.add_argument("--logprobs", action="store_true",
                         help="with --json: each token's log-probability under the target")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -561,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
                                     attention=args.attention, preset=args.preset,
                                     temperature=args.temperature, **tree_options(args))
     pieces = gen.stream(args.prompt, args.max_new_tokens, **sampling_settings(args),
-                        stop=args.stop, logprobs=args.logprobs)
+                        stop=args.stop, logprobs=args.logprobs,
+                        stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens)
     for piece in pieces:
         if not args.json:
             print(piece, end="", flush=True)

@@ -3,7 +3,8 @@ transformers' `generate(repetition_penalty=...)`, vLLM's `repetition_penalty`), 
 presence and frequency penalties (OpenAI's API, vLLM's `presence_penalty` and
 `frequency_penalty`), which subtract from the logit of every token the answer holds
 `presence + frequency * count` (its count in the answer, the prompt left out), applied
-after the repetition penalty, as vLLM applies them.
+after the repetition penalty, as vLLM applies them; and `min_tokens` (`MinTokens`), which
+keeps the tokens that would end the answer out of reach until it is that long.
 
 For the repetition penalty plain decoding divides the logit of every token already in the
 sequence (the prompt and what was generated) by the penalty where the logit is positive
@@ -197,6 +198,57 @@ class AnswerPenalty:
         return logits.scatter_(1, columns, values)
 
 
+class MinTokens:
+    """`min_tokens` (vLLM's; transformers' `min_new_tokens`): the stop tokens' logits at
+    -inf until the answer holds `minimum` tokens, so that it cannot end sooner. In a tree
+    row i (its node at depth d below the root) predicts the answer's token `count + d`
+    (`count` the tokens it holds), so each row is masked by its own depth: a node's pick
+    is still plain decoding's. Nothing is touched once the answer is long enough."""
+
+    def __init__(self, minimum: int, stop_ids: list[int], vocab: int, device: torch.device):
+        self.minimum, self.count = minimum, 0
+        self.stops = torch.tensor(sorted({i for i in stop_ids if 0 <= i < vocab}),
+                                  dtype=torch.long, device=device)
+        self._drafted: dict[int, tuple[Tensor | None, Tensor]] = {}  # per draft vocabulary
+
+    def add(self, tokens: Tensor) -> None:
+        """Tokens that joined the answer (counted by shape: no host sync)."""
+        self.count += tokens.numel()
+
+    def last(self, logits: Tensor) -> Tensor:
+        """The answer's next token's logits (..., V), the stop tokens masked while short."""
+        if self.count >= self.minimum:
+            return logits
+        logits = logits.float().clone()
+        logits[..., self.stops] = float("-inf")
+        return logits
+
+    def drafted(self, logits: Tensor, ids: Tensor | None) -> Tensor:
+        """A drafter's fresh logits (..., Vd) (target ids `ids`, None: the whole
+        vocabulary), the stop tokens masked in place while the answer is short."""
+        if self.count >= self.minimum:
+            return logits
+        key = 0 if ids is None else id(ids)
+        if key not in self._drafted:
+            columns = self.stops if ids is None else \
+                torch.isin(ids, self.stops.to(ids.device)).nonzero().view(-1)
+            self._drafted[key] = (ids, columns)
+        logits[..., self._drafted[key][1]] = float("-inf")
+        return logits
+
+    def rows(self, logits: Tensor, tokens: Tensor, sees: Tensor) -> Tensor:
+        """A verify's K rows (K, V), row i's stop tokens masked where the token it
+        predicts, `count` + its depth (`sees[i]` holds its ancestors and itself), falls
+        short of the minimum."""
+        if self.count >= self.minimum:
+            return logits
+        depth = sees.sum(1, keepdim=True) - 1  # (K, 1); the root's row: 0
+        short = (depth + self.count) < self.minimum
+        logits = logits.float().clone()
+        logits[:, self.stops] = torch.where(short, float("-inf"), logits[:, self.stops])
+        return logits
+
+
 class Penalties:
     """A generation's penalties applied one after another (repetition first, as vLLM),
     with `RepetitionPenalty`'s interface, which the loop and the drafters call."""
@@ -225,9 +277,13 @@ class Penalties:
 
 
 def penalties(repetition: float, presence: float, frequency: float, vocab: int,
-              prompt: Tensor) -> Penalties | None:
-    """The penalties a generation set (None: none), `prompt` its token ids on the device."""
+              prompt: Tensor, min_tokens: int = 0,
+              stop_ids: frozenset[int] = frozenset()) -> Penalties | None:
+    """The penalties a generation set (None: none), `prompt` its token ids on the device;
+    `min_tokens` masks `stop_ids` (the ids that end it) until the answer is that long."""
     parts = []
+    if min_tokens > 0 and stop_ids:
+        parts.append(MinTokens(min_tokens, sorted(stop_ids), vocab, prompt.device))
     if repetition != 1.0:
         parts.append(RepetitionPenalty(repetition, vocab, prompt))
     if presence != 0.0 or frequency != 0.0:

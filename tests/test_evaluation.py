@@ -189,6 +189,33 @@ def test_gen_answers_records_the_sampling_cut_and_resumes_only_with_it(tiny_targ
     assert len(path.read_text().splitlines()) == 3
 
 
+def test_gen_answers_with_ignore_eos_answers_at_a_fixed_length(tiny_target_dir, tmp_path,
+                                                               capsys, monkeypatch):
+    """--ignore-eos reaches every turn's generate; the setting is recorded, a file resumes
+    only with it, and the report gives such answers a table of their own."""
+    from gumiho.generate import SpeculativeGenerator
+
+    seen, generate = [], SpeculativeGenerator.generate
+
+    def spy(self, prompt, max_new_tokens=256, **settings):
+        seen.append(settings.get("ignore_eos"))
+        return generate(self, prompt, max_new_tokens, **settings)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", spy)
+    path = tmp_path / "a.jsonl"
+    args = ["--target", tiny_target_dir, "--method", "ar", "--bench", "mt_bench",
+            "--max-new-tokens", "5", "--answer-file", str(path), "--warmup", "0"]
+    assert gen_answers.main([*args, "--ignore-eos", "--question-end", "2"]) == 0
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert seen == [True] * 4  # two questions of two turns
+    assert [t["new_tokens"] for r in recs for t in r["turns"]] == [5] * 4
+    assert all(r["settings"]["ignore_eos"] for r in recs)
+    assert gen_answers.main([*args, "--question-end", "3"]) == 2
+    assert "ignore_eos=True in the file, False now" in capsys.readouterr().err
+    assert speed.sampling_key(recs[0]["settings"]) == "0.0, ignore eos"
+    assert speed.sampling_key({"temperature": 0.0}) == 0.0  # older records: without it
+
+
 def test_report_splits_answers_by_their_sampling_cut(tmp_path):
     """Answers sampled with a cut get a table of their own ("1.0, top-p 0.9"), with their
     own plain baseline; at T = 0 a cut is moot and answers pool as greedy ones."""

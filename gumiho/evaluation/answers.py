@@ -23,14 +23,14 @@ TURN_KEYS = ("new_tokens", "cycles", "wall_s", "accept_lengths")
 RECORD_START = b'{"question_id": '
 RESUME_KEYS = ("target", "method", "draft", "draft_sha256", "bench", "temperature",
                "sample_top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-               "frequency_penalty", "max_new_tokens", "seed", "tree", "engine")
+               "frequency_penalty", "ignore_eos", "max_new_tokens", "seed", "tree", "engine")
 # Settings recorded since a later version: a record without one (older code's) is not
 # compared on it, so its file still resumes and still pools in a report.
 LATER_KEYS = ("draft_sha256",)
 # Settings recorded since a later version whose absence means a value: answers from before
-# the sampling cut and the penalties existed were made without them.
+# the sampling cut, the penalties and ignore_eos existed were made without them.
 DEFAULTS = {"sample_top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0}
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "ignore_eos": False}
 
 
 @dataclass

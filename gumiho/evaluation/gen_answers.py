@@ -181,7 +181,7 @@ class AnswerWriter:
 # checked before the slow load (the tree and device after it)
 RESUME_IDENTITY = ("target", "method", "draft", "draft_sha256", "bench", "temperature",
                    "sample_top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "max_new_tokens", "seed")
+                   "frequency_penalty", "ignore_eos", "max_new_tokens", "seed")
 
 
 class Job:

@@ -34,7 +34,7 @@ from gumiho.target import load_target
 # flags that must be the same for every run: one target, one question list
 COMMON = ("--target", "--device", "--dtype", "--chat-template", "--attention", "--bench",
           "--temperature", "--sample-top-k", "--top-p", "--min-p", "--repetition-penalty",
-          "--presence-penalty", "--frequency-penalty",
+          "--presence-penalty", "--frequency-penalty", "--ignore-eos",
           "--max-new-tokens", "--question-begin", "--question-end", "--seed", "--warmup",
           "--overwrite")
 

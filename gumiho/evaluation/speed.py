@@ -47,7 +47,7 @@ GROUP_KEYS = ("target", "draft", "draft_sha256", "max_new_tokens", "seed", "tree
 def sampling_key(settings: dict) -> float | str:
     """How a run's answers were decoded, the report's first split: the temperature, and
     past it the sampling cut where one was set ("0.7, top-p 0.9"; a cut is moot at T = 0)
-    and any penalty (at any T: "0, repetition penalty 1.3"). A record from
+    and any penalty or ignore_eos (at any T: "0, repetition penalty 1.3"). A record from
     before these existed has none (answers.DEFAULTS)."""
     t = settings["temperature"]
     k, p, m, r, pp, fp = (settings.get(key, DEFAULTS[key]) for key in (
@@ -57,7 +57,8 @@ def sampling_key(settings: dict) -> float | str:
         ([f"min-p {m:g}"] if m else [])
     penalties = ([f"repetition penalty {r:g}"] if r != 1 else []) + \
         ([f"presence penalty {pp:g}"] if pp else []) + \
-        ([f"frequency penalty {fp:g}"] if fp else [])
+        ([f"frequency penalty {fp:g}"] if fp else []) + \
+        (["ignore eos"] if settings.get("ignore_eos", DEFAULTS["ignore_eos"]) else [])
     parts = (cut if t else []) + penalties
     return ", ".join([str(t), *parts]) if parts else t
 
