@@ -60,6 +60,8 @@ class GenerateConfig:
     stop_token_ids: tuple[int, ...] = ()  # ids that end the answer too (its last token)
     ignore_eos: bool = False  # the target's own stop tokens do not end the answer
     min_tokens: int = 0  # no stop token before the answer holds this many (penalty.py)
+    # (token id, bias) pairs added to those logits (a dict is taken too; penalty.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False  # each emitted token's log-probability under the target's logits
     seed: int = 0
     profile: bool = False  # time each phase (adds a device sync around every phase)
@@ -114,11 +116,34 @@ class GenerateConfig:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         check_positive_int("min_tokens", self.min_tokens, allow_zero=True)
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         if self.min_tokens > self.max_new_tokens:
             raise GumihoError(f"min_tokens ({self.min_tokens}) must not exceed "
                               f"max_new_tokens ({self.max_new_tokens})")
         if self.verify_width is not None:
             check_positive_int("verify_width", self.verify_width)
+
+
+def check_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """A logit bias ({token id: bias} or (id, bias) pairs) as sorted pairs, each bias a
+    number in [-100, 100] (OpenAI's range: -100 bans a token, 100 all but forces it)."""
+    if bias is None:
+        return ()
+    try:
+        pairs = tuple(bias.items() if isinstance(bias, dict) else bias)
+        pairs = tuple((i, b) for i, b in pairs)
+    except (TypeError, ValueError):
+        raise TypeError(f"logit_bias must be a dict of token id -> bias, got {bias!r}") \
+            from None
+    for i, b in pairs:
+        check_positive_int("a logit_bias token id", i, allow_zero=True)
+        if isinstance(b, bool) or not isinstance(b, int | float):
+            raise TypeError(f"logit_bias of token {i} must be a number, got {b!r}")
+        if not -100 <= b <= 100:  # (NaN fails too)
+            raise GumihoError(f"logit_bias of token {i} must be in [-100, 100], got {b}")
+    if len({i for i, _ in pairs}) < len(pairs):
+        raise GumihoError("logit_bias names a token id twice")
+    return tuple(sorted((i, float(b)) for i, b in pairs))
 
 
 @dataclass
@@ -328,15 +353,20 @@ def context_length(target: Target) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
+def check_token_ids(target: Target, config: GenerateConfig) -> None:
+    """Refuse stop token ids and logit_bias ids outside the target's vocabulary."""
+    vocab = target.embed_tokens.weight.shape[0]
+    for what, ids in (("stop token id", config.stop_token_ids),
+                      ("logit_bias token id", [i for i, _ in config.logit_bias])):
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise GumihoError(f"{what} {bad} is outside the vocabulary of {target.name} "
+                              f"(0..{vocab - 1})")
+
+
 def answer_stops(target: Target, config: GenerateConfig) -> frozenset[int]:
     """The token ids that end an answer (emitted, then it stops): the target's stop tokens
-    (its eos and chat end markers; none with `ignore_eos`) and `config.stop_token_ids`,
-    which must lie in the vocabulary."""
-    vocab = target.embed_tokens.weight.shape[0]
-    bad = next((t for t in config.stop_token_ids if t >= vocab), None)
-    if bad is not None:
-        raise GumihoError(f"stop token id {bad} is outside the vocabulary of {target.name} "
-                          f"(0..{vocab - 1})")
+    (its eos and chat end markers; none with `ignore_eos`) and `config.stop_token_ids`."""
     own = frozenset() if config.ignore_eos else frozenset(target.stop_token_ids)
     return own | frozenset(config.stop_token_ids)
 
@@ -374,6 +404,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
     each verify cycle (calibration and analysis hooks). `logprobs`, with config.logprobs,
     gets each emitted token's log-probability (`token_logprobs`) before it is yielded."""
     check_prompt(target, prompt_ids, config.max_new_tokens)
+    check_token_ids(target, config)
     stop_ids = answer_stops(target, config)
     timer = timer or PhaseTimer(target.device, enabled=False)
     generator = torch.Generator(device=target.device).manual_seed(config.seed)
@@ -392,7 +423,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         raw = logits
         penalty = penalties(config.repetition_penalty, config.presence_penalty,
                             config.frequency_penalty, logits.shape[-1], input_ids[0],
-                            config.min_tokens, stop_ids)
+                            config.min_tokens, stop_ids, dict(config.logit_bias))
         if penalty is not None:
             logits = penalty.last(logits)
         root = sample_tokens(logits[-1], config.temperature, generator, *cut)

@@ -227,6 +227,20 @@ def penalty_arg(value: str) -> float:
     return number
 
 
+def logit_bias_arg(value: str) -> tuple[int, float]:
+    """argparse type: ID=BIAS, a token id and a number from -100 to 100 (--logit-bias)."""
+    wrong = argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS with a bias from -100 to "
+                                       f"100 (e.g. 2=-100), got {value!r}")
+    token, _, bias = value.partition("=")
+    try:
+        token_id, number = int(token), float(bias)
+    except ValueError:
+        raise wrong from None
+    if token_id < 0 or not -100 <= number <= 100:  # (NaN fails too)
+        raise wrong
+    return token_id, number
+
+
 def _int(value: str) -> int:
     try:
         return int(value)

@@ -40,8 +40,8 @@ from gumiho.drafters import load_drafter
 from gumiho.engine import (
     GenerateConfig,
     GenerationResult,
-    answer_stops,
     check_prompt,
+    check_token_ids,
     generate,
 )
 from gumiho.errors import (
@@ -49,6 +49,7 @@ from gumiho.errors import (
     GumihoError,
     check_positive_int,
     cli_errors,
+    logit_bias_arg,
     nonnegative_float,
     nonnegative_int,
     nucleus_arg,
@@ -233,7 +234,7 @@ class SpeculativeGenerator:
                                 engine=self.engine)
         ids = self.prompt_ids(prompt)
         check_prompt(self.target, ids, config.max_new_tokens)  # now, not at the first piece
-        answer_stops(self.target, config)
+        check_token_ids(self.target, config)
         return generate(self.target, self.drafter_for(config.temperature), ids, config,
                         result)
 
@@ -242,7 +243,8 @@ class SpeculativeGenerator:
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, stop: str | Sequence[str] = (),
                  logprobs: bool = False, stop_token_ids: Sequence[int] = (),
-                 ignore_eos: bool = False, min_tokens: int = 0) -> GenerationResult:
+                 ignore_eos: bool = False, min_tokens: int = 0,
+                 logit_bias: dict[int, float] | None = None) -> GenerationResult:
         """The whole answer: text, token ids and statistics (tau, tokens/s, ...).
 
         temperature 0 decodes greedily; above it the target samples, from its `top_k`
@@ -268,7 +270,8 @@ class SpeculativeGenerator:
         string or `stop_token_ids`), and `min_tokens` keeps every token that would end it
         out of reach until the answer holds that many (vLLM's `min_tokens`, transformers'
         `min_new_tokens`; penalty.py): both are plain decoding's answers under the same
-        settings.
+        settings. `logit_bias` ({token id: bias in [-100, 100]}; OpenAI's and vLLM's)
+        adds to those tokens' logits at every position, before the penalties.
 
         The text is decoded once, at the end: a decode after every cycle, as `stream` needs
         (of a short window), would cost plain decoding (a cycle per token) a larger share
@@ -280,7 +283,8 @@ class SpeculativeGenerator:
                            presence_penalty=presence_penalty,
                            frequency_penalty=frequency_penalty, stop=stop,
                            logprobs=logprobs, stop_token_ids=stop_token_ids,
-                           ignore_eos=ignore_eos, min_tokens=min_tokens):
+                           ignore_eos=ignore_eos, min_tokens=min_tokens,
+                           logit_bias=logit_bias):
             pass
         return self.last_result
 
@@ -289,7 +293,8 @@ class SpeculativeGenerator:
                repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, stop: str | Sequence[str] = (),
                logprobs: bool = False, stop_token_ids: Sequence[int] = (),
-               ignore_eos: bool = False, min_tokens: int = 0) -> Iterator[str]:
+               ignore_eos: bool = False, min_tokens: int = 0,
+               logit_bias: dict[int, float] | None = None) -> Iterator[str]:
         """Text pieces as the cycles emit them (the arguments: `generate`'s); the
         statistics land in `last_result`. With `stop`, text that may be the start of a
         stop string waits for the next cycle, so no piece shows any part of one.
@@ -304,7 +309,8 @@ class SpeculativeGenerator:
                          presence_penalty=presence_penalty,
                          frequency_penalty=frequency_penalty, stop=stop,
                          logprobs=logprobs, stop_token_ids=stop_token_ids,
-                         ignore_eos=ignore_eos, min_tokens=min_tokens)
+                         ignore_eos=ignore_eos, min_tokens=min_tokens,
+                         logit_bias=logit_bias)
 
     def _run(self, prompt: Prompt, pieces: bool, **settings) -> Iterator[str]:
         """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the
@@ -567,6 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-tokens", type=nonnegative_int, default=0,
                         help="no token that ends the answer before it holds this many "
                         "(0 = none, default)")
+    parser.add_argument("--logit-bias", action="append", type=logit_bias_arg, default=[],
+                        metavar="ID=BIAS", help="add BIAS (-100 to 100) to token ID's logit "
+                        "at every position (-100 bans it; repeat for several)")
     parser.add_argument("--logprobs", action="store_true",
                         help="with --json: each token's log-probability under the target")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -590,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                                     temperature=args.temperature, **tree_options(args))
     pieces = gen.stream(args.prompt, args.max_new_tokens, **sampling_settings(args),
                         stop=args.stop, logprobs=args.logprobs,
-                        stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens)
+                        stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,
+                        logit_bias=args.logit_bias)
     for piece in pieces:
         if not args.json:
             print(piece, end="", flush=True)

@@ -3,8 +3,9 @@ transformers' `generate(repetition_penalty=...)`, vLLM's `repetition_penalty`), 
 presence and frequency penalties (OpenAI's API, vLLM's `presence_penalty` and
 `frequency_penalty`), which subtract from the logit of every token the answer holds
 `presence + frequency * count` (its count in the answer, the prompt left out), applied
-after the repetition penalty, as vLLM applies them; and `min_tokens` (`MinTokens`), which
-keeps the tokens that would end the answer out of reach until it is that long.
+after the repetition penalty, as vLLM applies them; `min_tokens` (`MinTokens`), which
+keeps the tokens that would end the answer out of reach until it is that long; and
+`logit_bias` (`LogitBias`), added to chosen tokens' logits before all of them.
 
 For the repetition penalty plain decoding divides the logit of every token already in the
 sequence (the prompt and what was generated) by the penalty where the logit is positive
@@ -198,6 +199,47 @@ class AnswerPenalty:
         return logits.scatter_(1, columns, values)
 
 
+class LogitBias:
+    """`logit_bias` (OpenAI's and vLLM's; transformers' `sequence_bias` for one-token
+    sequences): a number added to chosen tokens' logits at every position, before the
+    penalties (transformers' order). The same for every row, so a tree needs nothing of
+    its own."""
+
+    def __init__(self, bias: dict[int, float], device: torch.device):
+        self.ids = torch.tensor(list(bias), dtype=torch.long, device=device)
+        self.values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
+        self._drafted: dict[int, tuple] = {}  # per draft vocabulary (ids kept: id() stays)
+
+    def add(self, tokens: Tensor) -> None:
+        pass
+
+    def last(self, logits: Tensor) -> Tensor:
+        logits = logits.float().clone()
+        logits[..., self.ids] += self.values
+        return logits
+
+    def drafted(self, logits: Tensor, ids: Tensor | None) -> Tensor:
+        """A drafter's fresh logits (..., Vd) (target ids `ids`, None: the whole
+        vocabulary), the biased tokens it holds biased, in place."""
+        key = 0 if ids is None else id(ids)
+        if key not in self._drafted:
+            if ids is None:
+                columns, values = self.ids, self.values
+            else:  # draft positions of the biased target ids, and their biases
+                where = torch.full((int(max(ids.max(), self.ids.max())) + 1,), -1,
+                                   dtype=torch.long, device=ids.device)
+                where[ids] = torch.arange(len(ids), device=ids.device)
+                at = where[self.ids.to(ids.device)]
+                columns, values = at[at >= 0], self.values.to(ids.device)[at >= 0]
+            self._drafted[key] = (ids, columns, values)
+        _, columns, values = self._drafted[key]
+        logits[..., columns] += values.to(logits.dtype)
+        return logits
+
+    def rows(self, logits: Tensor, tokens: Tensor, sees: Tensor) -> Tensor:
+        return self.last(logits)
+
+
 class MinTokens:
     """`min_tokens` (vLLM's; transformers' `min_new_tokens`): the stop tokens' logits at
     -inf until the answer holds `minimum` tokens, so that it cannot end sooner. In a tree
@@ -277,11 +319,14 @@ class Penalties:
 
 
 def penalties(repetition: float, presence: float, frequency: float, vocab: int,
-              prompt: Tensor, min_tokens: int = 0,
-              stop_ids: frozenset[int] = frozenset()) -> Penalties | None:
+              prompt: Tensor, min_tokens: int = 0, stop_ids: frozenset[int] = frozenset(),
+              bias: dict[int, float] | None = None) -> Penalties | None:
     """The penalties a generation set (None: none), `prompt` its token ids on the device;
-    `min_tokens` masks `stop_ids` (the ids that end it) until the answer is that long."""
+    `min_tokens` masks `stop_ids` (the ids that end it) until the answer is that long;
+    `bias` adds to chosen tokens' logits, first."""
     parts = []
+    if bias:
+        parts.append(LogitBias(bias, prompt.device))
     if min_tokens > 0 and stop_ids:
         parts.append(MinTokens(min_tokens, sorted(stop_ids), vocab, prompt.device))
     if repetition != 1.0:

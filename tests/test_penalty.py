@@ -244,3 +244,49 @@ def test_greedy_with_presence_and_frequency_is_plain_decodings(smollm2, referenc
                                                    top_k=1, **with_all))
     assert out.token_ids == want_all
     assert gumiho.generate(ids, N, **with_all).token_ids == want_all
+
+
+@pytest.mark.host
+def test_a_logit_bias_reaches_every_row_and_a_drafters_vocabulary():
+    """LogitBias adds each bias to its token's logit in every verify row and in a draft
+    vocabulary's columns (target ids mapped to draft ids; ids it lacks left out)."""
+    from gumiho.penalty import LogitBias
+
+    bias = LogitBias({3: -100.0, 7: 2.5, 14: 1.0}, torch.device("cpu"))
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(4))
+    want = logits.clone()
+    want[:, 3] -= 100
+    want[:, 7] += 2.5
+    want[:, 14] += 1.0
+    assert torch.equal(bias.rows(logits, torch.zeros(4, dtype=torch.long),
+                                 torch.ones(4, 4, dtype=torch.bool)), want)
+    ids = torch.tensor([9, 7, 2, 3, 11])  # draft id -> target id: no 14 in it
+    drafted = bias.drafted(logits[:, :5].clone(), ids)
+    assert torch.equal(drafted[:, [0, 2, 4]], logits[:, [0, 2, 4]])
+    assert torch.equal(drafted[:, 1], logits[:, 1] + 2.5)
+    assert torch.equal(drafted[:, 3], logits[:, 3] - 100)
+
+
+def test_greedy_with_a_logit_bias_is_transformers_generate(smollm2, reference):
+    """transformers' `sequence_bias` over one-token sequences, with a repetition penalty
+    after it, is what plain decoding, lookup, the shipped Gumiho drafter and an oracle
+    drafter give with `logit_bias`."""
+    from gumiho import SpeculativeGenerator
+
+    ids, full = reference[0], reference[1].token_ids
+    bias = {full[3]: -100.0, full[1]: -3.0, 11: 4.0}  # " paper" banned, "." lowered
+    with torch.inference_mode():
+        out = smollm2.model.generate(
+            torch.tensor([ids], device=smollm2.device), max_new_tokens=N, do_sample=False,
+            sequence_bias={(i,): b for i, b in bias.items()}, repetition_penalty=1.2)
+    want = out[0, len(ids):].tolist()
+    assert want[:4] != full[:4] and full[3] not in want
+    settings = {"logit_bias": bias, "repetition_penalty": 1.2}
+    for gen in (SpeculativeGenerator.load(smollm2, "ar"),
+                SpeculativeGenerator.load(smollm2, "lookup"),
+                SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
+                                          total_tokens=8)):
+        assert gen.generate(ids, N, **settings).token_ids == want, gen.method
+    oracle = oracle_drafter("gumiho", smollm2, ids + want, TreeConfig.for_method("gumiho"))
+    out = run(smollm2, oracle, ids, GenerateConfig(max_new_tokens=N, **settings))
+    assert out.token_ids == want and out.tau > 4

@@ -127,6 +127,11 @@ def test_bad_stop_token_settings_are_refused():
     with pytest.raises(GumihoError, match="min_tokens"):
         GenerateConfig(max_new_tokens=8, min_tokens=9)
     assert GenerateConfig(stop_token_ids=[4, 2]).stop_token_ids == (4, 2)
+    with pytest.raises(GumihoError, match="logit_bias of token 3"):
+        GenerateConfig(logit_bias={3: float("nan")})
+    with pytest.raises(TypeError, match="logit_bias"):
+        GenerateConfig(logit_bias=[1, 2])
+    assert GenerateConfig(logit_bias={9: -1, 2: 5}).logit_bias == ((2, 5.0), (9, -1.0))
 
 
 def test_a_stop_token_id_outside_the_vocabulary_is_refused(smollm2, france):
@@ -148,7 +153,9 @@ def test_the_cli_flags(capsys, smollm2, france):
             "--max-new-tokens", str(LONG), "--json"]
     for flags, tokens, how in ((["--min-tokens", "8"], 43, "stop_token"),
                                (["--ignore-eos"], LONG, "max_new_tokens"),
-                               (["--stop-token-id", str(natural[2])], 3, "stop_token")):
+                               (["--stop-token-id", str(natural[2])], 3, "stop_token"),
+                               (["--logit-bias", f"{natural[-1]}=-100"], LONG,
+                                "max_new_tokens")):
         assert main(base + flags) == 0
         result = json.loads(capsys.readouterr().out)
         assert (result["new_tokens"], result["stopped_by"]) == (tokens, how), flags
