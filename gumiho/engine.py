@@ -41,6 +41,7 @@ from gumiho.target import Target
 from gumiho.tree import DraftTree
 
 MIN_TEMPERATURE = 1e-4
+MAX_TOP_LOGPROBS = 20
 HOST_MATCH = True  # greedy acceptance in Python on the eager CPU loop (False: match_picks)
 
 
@@ -63,6 +64,7 @@ class GenerateConfig:
     # (token id, bias) pairs added to those logits (a dict is taken too; penalty.py)
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False  # each emitted token's log-probability under the target's logits
+    top_logprobs: int = 0  # and the k likeliest tokens' at each position (0-20; sets logprobs)
     seed: int = 0
     profile: bool = False  # time each phase (adds a device sync around every phase)
     verify_width: int | None = None  # pad every verify step to this many tokens (static shape)
@@ -117,6 +119,12 @@ class GenerateConfig:
             raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         check_positive_int("min_tokens", self.min_tokens, allow_zero=True)
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+        check_positive_int("top_logprobs", self.top_logprobs, allow_zero=True)
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise GumihoError(f"top_logprobs must be at most {MAX_TOP_LOGPROBS} (OpenAI's "
+                              f"limit), got {self.top_logprobs}")
+        if self.top_logprobs:
+            object.__setattr__(self, "logprobs", True)
         if self.min_tokens > self.max_new_tokens:
             raise GumihoError(f"min_tokens ({self.min_tokens}) must not exceed "
                               f"max_new_tokens ({self.max_new_tokens})")
@@ -162,6 +170,9 @@ class GenerationResult:
     # with GenerateConfig.logprobs: each token's log-probability under the target's own
     # distribution (its logits' log-softmax, before penalties, temperature and cut)
     logprobs: list[float] | None = None
+    # with GenerateConfig.top_logprobs: at each position the k likeliest (token id,
+    # log-probability) pairs under the same distribution, likeliest first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -189,7 +200,9 @@ class GenerationResult:
                 "accept_lengths": self.accept_lengths, "wall_s": self.wall_s,
                 "tokens_per_s": self.tokens_per_s, "stopped_by": self.stopped_by,
                 **({"phase_s": self.phase_s} if self.phase_s else {}),
-                **({"logprobs": self.logprobs} if self.logprobs is not None else {})}
+                **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
+                **({"top_logprobs": [[list(pair) for pair in row] for row in self.top_logprobs]}
+                   if self.top_logprobs is not None else {})}
 
 
 def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -332,10 +345,23 @@ def commit_accepted(cache: KVCache, drafter: Drafter, tree: DraftTree, features:
                     result.tokens)
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor) -> list[float]:
-    """log p(tokens[i]) under the softmax of logits[i] (N, V), in float32, on the host."""
-    rows = torch.log_softmax(logits.float(), -1)
-    return rows.gather(1, tokens.view(-1, 1).to(rows.device)).view(-1).tolist()
+class TokenLogprobs:
+    """The emitted tokens' log-probabilities (GenerateConfig.logprobs), and with `top` the
+    `top` likeliest tokens' at each position, gathered cycle by cycle on the host."""
+
+    def __init__(self, top: int = 0):
+        self.top = top
+        self.values: list[float] = []
+        self.tops: list[list[tuple[int, float]]] | None = [] if top else None
+
+    def add(self, logits: Tensor, tokens: Tensor) -> None:
+        """log p(tokens[i]) under the softmax of logits[i] (N, V), in float32."""
+        rows = torch.log_softmax(logits.float(), -1)
+        self.values += rows.gather(1, tokens.view(-1, 1).to(rows.device)).view(-1).tolist()
+        if self.top:
+            best = rows.topk(self.top, -1)
+            self.tops += [list(zip(ids, values, strict=True)) for ids, values in
+                          zip(best.indices.tolist(), best.values.tolist(), strict=True)]
 
 
 def share_penalty(drafter: Drafter, penalty: Penalties | None) -> None:
@@ -398,11 +424,11 @@ def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> 
 def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
                        config: GenerateConfig, timer: PhaseTimer | None = None,
                        on_cycle: Callable[[DraftTree, list[int]], None] | None = None,
-                       logprobs: list[float] | None = None) -> Iterator[list[int]]:
+                       logprobs: TokenLogprobs | None = None) -> Iterator[list[int]]:
     """Yield the tokens each cycle emits (host ints), the prefill's single token first.
     Unbounded: the caller stops it (see `generate`). on_cycle(tree, emitted): called after
     each verify cycle (calibration and analysis hooks). `logprobs`, with config.logprobs,
-    gets each emitted token's log-probability (`token_logprobs`) before it is yielded."""
+    gets each emitted token's log-probability (`TokenLogprobs`) before it is yielded."""
     check_prompt(target, prompt_ids, config.max_new_tokens)
     check_token_ids(target, config)
     stop_ids = answer_stops(target, config)
@@ -433,7 +459,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
             penalty.add(root.view(1))
         first = int(root)  # the prefill's token, on the host
         if config.logprobs:
-            logprobs += token_logprobs(raw[-1:], root.view(1))
+            logprobs.add(raw[-1:], root.view(1))
         drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]),
                         prompt_ids[1:] + [first])
     yield [first]
@@ -481,7 +507,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
             if penalty is not None:
                 penalty.add(emitted)
             if config.logprobs:  # row n_i of the path predicted its token i + 1
-                logprobs += token_logprobs(raw[result.nodes], emitted)
+                logprobs.add(raw[result.nodes], emitted)
         if on_cycle is not None:
             on_cycle(tree, result.tokens)
         yield result.tokens
@@ -507,7 +533,7 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
     away, paused_at = 0.0, None
     strings = StopStrings(target.decode, config.stop) if config.stop else None
     stop_ids = answer_stops(target, config)
-    logprobs = [] if config.logprobs else None
+    logprobs = TokenLogprobs(config.top_logprobs) if config.logprobs else None
     cycles = speculative_cycles(target, drafter, prompt_ids, config, timer, on_cycle,
                                 logprobs)
     try:
@@ -538,7 +564,9 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
         result.phase_s = dict(timer.totals)
         result.text = target.decode(result.token_ids)
         if logprobs is not None:  # the tokens kept (a stop may have cut a cycle short)
-            result.logprobs = logprobs[:result.new_tokens]
+            result.logprobs = logprobs.values[:result.new_tokens]
+            if logprobs.tops is not None:
+                result.top_logprobs = logprobs.tops[:result.new_tokens]
         if strings is not None:  # the stop string is not part of the answer's text
             result.text = strings.text(result.text)
     return result

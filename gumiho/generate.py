@@ -244,7 +244,8 @@ class SpeculativeGenerator:
                  frequency_penalty: float = 0.0, stop: str | Sequence[str] = (),
                  logprobs: bool = False, stop_token_ids: Sequence[int] = (),
                  ignore_eos: bool = False, min_tokens: int = 0,
-                 logit_bias: dict[int, float] | None = None) -> GenerationResult:
+                 logit_bias: dict[int, float] | None = None,
+                 top_logprobs: int = 0) -> GenerationResult:
         """The whole answer: text, token ids and statistics (tau, tokens/s, ...).
 
         temperature 0 decodes greedily; above it the target samples, from its `top_k`
@@ -263,7 +264,9 @@ class SpeculativeGenerator:
         it, the token ids keep the tokens that spelled it (stops.py).
         `logprobs` fills `logprobs`: each token's log-probability under the target's own
         distribution (the log-softmax of its logits, before penalties, temperature and
-        cut; vLLM's default "raw" logprobs), from the verify that accepted it.
+        cut; vLLM's default "raw" logprobs), from the verify that accepted it;
+        `top_logprobs` (0-20; OpenAI's) fills `top_logprobs` with the k likeliest (token
+        id, log-probability) pairs of each position too, and turns `logprobs` on.
         `stop_token_ids` end the answer too, as the target's stop tokens (its eos and chat
         end markers) do, the token kept (`stopped_by == "stop_token"`); `ignore_eos` lets
         the answer run past the target's own stop tokens (to `max_new_tokens`, a stop
@@ -284,7 +287,7 @@ class SpeculativeGenerator:
                            frequency_penalty=frequency_penalty, stop=stop,
                            logprobs=logprobs, stop_token_ids=stop_token_ids,
                            ignore_eos=ignore_eos, min_tokens=min_tokens,
-                           logit_bias=logit_bias):
+                           logit_bias=logit_bias, top_logprobs=top_logprobs):
             pass
         return self.last_result
 
@@ -294,7 +297,8 @@ class SpeculativeGenerator:
                frequency_penalty: float = 0.0, stop: str | Sequence[str] = (),
                logprobs: bool = False, stop_token_ids: Sequence[int] = (),
                ignore_eos: bool = False, min_tokens: int = 0,
-               logit_bias: dict[int, float] | None = None) -> Iterator[str]:
+               logit_bias: dict[int, float] | None = None,
+               top_logprobs: int = 0) -> Iterator[str]:
         """Text pieces as the cycles emit them (the arguments: `generate`'s); the
         statistics land in `last_result`. With `stop`, text that may be the start of a
         stop string waits for the next cycle, so no piece shows any part of one.
@@ -310,7 +314,7 @@ class SpeculativeGenerator:
                          frequency_penalty=frequency_penalty, stop=stop,
                          logprobs=logprobs, stop_token_ids=stop_token_ids,
                          ignore_eos=ignore_eos, min_tokens=min_tokens,
-                         logit_bias=logit_bias)
+                         logit_bias=logit_bias, top_logprobs=top_logprobs)
 
     def _run(self, prompt: Prompt, pieces: bool, **settings) -> Iterator[str]:
         """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the
@@ -578,6 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "at every position (-100 bans it; repeat for several)")
     parser.add_argument("--logprobs", action="store_true",
                         help="with --json: each token's log-probability under the target")
+    parser.add_argument("--top-logprobs", type=nonnegative_int, default=0, metavar="K",
+                        help="with --json: also the K likeliest tokens' log-probabilities "
+                        "at each position (0-20)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--verify-width", type=positive_int, default=None,
                         help="pad every verify step to this many tokens (one static shape)")
@@ -600,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     pieces = gen.stream(args.prompt, args.max_new_tokens, **sampling_settings(args),
                         stop=args.stop, logprobs=args.logprobs,
                         stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,
-                        logit_bias=args.logit_bias)
+                        logit_bias=args.logit_bias, top_logprobs=args.top_logprobs)
     for piece in pieces:
         if not args.json:
             print(piece, end="", flush=True)

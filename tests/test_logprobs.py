@@ -60,3 +60,42 @@ def test_logprobs_are_the_raw_distributions_when_sampling_with_penalties(smollm2
                           stop="\n", logprobs=True)
     assert close(out.logprobs, forward_logprobs(smollm2, ids, out.token_ids))
     assert out.tau > 1 and len(out.logprobs) == out.new_tokens
+
+
+def forward_top(target, prompt, answer, k):
+    """The k likeliest (id, log-probability) pairs at each answer position, one forward."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + answer], device=target.device)
+        logits = target.model(ids).logits[0, len(prompt) - 1:-1].float()
+        best = torch.log_softmax(logits, -1).topk(k, -1)
+    return best.indices.tolist(), best.values.tolist()
+
+
+def test_top_logprobs_are_the_targets_likeliest_at_each_position(smollm2, reference):
+    """top_logprobs=5: at each position the model's five likeliest tokens, likeliest
+    first, for plain decoding and an oracle drafter; the greedy token is the first, its
+    log-probability `logprobs`' own; `logprobs` comes with it; JSON pairs."""
+    from gumiho import SpeculativeGenerator
+
+    ids, full = reference[0], reference[1].token_ids
+    want_ids, want_values = forward_top(smollm2, ids, full, 5)
+    oracle = oracle_drafter("gumiho", smollm2, ids + full, TreeConfig.for_method("gumiho"))
+    plain = SpeculativeGenerator.load(smollm2, "ar").generate(ids, N, top_logprobs=5)
+    fast = run(smollm2, oracle, ids, GenerateConfig(max_new_tokens=N, top_logprobs=5))
+    assert fast.tau > 4
+    for out in (plain, fast):
+        assert out.token_ids == full and len(out.top_logprobs) == N
+        got_ids = [[i for i, _ in row] for row in out.top_logprobs]
+        got_values = [v for row in out.top_logprobs for _, v in row]
+        # ties in float32 rounding could swap two ids: compare where the values are apart
+        apart = [r for r, values in enumerate(want_values) if min(
+            b - a for a, b in zip(values[1:], values[:-1], strict=True)) > 1e-3]
+        assert len(apart) > N // 2
+        assert all(got_ids[r] == want_ids[r] for r in apart)
+        assert close(got_values, [v for row in want_values for v in row])
+        assert [row[0][0] for row in out.top_logprobs] == full  # greedy: the likeliest
+        assert [row[0][1] for row in out.top_logprobs] == out.logprobs
+    record = plain.to_json()["top_logprobs"]
+    assert record[0][0] == [full[0], plain.logprobs[0]]
+    assert "top_logprobs" not in SpeculativeGenerator.load(smollm2, "ar").generate(
+        ids, 2, logprobs=True).to_json()
