@@ -8,6 +8,7 @@ import sys
 SUBCOMMANDS = {
     "generate": "gumiho.generate",
     "demo": "gumiho.demo",
+    "serve": "gumiho.serve",
     "timing": "gumiho.evaluation.timing",
     "gen-answers": "gumiho.evaluation.gen_answers",
     "interleave": "gumiho.evaluation.interleave",

@@ -282,11 +282,11 @@ def test_greedy_with_a_logit_bias_is_transformers_generate(smollm2, reference):
     want = out[0, len(ids):].tolist()
     assert want[:4] != full[:4] and full[3] not in want
     settings = {"logit_bias": bias, "repetition_penalty": 1.2}
-    for gen in (SpeculativeGenerator.load(smollm2, "ar"),
-                SpeculativeGenerator.load(smollm2, "lookup"),
-                SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
-                                          total_tokens=8)):
-        assert gen.generate(ids, N, **settings).token_ids == want, gen.method
+    for method, draft in (("ar", None), ("lookup", None),
+                          ("gumiho", "gumiho/assets/smollm2/gumiho")):
+        gen = SpeculativeGenerator.load(smollm2, method, draft,
+                                        **({"total_tokens": 8} if draft else {}))
+        assert gen.generate(ids, N, **settings).token_ids == want, method
     oracle = oracle_drafter("gumiho", smollm2, ids + want, TreeConfig.for_method("gumiho"))
     out = run(smollm2, oracle, ids, GenerateConfig(max_new_tokens=N, **settings))
     assert out.token_ids == want and out.tau > 4

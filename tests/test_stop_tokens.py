@@ -83,17 +83,17 @@ def test_stop_ids_ignore_eos_and_min_tokens_are_transformers_generate(smollm2, f
         ({"ignore_eos": True, "stop_token_ids": [period], "min_tokens": 10},
          ({period}, {"min_new_tokens": 10}), "stop_token"),
     ]
-    gens = [SpeculativeGenerator.load(smollm2, "ar"),
-            SpeculativeGenerator.load(smollm2, "lookup"),
-            SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
-                                      total_tokens=8)]
+    gens = {"ar": SpeculativeGenerator.load(smollm2, "ar"),
+            "lookup": SpeculativeGenerator.load(smollm2, "lookup"),
+            "gumiho": SpeculativeGenerator.load(smollm2, "gumiho",
+                                                "gumiho/assets/smollm2/gumiho", total_tokens=8)}
     for settings, (eos, extra), how in cases:
         want = hf_greedy(smollm2, ids, eos, LONG, **extra)
         assert want != natural, settings
-        for gen in gens:
+        for method, gen in gens.items():
             out = gen.generate(ids, LONG, **settings)
-            assert out.token_ids == want, (gen.method, settings)
-            assert out.stopped_by == how, (gen.method, settings)
+            assert out.token_ids == want, (method, settings)
+            assert out.stopped_by == how, (method, settings)
         oracle = oracle_drafter("gumiho", smollm2, ids + want + [0] * 8,
                                 TreeConfig.for_method("gumiho"))
         out = run(smollm2, oracle, ids, GenerateConfig(max_new_tokens=LONG, **settings))

@@ -1,0 +1,392 @@
+"""An OpenAI-compatible HTTP server over one speculative generator: `gumiho serve`.
+
+    gumiho serve --method gumiho --draft gumiho/assets/smollm2/gumiho --preset demo
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
+
+The endpoints are the ones OpenAI's clients and vLLM's users call: `POST
+/v1/chat/completions` (the chat template applied), `POST /v1/completions` (a raw prompt),
+`GET /v1/models` and `GET /health`. A request's sampling fields are OpenAI's
+(`temperature`, `top_p`, `max_tokens`/`max_completion_tokens`, `stop`, `seed`,
+`presence_penalty`, `frequency_penalty`, `logit_bias`, `logprobs`, `top_logprobs`,
+`stream` with `stream_options.include_usage`) and vLLM's extras (`top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`), each handed to
+`SpeculativeGenerator.generate`/`stream`, so an answer is plain decoding's under the same
+settings. Every response adds a `speculative` object (method, tau, cycles, tokens/s).
+
+One generation runs at a time (the target's caches belong to one): requests wait their
+turn, while `/health` and `/v1/models` answer at once. Not served: `n` or `best_of`
+above 1, `echo`, `suffix`, tools, and `logprobs` with `stream`; each is refused with a
+400 that says so. Python's standard library serves it (no web framework to install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
+
+log = logging.getLogger("gumiho")
+
+FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length",
+          "closed": "stop"}
+# request fields passed to generate() under their own names or another
+RENAMED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+           "min_p": "min_p", "seed": "seed", "repetition_penalty": "repetition_penalty",
+           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+           "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
+           "stop_token_ids": "stop_token_ids", "stop": "stop"}
+UNSERVED = {"echo": "echo", "suffix": "suffix", "tools": "tools", "functions": "functions",
+            "response_format": "response_format", "guided_json": "guided decoding",
+            "guided_regex": "guided decoding", "guided_choice": "guided decoding"}
+
+
+class RequestError(Exception):
+    """A request the server refuses: its HTTP status and a one-line reason."""
+
+    def __init__(self, status: HTTPStatus, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
+    """`generate`'s keyword arguments from an OpenAI request body (types and ranges are
+    checked by GenerateConfig; what it refuses becomes a 400)."""
+    for field, what in UNSERVED.items():
+        if body.get(field) not in (None, False, "", [], {}):
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"{what} is not supported here")
+    for field in ("n", "best_of"):
+        if body.get(field, 1) not in (1, None):
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"{field} must be 1 here (one answer "
+                               f"per request), got {body[field]!r}")
+    settings = {RENAMED[k]: v for k, v in body.items() if k in RENAMED and v is not None}
+    settings.setdefault("temperature", 1.0)  # OpenAI's and vLLM's default
+    if settings.get("stop") is None:
+        settings.pop("stop", None)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    settings["max_new_tokens"] = default_max_tokens if limit is None else limit
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "logit_bias must be an object of "
+                               "token id -> bias")
+        try:
+            settings["logit_bias"] = {int(k): v for k, v in bias.items()}
+        except ValueError:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "logit_bias keys must be token ids "
+                               f"(integers), got {list(bias)!r}") from None
+    logprobs = body.get("logprobs")
+    if chat:  # logprobs: true/false, top_logprobs: 0-20
+        if logprobs:
+            settings["logprobs"] = True
+            settings["top_logprobs"] = body.get("top_logprobs") or 0
+    elif logprobs is not None:  # completions: logprobs is the number of alternatives
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "logprobs must be an integer >= 0 "
+                               f"(the alternatives per token), got {logprobs!r}")
+        settings["logprobs"] = True
+        settings["top_logprobs"] = logprobs
+    if body.get("stream") and settings.get("logprobs"):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "logprobs with stream is not supported "
+                           "here: ask without stream")
+    return settings
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The request's messages as {"role", "content"} dicts with text content."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(HTTPStatus.BAD_REQUEST, "messages must be a non-empty list")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "each message must be an object")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise RequestError(HTTPStatus.BAD_REQUEST, "only text content is supported")
+            content = "".join(p.get("text", "") for p in content)
+        out.append({"role": m.get("role"), "content": content})
+    return out
+
+
+class Server:
+    """What the handler calls: one generator, its name, one generation at a time."""
+
+    def __init__(self, gen, name: str, max_tokens: int, method: str):
+        self.gen, self.name, self.max_tokens, self.method = gen, name, max_tokens, method
+        self.lock = threading.Lock()
+
+    def check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model not in (None, self.name):
+            raise RequestError(HTTPStatus.NOT_FOUND, f"the model {model!r} is not served "
+                               f"here (this server serves {self.name!r})")
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.name, "object": "model",
+                                           "created": 0, "owned_by": "gumiho"}]}
+
+    def prompt(self, body: dict, chat: bool) -> list[int]:
+        if chat:
+            prompt = chat_messages(body)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+                if len(prompt) != 1:
+                    raise RequestError(HTTPStatus.BAD_REQUEST, "one prompt per request")
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise RequestError(HTTPStatus.BAD_REQUEST, "empty prompt")
+                prompt = self.gen.target.tokenizer(prompt).input_ids  # raw: no template
+        return self.gen.prompt_ids(prompt)
+
+    def stats(self, result) -> dict:
+        return {"method": self.method, "tau": round(result.tau, 4),
+                "cycles": result.cycles, "tokens_per_s": round(result.tokens_per_s, 2)}
+
+    def usage(self, ids: list[int], result) -> dict:
+        return {"prompt_tokens": len(ids), "completion_tokens": result.new_tokens,
+                "total_tokens": len(ids) + result.new_tokens}
+
+    def answer(self, body: dict, chat: bool) -> dict:
+        """A whole (not streamed) completion."""
+        self.check_model(body)
+        settings = settings_from(body, self.max_tokens, chat)
+        ids = self.prompt(body, chat)
+        with self.lock:
+            result = self.gen.generate(ids, **settings)
+        choice = {"index": 0, "finish_reason": FINISH[result.stopped_by]}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": result.text}
+            choice["logprobs"] = self.chat_logprobs(result) if result.logprobs else None
+        else:
+            choice["text"] = result.text
+            choice["logprobs"] = self.text_logprobs(result) if result.logprobs else None
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.name, "choices": [choice],
+                "usage": self.usage(ids, result), "speculative": self.stats(result)}
+
+    def chunks(self, body: dict, chat: bool) -> Iterator[dict]:
+        """A streamed completion's chunks (checked before the first is made)."""
+        self.check_model(body)
+        settings = settings_from(body, self.max_tokens, chat)
+        ids = self.prompt(body, chat)
+        usage = (body.get("stream_options") or {}).get("include_usage")
+        return self._chunks(ids, settings, chat, usage)
+
+    def _chunks(self, ids, settings, chat, usage) -> Iterator[dict]:
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.name}
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant"} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish}
+            return {**head, "choices": [choice]}
+
+        with self.lock:
+            pieces = self.gen.stream(ids, **settings)
+            try:
+                if chat:
+                    yield chunk("", None, role=True)
+                for piece in pieces:
+                    if piece:
+                        yield chunk(piece, None)
+            finally:
+                pieces.close()  # a client gone mid-answer stops the generation
+            result = self.gen.last_result
+        end = chunk(None, FINISH[result.stopped_by])
+        end["speculative"] = self.stats(result)
+        yield end
+        if usage:
+            yield {**head, "choices": [], "usage": self.usage(ids, result)}
+
+    def token_text(self, token_id: int) -> str:
+        return self.gen.target.decode([token_id])
+
+    def chat_logprobs(self, result) -> dict:
+        def entry(token_id, logprob):
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        tops = result.top_logprobs or [[] for _ in result.token_ids]
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                            for t, lp, top in zip(result.token_ids, result.logprobs, tops,
+                                                  strict=True)]}
+
+    def text_logprobs(self, result) -> dict:
+        tokens = [self.token_text(t) for t in result.token_ids]
+        offsets, at = [], 0
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        tops = result.top_logprobs
+        return {"tokens": tokens, "token_logprobs": result.logprobs, "text_offset": offsets,
+                "top_logprobs": None if tops is None else [
+                    {self.token_text(i): v for i, v in top} for top in tops]}
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "gumiho"
+    server: GumihoHTTPServer
+
+    def log_message(self, format, *args):  # noqa: A002 (the base class's name)
+        log.info("%s %s", self.address_string(), format % args)
+
+    def send_json(self, status: HTTPStatus, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_error_json(self, status: HTTPStatus, message: str) -> None:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        self.send_json(status, {"error": {"message": message, "type": kind,
+                                          "code": int(status)}})
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path.rstrip("/") == "/health":
+            self.send_json(HTTPStatus.OK, {"status": "ok"})
+        elif self.path.rstrip("/") == "/v1/models":
+            self.send_json(HTTPStatus.OK, self.server.gumiho.models())
+        else:
+            self.send_error_json(HTTPStatus.NOT_FOUND, f"no such path: {self.path}")
+
+    def do_POST(self):  # noqa: N802
+        path = self.path.rstrip("/")
+        if path not in ("/v1/chat/completions", "/v1/completions"):
+            self.send_error_json(HTTPStatus.NOT_FOUND, f"no such path: {self.path}")
+            return
+        chat = path == "/v1/chat/completions"
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"null")
+            if not isinstance(body, dict):
+                raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
+            if body.get("stream"):
+                self.stream(self.server.gumiho.chunks(body, chat))
+            else:
+                self.send_json(HTTPStatus.OK, self.server.gumiho.answer(body, chat))
+        except RequestError as exc:
+            self.send_error_json(exc.status, str(exc))
+        except (ValueError, TypeError, GumihoError) as exc:  # bad JSON, bad settings
+            message = f"invalid JSON: {exc}" if isinstance(exc, json.JSONDecodeError) \
+                else str(exc)
+            self.send_error_json(HTTPStatus.BAD_REQUEST, message)
+        except Exception as exc:  # a bug: the client hears of it, the server goes on
+            log.exception("request failed")
+            self.send_error_json(HTTPStatus.INTERNAL_SERVER_ERROR,
+                                 f"{type(exc).__name__}: {exc}")
+
+    def stream(self, chunks: Iterator[dict]) -> None:
+        """Server-sent events, one chunk each, then `data: [DONE]`."""
+        first = next(chunks)  # errors in the settings surface here, as a 400
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        try:
+            for one in itertools.chain([first], chunks):
+                self.wfile.write(f"data: {json.dumps(one)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            chunks.close()  # the client left: the generation stops
+            log.info("client left mid-stream")
+
+
+class GumihoHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address, server: Server | None):
+        super().__init__(address, Handler)
+        self.gumiho = server
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gumiho.generate import add_preset_arg, add_target_args, add_tree_args
+    from gumiho.methods import METHODS
+
+    parser = ArgumentParser(prog="gumiho serve", description=__doc__.split("\n")[0])
+    add_target_args(parser)
+    parser.add_argument("--method", default="ar", choices=METHODS)
+    parser.add_argument("--draft", default=None,
+                        help="drafter checkpoint dir, or 'random' (seeded random weights)")
+    add_preset_arg(parser)
+    add_tree_args(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: --target)")
+    parser.add_argument("--max-tokens", type=positive_int, default=512,
+                        help="new tokens when a request names no max_tokens (default 512)")
+    parser.add_argument("--verify-width", type=positive_int, default=None,
+                        help="pad every verify step to this many tokens (one static shape)")
+    return parser
+
+
+def make_server(gen, name: str, method: str, host: str = "127.0.0.1", port: int = 0,
+                max_tokens: int = 512) -> GumihoHTTPServer:
+    """An HTTP server over `gen` (a SpeculativeGenerator of `method`), not yet serving
+    (port 0: any free port; `server.server_address` says which)."""
+    return GumihoHTTPServer((host, port), Server(gen, name, max_tokens, method))
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> int:
+    from gumiho.generate import SpeculativeGenerator, check_context_room, tree_options
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)
+    check_context_room(args.target, args.max_tokens)
+    name = args.served_model_name or args.target
+    try:  # the address first: a port in use fails at once, not after the load
+        server = GumihoHTTPServer((args.host, args.port), None)
+    except OSError as exc:
+        raise GumihoError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") \
+            from None
+    gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
+                                    device=args.device, dtype=args.dtype,
+                                    chat_template=args.chat_template,
+                                    verify_width=args.verify_width, engine=args.engine,
+                                    attention=args.attention, preset=args.preset,
+                                    **tree_options(args))
+    server.gumiho = Server(gen, name, args.max_tokens, args.method)
+    log.info("warming up (greedy and sampled; a sized tree is chosen once per temperature)")
+    for temperature in (0.0, 1.0):  # so that no first request pays for it
+        gen.generate("Hi", 8, temperature=temperature)
+    host, port = server.server_address[:2]
+    log.info("serving %r (%s) on http://%s:%d/v1 (Ctrl-C stops)", name, args.method, host,
+             port)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        log.info("stopped")
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""`gumiho serve`: OpenAI's chat and completions endpoints over a speculative generator,
+answering as `generate` answers, streamed or whole, and refusing bad requests with a 400
+that says why."""
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import REFERENCE_PROMPT as PROMPT
+from conftest import REFERENCE_TOKENS as N
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+    """The shipped Gumiho drafter served on a free local port: (base url, generator)."""
+    from gumiho import SpeculativeGenerator
+    from gumiho.serve import make_server
+
+    gen = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
+                                    total_tokens=8)
+    server = make_server(gen, "smollm2", "gumiho")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host, port = server.server_address[:2]
+    yield f"http://{host}:{port}", gen
+    server.shutdown()
+    server.server_close()
+
+
+def post(url, body, raw=False):
+    """(status, parsed JSON or the raw text) of a POST."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            text = response.read().decode()
+            return response.status, text if raw else json.loads(text)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read().decode())
+
+
+def events(text):
+    """The JSON payloads of a server-sent event stream, and whether it ended in [DONE]."""
+    data = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    return [json.loads(d) for d in data if d != "[DONE]"], data[-1] == "[DONE]"
+
+
+def test_a_chat_completion_is_generates_answer(served, reference):
+    """Greedy, whole and streamed: the text and token count `generate` gives, OpenAI's
+    shape (choices, finish_reason, usage), and the speculative statistics."""
+    url, gen = served
+    ids, want = reference[0], reference[1]
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": N, "temperature": 0}
+    status, out = post(url + "/v1/chat/completions", body)
+    assert status == 200 and out["object"] == "chat.completion"
+    choice = out["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": want.text}
+    assert choice["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": N,
+                            "total_tokens": len(ids) + N}
+    assert out["speculative"]["method"] == "gumiho" and out["speculative"]["tau"] > 1.1
+    status, text = post(url + "/v1/chat/completions",
+                        {**body, "stream": True, "stream_options": {"include_usage": True}},
+                        raw=True)
+    chunks, done = events(text)
+    assert status == 200 and done
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks
+                   if c["choices"]) == want.text
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == N
+
+
+def test_completions_logprobs_stop_and_sampling_settings(served, smollm2):
+    """A raw prompt (no chat template), a stop string (finish_reason "stop", the text
+    before it), logprobs with alternatives, and vLLM's extras reach `generate`."""
+    url, gen = served
+    prompt = "The three primary colours are"
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 2,
+            "stop": [","], "repetition_penalty": 1.1, "top_k": 5}
+    status, out = post(url + "/v1/completions", body)
+    assert status == 200, out
+    ids = smollm2.tokenizer(prompt).input_ids
+    want = gen.generate(ids, 16, stop=[","], repetition_penalty=1.1, top_k=5,
+                        top_logprobs=2)
+    choice = out["choices"][0]
+    assert choice["text"] == want.text and "," not in choice["text"]
+    assert choice["finish_reason"] == "stop"
+    assert choice["logprobs"]["token_logprobs"] == want.logprobs
+    assert all(len(top) == 2 for top in choice["logprobs"]["top_logprobs"])
+    status, out = post(url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}],
+        "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 3})
+    content = out["choices"][0]["logprobs"]["content"]
+    assert status == 200 and len(content) == 4 and len(content[0]["top_logprobs"]) == 3
+    assert content[0]["logprob"] == content[0]["top_logprobs"][0]["logprob"]
+
+
+def test_sampling_with_a_seed_is_repeatable(served):
+    url, _ = served
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12,
+            "temperature": 0.9, "seed": 7}
+    first = post(url + "/v1/chat/completions", body)[1]["choices"][0]["message"]
+    again = post(url + "/v1/chat/completions", body)[1]["choices"][0]["message"]
+    assert first == again
+
+
+@pytest.mark.parametrize("path, body, status, says", [
+    ("/v1/chat/completions", b"{not json", 400, "invalid JSON"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user",
+                                                              "content": "hi"}]},
+     404, "not served"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2},
+     400, "n must be 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "stream": True, "logprobs": True}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "stream": True, "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "context"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt"),
+    ("/v1/embeddings", {"input": "hi"}, 404, "no such path"),
+])
+def test_bad_requests_are_refused_with_a_reason(served, path, body, status, says):
+    url, _ = served
+    got, out = post(url + path, body)
+    assert got == status and says in out["error"]["message"], out
+
+
+def test_models_and_health(served):
+    url, _ = served
+    with urllib.request.urlopen(url + "/v1/models") as response:
+        assert json.loads(response.read())["data"][0]["id"] == "smollm2"
+    with urllib.request.urlopen(url + "/health") as response:
+        assert response.status == 200
+
+
+def test_a_client_leaving_mid_stream_frees_the_generator(served, caplog):
+    """A stream whose client hangs up stops (long before its 400 tokens); the next
+    request is answered."""
+    import http.client
+    import logging
+
+    caplog.set_level(logging.INFO, logger="gumiho")
+    url, _ = served
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 400,
+        "temperature": 0, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    response.close()
+    conn.close()  # gone after the first chunk
+    status, out = post(url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0})
+    assert status == 200 and out["usage"]["completion_tokens"] == 3
+    assert "client left mid-stream" in caplog.text
+
+
+def test_a_port_in_use_is_one_line(served, capsys):
+    from gumiho.serve import main
+
+    url, _ = served
+    assert main(["--port", url.rsplit(":", 1)[1]]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "error: cannot listen on 127.0.0.1:")
