@@ -557,14 +557,34 @@ def tree_options(args: argparse.Namespace) -> dict:
                                           "extend_confidence")}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="gumiho generate", description=__doc__.split("\n")[0])
+def add_generator_args(parser: argparse.ArgumentParser) -> None:
+    """What `load_from_args` reads: the target, --method, --draft, --preset, the tree
+    flags and --verify-width (gumiho generate's and gumiho serve's)."""
     add_target_args(parser)
     parser.add_argument("--method", default="ar", choices=METHODS)
     parser.add_argument("--draft", default=None,
                         help="drafter checkpoint dir, or 'random' (seeded random weights)")
     add_preset_arg(parser)
     add_tree_args(parser)
+    parser.add_argument("--verify-width", type=positive_int, default=None,
+                        help="pad every verify step to this many tokens (one static shape)")
+
+
+def load_from_args(args: argparse.Namespace, temperature: float = 0.0
+                   ) -> SpeculativeGenerator:
+    """The generator `add_generator_args`' flags describe (`temperature`: the one an
+    auto-sized tree is sized for first)."""
+    return SpeculativeGenerator.load(args.target, args.method, args.draft,
+                                     device=args.device, dtype=args.dtype,
+                                     chat_template=args.chat_template,
+                                     verify_width=args.verify_width, engine=args.engine,
+                                     attention=args.attention, preset=args.preset,
+                                     temperature=temperature, **tree_options(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="gumiho generate", description=__doc__.split("\n")[0])
+    add_generator_args(parser)
     parser.add_argument("--prompt", required=True, help="one user turn")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     add_sampling_args(parser)
@@ -586,8 +606,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --json: also the K likeliest tokens' log-probabilities "
                         "at each position (0-20)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--verify-width", type=positive_int, default=None,
-                        help="pad every verify step to this many tokens (one static shape)")
     return parser
 
 
@@ -598,12 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prompt.strip():
         raise GumihoError("empty prompt: give some text to answer")
     check_context_room(args.target, args.max_new_tokens)
-    gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
-                                    device=args.device, dtype=args.dtype,
-                                    chat_template=args.chat_template,
-                                    verify_width=args.verify_width, engine=args.engine,
-                                    attention=args.attention, preset=args.preset,
-                                    temperature=args.temperature, **tree_options(args))
+    gen = load_from_args(args, args.temperature)
     pieces = gen.stream(args.prompt, args.max_new_tokens, **sampling_settings(args),
                         stop=args.stop, logprobs=args.logprobs,
                         stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,

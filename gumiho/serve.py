@@ -324,16 +324,10 @@ class GumihoHTTPServer(ThreadingHTTPServer):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gumiho.generate import add_preset_arg, add_target_args, add_tree_args
-    from gumiho.methods import METHODS
+    from gumiho.generate import add_generator_args
 
     parser = ArgumentParser(prog="gumiho serve", description=__doc__.split("\n")[0])
-    add_target_args(parser)
-    parser.add_argument("--method", default="ar", choices=METHODS)
-    parser.add_argument("--draft", default=None,
-                        help="drafter checkpoint dir, or 'random' (seeded random weights)")
-    add_preset_arg(parser)
-    add_tree_args(parser)
+    add_generator_args(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
@@ -341,8 +335,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model name clients send (default: --target)")
     parser.add_argument("--max-tokens", type=positive_int, default=512,
                         help="new tokens when a request names no max_tokens (default 512)")
-    parser.add_argument("--verify-width", type=positive_int, default=None,
-                        help="pad every verify step to this many tokens (one static shape)")
     return parser
 
 
@@ -355,7 +347,7 @@ def make_server(gen, name: str, method: str, host: str = "127.0.0.1", port: int 
 
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
-    from gumiho.generate import SpeculativeGenerator, check_context_room, tree_options
+    from gumiho.generate import check_context_room, load_from_args
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)
@@ -366,12 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         raise GumihoError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") \
             from None
-    gen = SpeculativeGenerator.load(args.target, args.method, args.draft,
-                                    device=args.device, dtype=args.dtype,
-                                    chat_template=args.chat_template,
-                                    verify_width=args.verify_width, engine=args.engine,
-                                    attention=args.attention, preset=args.preset,
-                                    **tree_options(args))
+    gen = load_from_args(args)
     server.gumiho = Server(gen, name, args.max_tokens, args.method)
     log.info("warming up (greedy and sampled; a sized tree is chosen once per temperature)")
     for temperature in (0.0, 1.0):  # so that no first request pays for it
