@@ -15,9 +15,11 @@ The endpoints are the ones OpenAI's clients and vLLM's users call: `POST
 settings. Every response adds a `speculative` object (method, tau, cycles, tokens/s).
 
 One generation runs at a time (the target's caches belong to one): requests wait their
-turn, while `/health` and `/v1/models` answer at once. Not served: `n` or `best_of`
-above 1, `echo`, `suffix`, tools, and `logprobs` with `stream`; each is refused with a
-400 that says so. Python's standard library serves it (no web framework to install).
+turn, while `/health` and `/v1/models` answer at once. `n` answers are sampled one after
+another with seeds `seed`, `seed + 1`, ... (a request without a seed gets a random one, so
+it samples afresh each time, as OpenAI's). Not served: `best_of` above 1, `echo`,
+`suffix`, tools, and `logprobs` or `n` above 1 with `stream`; each is refused with a 400
+that says so. Python's standard library serves it (no web framework to install).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import itertools
 import json
 import logging
+import secrets
 import sys
 import threading
 import time
@@ -38,6 +41,7 @@ from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
 
 log = logging.getLogger("gumiho")
 
+MAX_CHOICES = 16  # n per request
 FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length",
           "closed": "stop"}
 # request fields passed to generate() under their own names or another
@@ -65,12 +69,13 @@ def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
     for field, what in UNSERVED.items():
         if body.get(field) not in (None, False, "", [], {}):
             raise RequestError(HTTPStatus.BAD_REQUEST, f"{what} is not supported here")
-    for field in ("n", "best_of"):
-        if body.get(field, 1) not in (1, None):
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"{field} must be 1 here (one answer "
-                               f"per request), got {body[field]!r}")
+    if body.get("best_of", 1) not in (1, None):
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"best_of must be 1 here, got "
+                           f"{body['best_of']!r}")
     settings = {RENAMED[k]: v for k, v in body.items() if k in RENAMED and v is not None}
     settings.setdefault("temperature", 1.0)  # OpenAI's and vLLM's default
+    # without a seed each request samples afresh, as OpenAI's (generate's default is 0)
+    settings.setdefault("seed", secrets.randbelow(2**62))
     if settings.get("stop") is None:
         settings.pop("stop", None)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -96,10 +101,24 @@ def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
                                f"(the alternatives per token), got {logprobs!r}")
         settings["logprobs"] = True
         settings["top_logprobs"] = logprobs
+    if body.get("stream") and choices(body) > 1:
+        raise RequestError(HTTPStatus.BAD_REQUEST, "n above 1 with stream is not supported "
+                           "here: ask without stream")
     if body.get("stream") and settings.get("logprobs"):
         raise RequestError(HTTPStatus.BAD_REQUEST, "logprobs with stream is not supported "
                            "here: ask without stream")
     return settings
+
+
+def choices(body: dict) -> int:
+    """The request's `n`: how many answers (each sampled with seed, seed + 1, ...)."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"n must be an integer from 1 to "
+                           f"{MAX_CHOICES}, got {n!r}")
+    return n
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -152,32 +171,43 @@ class Server:
                 prompt = self.gen.target.tokenizer(prompt).input_ids  # raw: no template
         return self.gen.prompt_ids(prompt)
 
-    def stats(self, result) -> dict:
-        return {"method": self.method, "tau": round(result.tau, 4),
-                "cycles": result.cycles, "tokens_per_s": round(result.tokens_per_s, 2)}
+    def stats(self, *results) -> dict:
+        """The method, tau, cycles and tokens/s over a request's answers."""
+        tokens = sum(r.new_tokens for r in results)
+        cycles = sum(r.cycles for r in results)
+        wall = sum(r.wall_s for r in results)
+        return {"method": self.method, "tau": round(tokens / max(cycles, 1), 4),
+                "cycles": cycles, "tokens_per_s": round(tokens / wall, 2) if wall else 0.0}
 
-    def usage(self, ids: list[int], result) -> dict:
-        return {"prompt_tokens": len(ids), "completion_tokens": result.new_tokens,
-                "total_tokens": len(ids) + result.new_tokens}
+    def usage(self, ids: list[int], *results) -> dict:
+        tokens = sum(r.new_tokens for r in results)
+        return {"prompt_tokens": len(ids), "completion_tokens": tokens,
+                "total_tokens": len(ids) + tokens}
 
     def answer(self, body: dict, chat: bool) -> dict:
         """A whole (not streamed) completion."""
         self.check_model(body)
         settings = settings_from(body, self.max_tokens, chat)
         ids = self.prompt(body, chat)
-        with self.lock:
-            result = self.gen.generate(ids, **settings)
-        choice = {"index": 0, "finish_reason": FINISH[result.stopped_by]}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
-            choice["logprobs"] = self.chat_logprobs(result) if result.logprobs else None
-        else:
-            choice["text"] = result.text
-            choice["logprobs"] = self.text_logprobs(result) if result.logprobs else None
+        results = []
+        for i in range(choices(body)):
+            seeded = {**settings, "seed": (settings["seed"] + i) % 2**63}
+            with self.lock:  # a turn each: another request may come between two answers
+                results.append(self.gen.generate(ids, **seeded))
+        answers = []
+        for i, result in enumerate(results):
+            choice = {"index": i, "finish_reason": FINISH[result.stopped_by]}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": result.text}
+                choice["logprobs"] = self.chat_logprobs(result) if result.logprobs else None
+            else:
+                choice["text"] = result.text
+                choice["logprobs"] = self.text_logprobs(result) if result.logprobs else None
+            answers.append(choice)
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.name, "choices": [choice],
-                "usage": self.usage(ids, result), "speculative": self.stats(result)}
+                "created": int(time.time()), "model": self.name, "choices": answers,
+                "usage": self.usage(ids, *results), "speculative": self.stats(*results)}
 
     def chunks(self, body: dict, chat: bool) -> Iterator[dict]:
         """A streamed completion's chunks (checked before the first is made)."""

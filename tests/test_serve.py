@@ -101,13 +101,25 @@ def test_completions_logprobs_stop_and_sampling_settings(served, smollm2):
     assert content[0]["logprob"] == content[0]["top_logprobs"][0]["logprob"]
 
 
-def test_sampling_with_a_seed_is_repeatable(served):
-    url, _ = served
+def test_n_answers_are_sampled_with_seed_seed_plus_one_and_so_on(served, monkeypatch):
+    """n = 3 at T = 0.9 with seed 7: answers i are `generate`'s with seed 7 + i; a request
+    without a seed gets a fresh random one (here 40, made to be)."""
+    import gumiho.serve
+
+    url, gen = served
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12,
-            "temperature": 0.9, "seed": 7}
-    first = post(url + "/v1/chat/completions", body)[1]["choices"][0]["message"]
-    again = post(url + "/v1/chat/completions", body)[1]["choices"][0]["message"]
-    assert first == again
+            "temperature": 0.9}
+    status, out = post(url + "/v1/chat/completions", {**body, "n": 3, "seed": 7})
+    texts = [c["message"]["content"] for c in out["choices"]]
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert texts == [gen.generate(PROMPT, 12, temperature=0.9, seed=7 + i).text
+                     for i in range(3)]
+    assert len(set(texts)) > 1
+    assert out["usage"]["completion_tokens"] == 36
+    monkeypatch.setattr(gumiho.serve.secrets, "randbelow", lambda n: 40)
+    out = post(url + "/v1/chat/completions", body)[1]
+    assert out["choices"][0]["message"]["content"] == gen.generate(
+        PROMPT, 12, temperature=0.9, seed=40).text
 
 
 @pytest.mark.parametrize("path, body, status, says", [
@@ -116,8 +128,11 @@ def test_sampling_with_a_seed_is_repeatable(served):
     ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user",
                                                               "content": "hi"}]},
      404, "not served"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2},
-     400, "n must be 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0},
+     400, "n must be an integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                              "stream": True}, 400, "n above 1 with stream"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
