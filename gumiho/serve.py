@@ -14,12 +14,13 @@ The endpoints are the ones OpenAI's clients and vLLM's users call: `POST
 `SpeculativeGenerator.generate`/`stream`, so an answer is plain decoding's under the same
 settings. Every response adds a `speculative` object (method, tau, cycles, tokens/s).
 
-One generation runs at a time (the target's caches belong to one): requests wait their
-turn, while `/health` and `/v1/models` answer at once. `n` answers are sampled one after
-another with seeds `seed`, `seed + 1`, ... (a request without a seed gets a random one, so
-it samples afresh each time, as OpenAI's). Not served: `best_of` above 1, `echo`,
-`suffix`, tools, and `logprobs` or `n` above 1 with `stream`; each is refused with a 400
-that says so. Python's standard library serves it (no web framework to install).
+One generation runs at a time (the target's caches belong to one), on the main thread
+(`Worker`): requests wait their turn, while `/health` and `/v1/models` answer at once.
+`n` answers are sampled one after another with seeds `seed`, `seed + 1`, ... (a request
+without a seed gets a random one, so it samples afresh each time, as OpenAI's). Not
+served: `best_of` above 1, `echo`, `suffix`, tools, and `logprobs` or `n` above 1 with
+`stream`; each is refused with a 400 that says so. Python's standard library serves it
+(no web framework to install).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ import argparse
 import itertools
 import json
 import logging
+import queue
 import secrets
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -139,12 +142,75 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-class Server:
-    """What the handler calls: one generator, its name, one generation at a time."""
+class Worker:
+    """Runs the generations, one at a time, on the thread that calls `run_forever`: the
+    main thread in `gumiho serve`. The same torch work called from another thread than the
+    one that first ran parallel work ran 1.5-5x slower on a 2-core AMX Xeon (a 1 x 576 by
+    576 x 1536 product 40 us on the main thread, 206 us on another; plain decoding 54.5
+    against 26.0 tokens/s in bf16, 28.7 against 18.8 in float32: `python
+    scripts/thread_speed.py`), so the handlers' threads only hand work over and wait."""
 
-    def __init__(self, gen, name: str, max_tokens: int, method: str):
+    def __init__(self):
+        self.jobs: queue.Queue = queue.Queue()
+
+    def run_forever(self) -> None:
+        """Run jobs as they come until `stop`."""
+        while (job := self.jobs.get()) is not None:
+            job()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def call(self, fn):
+        """fn() run on the worker; its result here (or its exception raised here)."""
+        done: Future = Future()
+
+        def job():
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 (handed to the waiting thread)
+                done.set_exception(exc)
+        self.jobs.put(job)
+        return done.result()
+
+    def iterate(self, make: Callable[[], Iterator]) -> Iterator:
+        """The items of the iterator `make()` builds and runs on the worker, here as it
+        makes them; closing this one (a client gone) stops that one at its next item."""
+        items: queue.Queue = queue.Queue()
+        cancel = threading.Event()
+
+        def job():
+            try:
+                source = make()
+                try:
+                    for item in source:
+                        items.put((True, item))
+                        if cancel.is_set():
+                            break
+                finally:
+                    source.close()
+                items.put((False, None))
+            except BaseException as exc:  # noqa: BLE001 (raised in the handler's thread)
+                items.put((False, exc))
+        self.jobs.put(job)
+        try:
+            while True:
+                more, item = items.get()
+                if not more:
+                    if item is not None:
+                        raise item
+                    return
+                yield item
+        finally:
+            cancel.set()
+
+
+class Server:
+    """What the handler calls: one generator and its name; `worker` runs generations."""
+
+    def __init__(self, gen, name: str, max_tokens: int, method: str, worker: Worker):
         self.gen, self.name, self.max_tokens, self.method = gen, name, max_tokens, method
-        self.lock = threading.Lock()
+        self.worker = worker
 
     def check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -192,8 +258,8 @@ class Server:
         results = []
         for i in range(choices(body)):
             seeded = {**settings, "seed": (settings["seed"] + i) % 2**63}
-            with self.lock:  # a turn each: another request may come between two answers
-                results.append(self.gen.generate(ids, **seeded))
+            # a turn each: another request may come between two answers
+            results.append(self.worker.call(lambda s=seeded: self.gen.generate(ids, **s)))
         answers = []
         for i, result in enumerate(results):
             choice = {"index": i, "finish_reason": FINISH[result.stopped_by]}
@@ -215,7 +281,7 @@ class Server:
         settings = settings_from(body, self.max_tokens, chat)
         ids = self.prompt(body, chat)
         usage = (body.get("stream_options") or {}).get("include_usage")
-        return self._chunks(ids, settings, chat, usage)
+        return self.worker.iterate(lambda: self._chunks(ids, settings, chat, usage))
 
     def _chunks(self, ids, settings, chat, usage) -> Iterator[dict]:
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -232,17 +298,16 @@ class Server:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish}
             return {**head, "choices": [choice]}
 
-        with self.lock:
-            pieces = self.gen.stream(ids, **settings)
-            try:
-                if chat:
-                    yield chunk("", None, role=True)
-                for piece in pieces:
-                    if piece:
-                        yield chunk(piece, None)
-            finally:
-                pieces.close()  # a client gone mid-answer stops the generation
-            result = self.gen.last_result
+        pieces = self.gen.stream(ids, **settings)
+        try:
+            if chat:
+                yield chunk("", None, role=True)
+            for piece in pieces:
+                if piece:
+                    yield chunk(piece, None)
+        finally:
+            pieces.close()  # a client gone mid-answer stops the generation
+        result = self.gen.last_result
         end = chunk(None, FINISH[result.stopped_by])
         end["speculative"] = self.stats(result)
         yield end
@@ -368,20 +433,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def make_server(gen, name: str, method: str, host: str = "127.0.0.1", port: int = 0,
-                max_tokens: int = 512) -> GumihoHTTPServer:
-    """An HTTP server over `gen` (a SpeculativeGenerator of `method`), not yet serving
-    (port 0: any free port; `server.server_address` says which)."""
-    return GumihoHTTPServer((host, port), Server(gen, name, max_tokens, method))
+def make_server(gen, name: str, method: str, worker: Worker, host: str = "127.0.0.1",
+                port: int = 0, max_tokens: int = 512) -> GumihoHTTPServer:
+    """An HTTP server over `gen` (a SpeculativeGenerator of `method`) whose generations
+    run where `worker.run_forever` runs; not yet serving (port 0: any free port;
+    `server.server_address` says which)."""
+    return GumihoHTTPServer((host, port), Server(gen, name, max_tokens, method, worker))
 
 
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
+    from gumiho.attention import SDPA_INVARIANT
+    from gumiho.demo import exact_bf16_here
     from gumiho.generate import check_context_room, load_from_args
+    from gumiho.target import choose_device_dtype
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)
     check_context_room(args.target, args.max_tokens)
+    device, _ = choose_device_dtype(args.device, args.dtype)
+    if args.dtype is None and args.attention is None and exact_bf16_here(device):
+        args.dtype, args.attention = "bfloat16", SDPA_INVARIANT  # as `gumiho demo` chooses
+        log.info("this CPU has AMX: bfloat16 with the row-invariant attention, whose output "
+                 "is bf16 plain decoding's bit for bit (--dtype float32 for float32)")
     name = args.served_model_name or args.target
     try:  # the address first: a port in use fails at once, not after the load
         server = GumihoHTTPServer((args.host, args.port), None)
@@ -389,18 +463,22 @@ def main(argv: list[str] | None = None) -> int:
         raise GumihoError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") \
             from None
     gen = load_from_args(args)
-    server.gumiho = Server(gen, name, args.max_tokens, args.method)
+    worker = Worker()
+    server.gumiho = Server(gen, name, args.max_tokens, args.method, worker)
     log.info("warming up (greedy and sampled; a sized tree is chosen once per temperature)")
     for temperature in (0.0, 1.0):  # so that no first request pays for it
         gen.generate("Hi", 8, temperature=temperature)
     host, port = server.server_address[:2]
     log.info("serving %r (%s) on http://%s:%d/v1 (Ctrl-C stops)", name, args.method, host,
              port)
+    listener = threading.Thread(target=server.serve_forever, daemon=True)
+    listener.start()
     try:
-        server.serve_forever()
+        worker.run_forever()  # here, on the main thread (Worker says why)
     except KeyboardInterrupt:
         log.info("stopped")
     finally:
+        server.shutdown()
         server.server_close()
     return 0
 
