@@ -159,3 +159,17 @@ def test_the_cli_flags(capsys, smollm2, france):
         assert main(base + flags) == 0
         result = json.loads(capsys.readouterr().out)
         assert (result["new_tokens"], result["stopped_by"]) == (tokens, how), flags
+
+
+def test_a_recorded_engine_applies_min_tokens_and_a_logit_bias(smollm2, france):
+    """The static engine (one recorded verify shape) gives the eager answer with
+    min_tokens, a logit bias and top logprobs: they act on the logits leaving the step."""
+    from gumiho import SpeculativeGenerator
+
+    settings = {"min_tokens": 8, "logit_bias": {11: 3.0}}
+    want = SpeculativeGenerator.load(smollm2, "ar").generate(france, LONG, **settings)
+    gen = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
+                                    total_tokens=8, engine="static")
+    out = gen.generate(france, LONG, top_logprobs=2, **settings)
+    assert out.token_ids == want.token_ids and len(want.token_ids) > 8
+    assert out.tau > 1.5 and len(out.top_logprobs) == out.new_tokens
