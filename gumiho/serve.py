@@ -45,6 +45,7 @@ from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
 log = logging.getLogger("gumiho")
 
 MAX_CHOICES = 16  # n per request
+MAX_BODY = 16 * 2**20  # bytes of a request body
 FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length",
           "closed": "stop"}
 # request fields passed to generate() under their own names or another
@@ -374,6 +375,9 @@ class Handler(BaseHTTPRequestHandler):
         chat = path == "/v1/chat/completions"
         try:
             length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY:
+                raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is "
+                                   f"{length} bytes; at most {MAX_BODY} are read")
             body = json.loads(self.rfile.read(length) or b"null")
             if not isinstance(body, dict):
                 raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")

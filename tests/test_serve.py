@@ -153,6 +153,20 @@ def test_bad_requests_are_refused_with_a_reason(served, path, body, status, says
     assert got == status and says in out["error"]["message"], out
 
 
+def test_a_body_past_the_limit_is_refused_unread(served):
+    import http.client
+
+    url, _ = served
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Length", str(10**9))  # announced, never sent
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 413 and b"at most" in response.read()
+    conn.close()
+
+
 def test_models_and_health(served):
     url, _ = served
     with urllib.request.urlopen(url + "/v1/models") as response:
