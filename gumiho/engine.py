@@ -57,6 +57,7 @@ class GenerateConfig:
     repetition_penalty: float = 1.0  # the sequence's tokens' logits / it (penalty.py; 1: off)
     presence_penalty: float = 0.0  # subtracted from the answer's tokens' logits (penalty.py)
     frequency_penalty: float = 0.0  # times a token's count in the answer, subtracted too
+    no_repeat_ngram_size: int = 0  # no n-gram of the sequence twice (transformers'; 0: off)
     stop: tuple[str, ...] = ()  # stop strings: the answer ends at the first (stops.py)
     stop_token_ids: tuple[int, ...] = ()  # ids that end the answer too (its last token)
     ignore_eos: bool = False  # the target's own stop tokens do not end the answer
@@ -118,6 +119,7 @@ class GenerateConfig:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         check_positive_int("min_tokens", self.min_tokens, allow_zero=True)
+        check_positive_int("no_repeat_ngram_size", self.no_repeat_ngram_size, allow_zero=True)
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         check_positive_int("top_logprobs", self.top_logprobs, allow_zero=True)
         if self.top_logprobs > MAX_TOP_LOGPROBS:
@@ -449,7 +451,8 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         raw = logits
         penalty = penalties(config.repetition_penalty, config.presence_penalty,
                             config.frequency_penalty, logits.shape[-1], input_ids[0],
-                            config.min_tokens, stop_ids, dict(config.logit_bias))
+                            config.min_tokens, stop_ids, dict(config.logit_bias),
+                            config.no_repeat_ngram_size)
         if penalty is not None:
             logits = penalty.last(logits)
         root = sample_tokens(logits[-1], config.temperature, generator, *cut)

@@ -245,7 +245,7 @@ class SpeculativeGenerator:
                  logprobs: bool = False, stop_token_ids: Sequence[int] = (),
                  ignore_eos: bool = False, min_tokens: int = 0,
                  logit_bias: dict[int, float] | None = None,
-                 top_logprobs: int = 0) -> GenerationResult:
+                 top_logprobs: int = 0, no_repeat_ngram_size: int = 0) -> GenerationResult:
         """The whole answer: text, token ids and statistics (tau, tokens/s, ...).
 
         temperature 0 decodes greedily; above it the target samples, from its `top_k`
@@ -275,6 +275,8 @@ class SpeculativeGenerator:
         `min_new_tokens`; penalty.py): both are plain decoding's answers under the same
         settings. `logit_bias` ({token id: bias in [-100, 100]}; OpenAI's and vLLM's)
         adds to those tokens' logits at every position, before the penalties.
+        `no_repeat_ngram_size` n (transformers'; 0: off) lets no n-gram of the sequence,
+        prompt included, come twice.
 
         The text is decoded once, at the end: a decode after every cycle, as `stream` needs
         (of a short window), would cost plain decoding (a cycle per token) a larger share
@@ -287,7 +289,8 @@ class SpeculativeGenerator:
                            frequency_penalty=frequency_penalty, stop=stop,
                            logprobs=logprobs, stop_token_ids=stop_token_ids,
                            ignore_eos=ignore_eos, min_tokens=min_tokens,
-                           logit_bias=logit_bias, top_logprobs=top_logprobs):
+                           logit_bias=logit_bias, top_logprobs=top_logprobs,
+                           no_repeat_ngram_size=no_repeat_ngram_size):
             pass
         return self.last_result
 
@@ -298,7 +301,7 @@ class SpeculativeGenerator:
                logprobs: bool = False, stop_token_ids: Sequence[int] = (),
                ignore_eos: bool = False, min_tokens: int = 0,
                logit_bias: dict[int, float] | None = None,
-               top_logprobs: int = 0) -> Iterator[str]:
+               top_logprobs: int = 0, no_repeat_ngram_size: int = 0) -> Iterator[str]:
         """Text pieces as the cycles emit them (the arguments: `generate`'s); the
         statistics land in `last_result`. With `stop`, text that may be the start of a
         stop string waits for the next cycle, so no piece shows any part of one.
@@ -314,7 +317,8 @@ class SpeculativeGenerator:
                          frequency_penalty=frequency_penalty, stop=stop,
                          logprobs=logprobs, stop_token_ids=stop_token_ids,
                          ignore_eos=ignore_eos, min_tokens=min_tokens,
-                         logit_bias=logit_bias, top_logprobs=top_logprobs)
+                         logit_bias=logit_bias, top_logprobs=top_logprobs,
+                         no_repeat_ngram_size=no_repeat_ngram_size)
 
     def _run(self, prompt: Prompt, pieces: bool, **settings) -> Iterator[str]:
         """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the
@@ -602,6 +606,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "at every position (-100 bans it; repeat for several)")
     parser.add_argument("--logprobs", action="store_true",
                         help="with --json: each token's log-probability under the target")
+    parser.add_argument("--no-repeat-ngram-size", type=nonnegative_int, default=0,
+                        metavar="N", help="no N-gram of the text (prompt included) twice, as "
+                        "transformers' no_repeat_ngram_size (0 = off, default)")
     parser.add_argument("--top-logprobs", type=nonnegative_int, default=0, metavar="K",
                         help="with --json: also the K likeliest tokens' log-probabilities "
                         "at each position (0-20)")
@@ -620,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     pieces = gen.stream(args.prompt, args.max_new_tokens, **sampling_settings(args),
                         stop=args.stop, logprobs=args.logprobs,
                         stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,
-                        logit_bias=args.logit_bias, top_logprobs=args.top_logprobs)
+                        logit_bias=args.logit_bias, top_logprobs=args.top_logprobs,
+                        no_repeat_ngram_size=args.no_repeat_ngram_size)
     for piece in pieces:
         if not args.json:
             print(piece, end="", flush=True)

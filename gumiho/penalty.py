@@ -4,8 +4,9 @@ presence and frequency penalties (OpenAI's API, vLLM's `presence_penalty` and
 `frequency_penalty`), which subtract from the logit of every token the answer holds
 `presence + frequency * count` (its count in the answer, the prompt left out), applied
 after the repetition penalty, as vLLM applies them; `min_tokens` (`MinTokens`), which
-keeps the tokens that would end the answer out of reach until it is that long; and
-`logit_bias` (`LogitBias`), added to chosen tokens' logits before all of them.
+keeps the tokens that would end the answer out of reach until it is that long;
+transformers' `no_repeat_ngram_size` (`NoRepeatNGram`); and `logit_bias` (`LogitBias`),
+added to chosen tokens' logits before all of them.
 
 For the repetition penalty plain decoding divides the logit of every token already in the
 sequence (the prompt and what was generated) by the penalty where the logit is positive
@@ -240,6 +241,74 @@ class LogitBias:
         return self.last(logits)
 
 
+class NoRepeatNGram:
+    """transformers' `no_repeat_ngram_size` (NoRepeatNGramLogitsProcessor): no n-gram of
+    the sequence (the prompt and the answer) twice, i.e. after its last n - 1 tokens, none
+    of the tokens that followed those n - 1 before has a chance (-inf). In a tree each row
+    bans over its own sequence, the committed tokens then its path below the root, so a
+    node's pick is plain decoding's. Kept on the host (a dict from each (n - 1)-gram to the
+    tokens that followed it): a cycle reads the tree and the emitted tokens back, a host
+    sync a GPU would pay; drafters are not told."""
+
+    def __init__(self, size: int, prompt: Tensor):
+        self.size = size
+        self.sequence: list[int] = []
+        self.followers: dict[tuple[int, ...], set[int]] = {}
+        self._add(prompt.tolist())
+
+    def _add(self, tokens: list[int]) -> None:
+        n = self.size
+        for token in tokens:
+            self.sequence.append(token)
+            if len(self.sequence) >= n:
+                self.followers.setdefault(tuple(self.sequence[-n:-1]), set()).add(token)
+
+    def add(self, tokens: Tensor) -> None:
+        self._add(tokens.reshape(-1).tolist())
+
+    def banned(self, path: list[int]) -> set[int]:
+        """The tokens that may not follow the committed sequence and then `path`."""
+        n = self.size
+        if len(self.sequence) + len(path) + 1 < n:
+            return set()
+        tail = self.sequence[len(self.sequence) - n + 1:] if n > 1 else []
+        whole = tail + path  # the committed n - 1 tokens are all a new n-gram can reach
+        prefix = tuple(whole[len(whole) - n + 1:])
+        out = set(self.followers.get(prefix, ()))
+        for end in range(max(len(tail), n - 1), len(whole)):  # n-grams ending in the path
+            if tuple(whole[end - n + 1:end]) == prefix:
+                out.add(whole[end])
+        return out
+
+    def last(self, logits: Tensor) -> Tensor:
+        ban = sorted(self.banned([]))
+        if not ban:
+            return logits
+        logits = logits.float().clone()
+        logits[..., ban] = float("-inf")
+        return logits
+
+    def drafted(self, logits: Tensor, ids: Tensor | None) -> Tensor:
+        return logits  # not told: a banned draft is rejected like any other
+
+    def rows(self, logits: Tensor, tokens: Tensor, sees: Tensor) -> Tensor:
+        """Row i banned over the committed sequence and the tree tokens its row of the
+        verify mask sees below the root, in depth order."""
+        ids, mask = tokens.tolist(), sees.tolist()
+        depth = [sum(row) for row in mask]
+        rows, columns = [], []
+        for i, row in enumerate(mask):
+            path = sorted((j for j in range(1, len(ids)) if row[j]), key=depth.__getitem__)
+            for token in self.banned([ids[j] for j in path]):
+                rows.append(i)
+                columns.append(token)
+        if not rows:
+            return logits
+        logits = logits.float().clone()
+        logits[rows, columns] = float("-inf")
+        return logits
+
+
 class MinTokens:
     """`min_tokens` (vLLM's; transformers' `min_new_tokens`): the stop tokens' logits at
     -inf until the answer holds `minimum` tokens, so that it cannot end sooner. In a tree
@@ -320,10 +389,12 @@ class Penalties:
 
 def penalties(repetition: float, presence: float, frequency: float, vocab: int,
               prompt: Tensor, min_tokens: int = 0, stop_ids: frozenset[int] = frozenset(),
-              bias: dict[int, float] | None = None) -> Penalties | None:
+              bias: dict[int, float] | None = None,
+              no_repeat_ngram: int = 0) -> Penalties | None:
     """The penalties a generation set (None: none), `prompt` its token ids on the device;
     `min_tokens` masks `stop_ids` (the ids that end it) until the answer is that long;
-    `bias` adds to chosen tokens' logits, first."""
+    `bias` adds to chosen tokens' logits, first; `no_repeat_ngram` (n) bans repeats of
+    n-grams, after the repetition penalty as transformers orders them."""
     parts = []
     if bias:
         parts.append(LogitBias(bias, prompt.device))
@@ -331,6 +402,8 @@ def penalties(repetition: float, presence: float, frequency: float, vocab: int,
         parts.append(MinTokens(min_tokens, sorted(stop_ids), vocab, prompt.device))
     if repetition != 1.0:
         parts.append(RepetitionPenalty(repetition, vocab, prompt))
+    if no_repeat_ngram:
+        parts.append(NoRepeatNGram(no_repeat_ngram, prompt))
     if presence != 0.0 or frequency != 0.0:
         parts.append(AnswerPenalty(presence, frequency, vocab, prompt.device))
     return Penalties(*parts) if parts else None

@@ -10,7 +10,8 @@ The endpoints are the ones OpenAI's clients and vLLM's users call: `POST
 (`temperature`, `top_p`, `max_tokens`/`max_completion_tokens`, `stop`, `seed`,
 `presence_penalty`, `frequency_penalty`, `logit_bias`, `logprobs`, `top_logprobs`,
 `stream` with `stream_options.include_usage`) and vLLM's extras (`top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`), each handed to
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`; and transformers'
+`no_repeat_ngram_size`), each handed to
 `SpeculativeGenerator.generate`/`stream`, so an answer is plain decoding's under the same
 settings. Every response adds a `speculative` object (method, tau, cycles, tokens/s).
 
@@ -53,7 +54,8 @@ RENAMED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
            "min_p": "min_p", "seed": "seed", "repetition_penalty": "repetition_penalty",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
            "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
-           "stop_token_ids": "stop_token_ids", "stop": "stop"}
+           "stop_token_ids": "stop_token_ids", "stop": "stop",
+           "no_repeat_ngram_size": "no_repeat_ngram_size"}
 UNSERVED = {"echo": "echo", "suffix": "suffix", "tools": "tools", "functions": "functions",
             "response_format": "response_format", "guided_json": "guided decoding",
             "guided_regex": "guided decoding", "guided_choice": "guided decoding"}

@@ -7,14 +7,15 @@ front end sets?
                                          [--new-tokens 96] [--dtype float32]
     python scripts/sampling_cut_speed.py --repetition-penalty 1.3 [--temperature 0] ...
     python scripts/sampling_cut_speed.py --presence-penalty 0.5 --frequency-penalty 0.5 ...
+    python scripts/sampling_cut_speed.py --no-repeat-ngram-size 3 [--temperature 0] ...
 
 Loads SmolLM2 once, plain decoding and the shipped Gumiho drafter at the demo's preset
 (`--total-tokens auto` sized for the temperature), then per round answers each prompt
-plainly and with the drafter, without the cut and with it (with --repetition-penalty or
---presence-penalty: without the penalties and with them, no cut), in turns (a fresh seed
-per answer, the same for both sides). Prints each setting's tokens/s, tau and speedup
-over plain decoding with the same setting, and at T = 0 whether the drafter's answers
-equal plain decoding's.
+plainly and with the drafter, without the cut and with it (with --repetition-penalty,
+--presence-penalty or --no-repeat-ngram-size: without the penalties and with them, no
+cut), in turns (a fresh seed per answer, the same for both sides). Prints each setting's
+tokens/s, tau and speedup over plain decoding with the same setting, and at T = 0 whether
+the drafter's answers equal plain decoding's.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--presence-penalty", type=float, default=None,
                    help="compare presence and frequency penalties with none")
     p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--no-repeat-ngram-size", type=int, default=None,
+                   help="compare transformers' no_repeat_ngram_size with none")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--bench", default="mt_bench")
     p.add_argument("--rounds", type=int, default=2)
@@ -52,7 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     spec = SpeculativeGenerator.load(target, "gumiho", str(shipped_drafter()), preset="demo",
                                      temperature=a.temperature)
     prompts = [PROMPT] + [q["turns"][0] for q in load_questions(a.bench)[: a.prompts - 1]]
-    if a.presence_penalty is not None:
+    if a.no_repeat_ngram_size is not None:
+        cuts = {"no penalty": {}, f"no repeated {a.no_repeat_ngram_size}-grams":
+                {"no_repeat_ngram_size": a.no_repeat_ngram_size}}
+    elif a.presence_penalty is not None:
         cuts = {"no penalty": {}, f"presence {a.presence_penalty}, frequency "
                 f"{a.frequency_penalty}": {"presence_penalty": a.presence_penalty,
                                            "frequency_penalty": a.frequency_penalty}}

@@ -105,6 +105,8 @@ BAD = {
     "generate_empty_stop": ("generate", [*HI, "--stop", ""]),
     "generate_stop_token_id_beyond_vocab": ("generate", [*HI, "--stop-token-id", "10000000"]),
     "generate_negative_stop_token_id": ("generate", [*HI, "--stop-token-id", "-2"]),
+    "generate_negative_no_repeat_ngram_size": ("generate", [*HI, "--no-repeat-ngram-size",
+                                                            "-1"]),
     "generate_top_logprobs_past_20": ("generate", [*HI, "--top-logprobs", "21"]),
     "generate_logit_bias_without_a_bias": ("generate", [*HI, "--logit-bias", "12"]),
     "generate_logit_bias_past_100": ("generate", [*HI, "--logit-bias", "12=150"]),

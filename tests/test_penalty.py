@@ -290,3 +290,61 @@ def test_greedy_with_a_logit_bias_is_transformers_generate(smollm2, reference):
     oracle = oracle_drafter("gumiho", smollm2, ids + want, TreeConfig.for_method("gumiho"))
     out = run(smollm2, oracle, ids, GenerateConfig(max_new_tokens=N, **settings))
     assert out.token_ids == want and out.tau > 4
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_each_tree_row_bans_repeated_ngrams_over_its_own_sequence(size):
+    """NoRepeatNGram: row i's banned tokens are transformers' NoRepeatNGramLogitsProcessor's
+    over the prompt, the generated tokens and the row's own path below the root, bit for
+    bit; the next token's (`last`) over the committed sequence."""
+    from transformers import NoRepeatNGramLogitsProcessor
+
+    from gumiho.penalty import NoRepeatNGram
+
+    # root 4 -> {1: 5, 2: 9}; 1 -> {3: 4, 4: 5}; 3 -> {5: 5}; 2 -> {6: 4}
+    tokens = torch.tensor([4, 5, 9, 4, 5, 5, 4])
+    tree = DraftTree.from_parents(tokens, torch.tensor([-1, 0, 0, 1, 1, 3, 2]))
+    prompt, generated = torch.tensor([4, 5, 9, 4, 5, 7]), torch.tensor([5, 4])
+    part = NoRepeatNGram(size, prompt)
+    part.add(generated)
+    logits = torch.randn(7, 12, generator=torch.Generator().manual_seed(5))
+    got = part.rows(logits, tree.tokens, tree.verify_mask)
+    parents = tree.parents.tolist()
+    processor = NoRepeatNGramLogitsProcessor(size)
+    banned_somewhere = False
+    for i in range(7):
+        path, node = [], i
+        while node > 0:
+            path.insert(0, tokens[node].item())
+            node = parents[node]
+        sequence = torch.cat([prompt, generated, torch.tensor(path, dtype=torch.long)])
+        want = processor(sequence[None], logits[i:i + 1].clone())
+        assert torch.equal(got[i], want[0]), i
+        banned_somewhere |= bool(torch.isinf(want).any())
+    assert banned_somewhere
+    sequence = torch.cat([prompt, generated])
+    assert torch.equal(part.last(logits[:1]), processor(sequence[None], logits[:1].clone()))
+
+
+def test_greedy_with_no_repeat_ngrams_is_transformers_generate(smollm2, reference):
+    """transformers' greedy answer with no_repeat_ngram_size 3 (the reference answer repeats
+    "A paperclip is used to"), token for token, for plain decoding, lookup, the shipped
+    Gumiho drafter and an oracle drafter proposing it."""
+    from gumiho import SpeculativeGenerator
+
+    ids, full = reference[0], reference[1].token_ids
+    with torch.inference_mode():
+        out = smollm2.model.generate(torch.tensor([ids], device=smollm2.device),
+                                     max_new_tokens=N, do_sample=False,
+                                     no_repeat_ngram_size=3)
+    want = out[0, len(ids):].tolist()
+    assert want != full
+    for method, draft in (("ar", None), ("lookup", None),
+                          ("gumiho", "gumiho/assets/smollm2/gumiho")):
+        gen = SpeculativeGenerator.load(smollm2, method, draft,
+                                        **({"total_tokens": 8} if draft else {}))
+        assert gen.generate(ids, N, no_repeat_ngram_size=3).token_ids == want, method
+    oracle = oracle_drafter("gumiho", smollm2, ids + want, TreeConfig.for_method("gumiho"))
+    out = run(smollm2, oracle, ids, GenerateConfig(max_new_tokens=N, no_repeat_ngram_size=3))
+    assert out.token_ids == want and out.tau > 4
