@@ -348,3 +348,20 @@ def test_greedy_with_no_repeat_ngrams_is_transformers_generate(smollm2, referenc
     oracle = oracle_drafter("gumiho", smollm2, ids + want, TreeConfig.for_method("gumiho"))
     out = run(smollm2, oracle, ids, GenerateConfig(max_new_tokens=N, no_repeat_ngram_size=3))
     assert out.token_ids == want and out.tau > 4
+
+
+def test_sampling_from_the_top_1_with_every_setting_is_greedy(smollm2, reference):
+    """The sampling branch applies a logit bias, no-repeat n-grams and min_tokens as the
+    greedy one does: Medusa's heads sampling from the top 1 give plain greedy's answer."""
+    from gumiho import SpeculativeGenerator
+
+    ids, full = reference[0], reference[1].token_ids
+    settings = {"logit_bias": {full[1]: -3.0}, "no_repeat_ngram_size": 3,
+                "min_tokens": 8}
+    want = SpeculativeGenerator.load(smollm2, "ar").generate(ids, N, **settings).token_ids
+    assert want != full
+    medusa = load_drafter("medusa", smollm2, "gumiho/assets/smollm2/medusa",
+                          tree=TreeConfig.for_method("medusa", total_tokens=16))
+    out = run(smollm2, medusa, ids, GenerateConfig(max_new_tokens=N, temperature=0.8,
+                                                   seed=3, top_k=1, **settings))
+    assert out.token_ids == want and out.tau > 1.1, out.tau
