@@ -381,15 +381,19 @@ def context_length(target: Target) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
+def check_in_vocabulary(target: Target, what: str, ids) -> None:
+    """Refuse the first of `ids` outside the target's vocabulary, naming it as `what`."""
+    vocab = target.embed_tokens.weight.shape[0]
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise GumihoError(f"{what} {bad} is outside the vocabulary of {target.name} "
+                          f"(0..{vocab - 1})")
+
+
 def check_token_ids(target: Target, config: GenerateConfig) -> None:
     """Refuse stop token ids and logit_bias ids outside the target's vocabulary."""
-    vocab = target.embed_tokens.weight.shape[0]
-    for what, ids in (("stop token id", config.stop_token_ids),
-                      ("logit_bias token id", [i for i, _ in config.logit_bias])):
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise GumihoError(f"{what} {bad} is outside the vocabulary of {target.name} "
-                              f"(0..{vocab - 1})")
+    check_in_vocabulary(target, "stop token id", config.stop_token_ids)
+    check_in_vocabulary(target, "logit_bias token id", [i for i, _ in config.logit_bias])
 
 
 def answer_stops(target: Target, config: GenerateConfig) -> frozenset[int]:
@@ -408,11 +412,7 @@ def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> 
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
         bad = next(t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool))
         raise TypeError(f"prompt token ids must be ints, got {bad!r} ({type(bad).__name__})")
-    vocab = target.embed_tokens.weight.shape[0]
-    bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise GumihoError(f"prompt token id {bad} is outside the vocabulary of "
-                          f"{target.name} (0..{vocab - 1})")
+    check_in_vocabulary(target, "prompt token id", prompt_ids)
     limit = context_length(target)
     if limit is not None and len(prompt_ids) + max_new_tokens > limit:
         if len(prompt_ids) >= limit:

@@ -226,12 +226,10 @@ class LogitBias:
         if key not in self._drafted:
             if ids is None:
                 columns, values = self.ids, self.values
-            else:  # draft positions of the biased target ids, and their biases
-                where = torch.full((int(max(ids.max(), self.ids.max())) + 1,), -1,
-                                   dtype=torch.long, device=ids.device)
-                where[ids] = torch.arange(len(ids), device=ids.device)
-                at = where[self.ids.to(ids.device)]
-                columns, values = at[at >= 0], self.values.to(ids.device)[at >= 0]
+            else:  # the draft positions holding a biased target id, and that id's bias
+                columns, which = (ids[:, None] == self.ids.to(ids.device)).nonzero(
+                    as_tuple=True)
+                values = self.values.to(ids.device)[which]
             self._drafted[key] = (ids, columns, values)
         _, columns, values = self._drafted[key]
         logits[..., columns] += values.to(logits.dtype)
