@@ -253,11 +253,21 @@ class Server:
         return {"prompt_tokens": len(ids), "completion_tokens": tokens,
                 "total_tokens": len(ids) + tokens}
 
+    def request(self, body: dict, chat: bool) -> tuple[dict, list[int]]:
+        """A request's `generate` settings and prompt ids, checked."""
+        self.check_model(body)
+        return settings_from(body, self.max_tokens, chat), self.prompt(body, chat)
+
+    def head(self, chat: bool, chunk: bool = False) -> dict:
+        """A response's id, object, time and model."""
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat \
+            else "text_completion"
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
+                "created": int(time.time()), "model": self.name}
+
     def answer(self, body: dict, chat: bool) -> dict:
         """A whole (not streamed) completion."""
-        self.check_model(body)
-        settings = settings_from(body, self.max_tokens, chat)
-        ids = self.prompt(body, chat)
+        settings, ids = self.request(body, chat)
         results = []
         for i in range(choices(body)):
             seeded = {**settings, "seed": (settings["seed"] + i) % 2**63}
@@ -273,23 +283,17 @@ class Server:
                 choice["text"] = result.text
                 choice["logprobs"] = self.text_logprobs(result) if result.logprobs else None
             answers.append(choice)
-        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.name, "choices": answers,
-                "usage": self.usage(ids, *results), "speculative": self.stats(*results)}
+        return {**self.head(chat), "choices": answers, "usage": self.usage(ids, *results),
+                "speculative": self.stats(*results)}
 
     def chunks(self, body: dict, chat: bool) -> Iterator[dict]:
         """A streamed completion's chunks (checked before the first is made)."""
-        self.check_model(body)
-        settings = settings_from(body, self.max_tokens, chat)
-        ids = self.prompt(body, chat)
+        settings, ids = self.request(body, chat)
         usage = (body.get("stream_options") or {}).get("include_usage")
         return self.worker.iterate(lambda: self._chunks(ids, settings, chat, usage))
 
     def _chunks(self, ids, settings, chat, usage) -> Iterator[dict]:
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": self.name}
+        head = self.head(chat, chunk=True)
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
             if chat:
