@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "generate": "gumiho.generate",
     "demo": "gumiho.demo",
     "serve": "gumiho.serve",
+    "chat": "gumiho.chat",
     "timing": "gumiho.evaluation.timing",
     "gen-answers": "gumiho.evaluation.gen_answers",
     "interleave": "gumiho.evaluation.interleave",

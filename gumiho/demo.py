@@ -35,6 +35,7 @@ from gumiho.methods import DRAFTER_METHODS
 from gumiho.rowamx import amx_cpu
 from gumiho.target import ATTENTION_CHOICES, choose_device_dtype
 
+log = logging.getLogger("gumiho")
 SHIPPED = Path(__file__).parent / "assets" / "smollm2"
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -46,6 +47,19 @@ def exact_bf16_here(device: torch.device) -> bool:
     plain decoding's bit for bit (docs/cpu_costs.md, Exact bfloat16 on a CPU); elsewhere float32."""
     return (device.type == "cpu" and amx_cpu() and rows_independent(torch.bfloat16)
             and invariant_here(torch.bfloat16))
+
+
+def exact_bf16_default(args) -> bool:
+    """With --dtype and --attention unset on a CPU with AMX, set them to bfloat16 and the
+    row-invariant attention, as the demo runs (`gumiho demo`, `serve`, `chat`), and say so;
+    True if it did."""
+    device, _ = choose_device_dtype(args.device, args.dtype)
+    if args.dtype is not None or args.attention is not None or not exact_bf16_here(device):
+        return False
+    args.dtype, args.attention = "bfloat16", SDPA_INVARIANT
+    log.info("this CPU has AMX: bfloat16 with the row-invariant attention, whose output is "
+             "bf16 plain decoding's bit for bit (--dtype float32 for float32)")
+    return True
 
 
 def shipped_drafter(method: str = "gumiho") -> Path:
@@ -136,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prompt.strip():  # before the slow load and tree-size calibration
         raise GumihoError("empty prompt: give some text to answer")
     check_context_room("smollm2", args.max_new_tokens)
-    device, _ = choose_device_dtype(args.device, args.dtype)
-    if args.dtype is None and args.attention is None and exact_bf16_here(device):
-        args.dtype, args.attention = "bfloat16", SDPA_INVARIANT
+    if exact_bf16_default(args):
         print("(this CPU has AMX: bfloat16 with the row-invariant attention, whose output is "
               "bf16 plain decoding's bit for bit; --dtype float32 for float32)")
     logging.basicConfig(level=logging.WARNING, format="gumiho: %(message)s")

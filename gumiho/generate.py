@@ -306,8 +306,8 @@ class SpeculativeGenerator:
         statistics land in `last_result`. With `stop`, text that may be the start of a
         stop string waits for the next cycle, so no piece shows any part of one.
 
-        Stopping early (`break`, or closing the iterator) leaves in `last_result` the part
-        generated so far, with `stopped_by == "closed"`; an error leaves None. One
+        Stopping early (`break`, closing the iterator, or Ctrl-C) leaves in `last_result`
+        the part generated so far, with `stopped_by == "closed"`; an error leaves None. One
         generation at a time: a newer `generate`/`stream` call ends an older stream.
         """
         return self._run(prompt, True, max_new_tokens=max_new_tokens,
@@ -358,7 +358,7 @@ class SpeculativeGenerator:
                         piece = held.push(piece)
                     if piece:
                         yield piece
-        except GeneratorExit:  # the caller stopped early: describe what it got
+        except (GeneratorExit, KeyboardInterrupt):  # stopped early: describe what it got
             steps.close()
             if self._active is owner:
                 self.last_result = result

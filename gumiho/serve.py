@@ -453,19 +453,13 @@ def make_server(gen, name: str, method: str, worker: Worker, host: str = "127.0.
 
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
-    from gumiho.attention import SDPA_INVARIANT
-    from gumiho.demo import exact_bf16_here
+    from gumiho.demo import exact_bf16_default
     from gumiho.generate import check_context_room, load_from_args
-    from gumiho.target import choose_device_dtype
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)
     check_context_room(args.target, args.max_tokens)
-    device, _ = choose_device_dtype(args.device, args.dtype)
-    if args.dtype is None and args.attention is None and exact_bf16_here(device):
-        args.dtype, args.attention = "bfloat16", SDPA_INVARIANT  # as `gumiho demo` chooses
-        log.info("this CPU has AMX: bfloat16 with the row-invariant attention, whose output "
-                 "is bf16 plain decoding's bit for bit (--dtype float32 for float32)")
+    exact_bf16_default(args)  # on a CPU with AMX, as `gumiho demo` chooses
     name = args.served_model_name or args.target
     try:  # the address first: a port in use fails at once, not after the load
         server = GumihoHTTPServer((args.host, args.port), None)

@@ -1,0 +1,217 @@
+"""`gumiho chat`: a conversation with a target, turn by turn, each answer streamed as the
+speculative loop makes it, with its tau and tokens/s.
+
+Medusa shipped a chat command line and EAGLE a web page for trying a drafter by hand; this is
+ours. With no flags it runs what `gumiho demo` runs (SmolLM2 and its shipped Gumiho drafter
+at the demo preset; on a CPU with AMX bf16, exact); every flag of `gumiho generate` applies.
+Each turn sends the whole conversation through the target's chat template, as an API client
+does; when it outgrows the context, the oldest turns are left out (and a note says so).
+Commands: /reset (a new conversation), /stats (the session's totals), /help, /exit. Ctrl-C
+stops an answer (what came so far stays in the conversation); at the prompt it ends the chat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TextIO
+
+from gumiho.engine import GenerationResult, context_length
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors, one_line, positive_int
+
+log = logging.getLogger("gumiho")
+
+HELP = ("/reset starts a new conversation, /stats shows this session's totals, /exit (or "
+        "Ctrl-D) ends the chat; Ctrl-C stops an answer")
+
+
+@dataclass
+class Totals:
+    """What the session's answers add up to (the /stats line)."""
+
+    turns: int = 0
+    new_tokens: int = 0
+    cycles: int = 0
+    wall_s: float = 0.0
+
+    def add(self, result: GenerationResult) -> None:
+        self.turns += 1
+        self.new_tokens += result.new_tokens
+        self.cycles += result.cycles
+        self.wall_s += result.wall_s
+
+    def line(self) -> str:
+        tau = self.new_tokens / max(self.cycles, 1)
+        speed = self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+        return (f"{self.turns} answer{'s' if self.turns != 1 else ''}, {self.new_tokens} "
+                f"tokens in {self.cycles} cycles, tau {tau:.2f}, {speed:.1f} tokens/s")
+
+
+class ChatSession:
+    """A conversation: the messages so far, and a generator that answers the next turn.
+
+    `settings` are `stream`'s keyword arguments (max_new_tokens, temperature, ...)."""
+
+    def __init__(self, gen, system: str | None = None, **settings):
+        self.gen = gen
+        self.system = system
+        self.settings = {"max_new_tokens": 256, **settings}
+        self.totals = Totals()
+        self.dropped = 0  # turns left out of the last answer's prompt to fit the context
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def fitted(self, messages: list[dict]) -> list[dict]:
+        """`messages` without their oldest turns (a user message and its answer), as many as
+        prompt + max_new_tokens needs to fit the target's context; the system message and
+        the new turn stay. One turn alone too long is `stream`'s error to report."""
+        limit = context_length(self.gen.target)
+        room = None if limit is None else limit - self.settings["max_new_tokens"]
+        head = 1 if self.system else 0
+        self.dropped = 0
+        while (room is not None and len(messages) - head > 1
+               and len(self.gen.prompt_ids(messages)) > room):
+            messages = messages[:head] + messages[head + 2:]
+            self.dropped += 1
+        return messages
+
+    def reply(self, text: str) -> Iterator[str]:
+        """Text pieces of the answer to the user's `text`. The turn and its answer join the
+        conversation once the answer ends or is stopped early (closing this iterator), not
+        when generating fails (a bad setting, a prompt past the context)."""
+        asked = self.fitted(self.messages + [{"role": "user", "content": text}])
+        pieces = self.gen.stream(asked, **self.settings)  # checks now, before any piece
+        try:
+            yield from pieces
+        finally:
+            pieces.close()
+            result = self.gen.last_result
+            if result is not None:
+                self.messages = asked + [{"role": "assistant", "content": result.text}]
+                self.totals.add(result)
+
+
+def answer_line(method: str, result: GenerationResult) -> str:
+    stopped = " (stopped)" if result.stopped_by == "closed" else \
+        " (cut at --max-new-tokens)" if result.stopped_by == "max_new_tokens" else ""
+    return (f"[{method}] {result.new_tokens} tokens in {result.cycles} cycles, tau "
+            f"{result.tau:.2f}, {result.tokens_per_s:.1f} tokens/s{stopped}")
+
+
+def converse(session: ChatSession, lines: Iterable[str], out: TextIO, info: TextIO,
+             method: str) -> None:
+    """The chat loop over `lines` (the user's turns and commands): answers to `out`, each
+    answer's statistics, notes and errors to `info`. Ends at /exit or when `lines` do."""
+    for line in lines:
+        text = line.strip()
+        if not text:
+            continue
+        command = text.lower()
+        if command in ("/exit", "/quit"):
+            return
+        if command == "/reset":
+            session.reset()
+            print("(a new conversation)", file=info, flush=True)
+        elif command == "/stats":
+            print(f"[{method}] {session.totals.line()}", file=info, flush=True)
+        elif command in ("/help", "/?"):
+            print(HELP, file=info, flush=True)
+        elif text.startswith("/") and " " not in text:
+            print(f"error: unknown command {text}: {HELP}", file=info, flush=True)
+        else:
+            answer(session, text, out, info, method)
+
+
+def answer(session: ChatSession, text: str, out: TextIO, info: TextIO, method: str) -> None:
+    """Stream one answer; Ctrl-C stops it (kept as far as it came), a bad turn is one
+    `error:` line and leaves the conversation as it was."""
+    try:
+        pieces = session.reply(text)
+        try:
+            for piece in pieces:
+                print(piece, end="", file=out, flush=True)
+        except KeyboardInterrupt:
+            pieces.close()
+    except GumihoError as exc:
+        print(f"error: {one_line(exc)}", file=info, flush=True)
+        return
+    print(file=out, flush=True)
+    if session.dropped:
+        print(f"(the {session.dropped} oldest turn{'s' if session.dropped > 1 else ''} "
+              "left out to fit the context)", file=info, flush=True)
+    if session.gen.last_result is not None:
+        print(answer_line(method, session.gen.last_result), file=info, flush=True)
+
+
+def typed_lines(prompt: str) -> Iterator[str]:
+    """What the user types at a terminal (line editing by `input`), until Ctrl-D or
+    Ctrl-C at the prompt."""
+    while True:
+        try:
+            yield input(prompt)
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gumiho.generate import add_generator_args, add_sampling_args
+
+    parser = ArgumentParser(prog="gumiho chat", description=__doc__.split("\n")[0])
+    add_generator_args(parser)
+    parser.set_defaults(method="gumiho")  # and, for a drafter, --preset demo (chat_defaults)
+    parser.add_argument("--system", default=None,
+                        help="a system message that opens every conversation")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256,
+                        help="the longest answer (default 256)")
+    add_sampling_args(parser)
+    return parser
+
+
+def chat_defaults(args: argparse.Namespace) -> None:
+    """A drafter method runs at --preset demo unless another is given, and on the embedded
+    SmolLM2 without --draft takes the drafter shipped for it, as `gumiho demo` does."""
+    from gumiho.demo import shipped_drafter
+    from gumiho.methods import DRAFTER_METHODS
+
+    if args.method not in DRAFTER_METHODS:
+        return
+    args.preset = args.preset or "demo"
+    if args.draft is None:
+        if args.target != "smollm2":
+            raise GumihoError(f"--method {args.method} needs --draft (a drafter trained for "
+                              f"{args.target}), or use --method ar or lookup")
+        args.draft = str(shipped_drafter(args.method))
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> int:
+    from gumiho.demo import exact_bf16_default
+    from gumiho.generate import check_context_room, load_from_args, sampling_settings
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)
+    check_context_room(args.target, args.max_new_tokens)
+    chat_defaults(args)
+    exact_bf16_default(args)
+    gen = load_from_args(args, args.temperature)
+    session = ChatSession(gen, args.system, max_new_tokens=args.max_new_tokens,
+                          **sampling_settings(args))
+    gen.generate([{"role": "user", "content": "Hi"}], 4, **sampling_settings(args))  # warm-up
+    interactive = sys.stdin.isatty()
+    print(f"(chatting with {args.target}, --method {args.method}; {HELP})", file=sys.stderr,
+          flush=True)
+    lines = typed_lines("> ") if interactive else sys.stdin
+    converse(session, lines, sys.stdout, sys.stderr, args.method)
+    if session.totals.turns:
+        print(f"[{args.method}] {session.totals.line()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

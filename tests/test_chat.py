@@ -1,0 +1,187 @@
+"""`gumiho chat`: a conversation whose every answer is plain decoding's answer to the whole
+conversation so far, commands that do what they say, the oldest turns left out when the
+context fills, and an answer stopped early kept as far as it came."""
+
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gumiho import chat
+from gumiho.chat import ChatSession, converse
+
+SHIPPED = "gumiho/assets/smollm2/gumiho"
+
+
+@pytest.fixture(scope="module")
+def gen(smollm2):
+    from gumiho import SpeculativeGenerator
+
+    return SpeculativeGenerator.load(smollm2, "gumiho", SHIPPED, total_tokens=8)
+
+
+def plain(target, messages, n):
+    """transformers' greedy answer to `messages` (new token ids, stop token kept)."""
+    ids = target.chat_ids(messages)
+    with torch.inference_mode():
+        out = target.model.generate(torch.tensor([ids], device=target.device),
+                                    max_new_tokens=n, do_sample=False)
+    new = out[0, len(ids):].tolist()
+    stop = next((i for i, t in enumerate(new) if t in target.stop_token_ids), None)
+    return new if stop is None else new[:stop + 1]
+
+
+def talk(session, *lines):
+    out, info = io.StringIO(), io.StringIO()
+    converse(session, lines, out, info, "gumiho")
+    return out.getvalue(), info.getvalue()
+
+
+def test_each_answer_is_plain_decodings_answer_to_the_conversation(gen):
+    """Two turns: the second answer is greedy decoding's on the first turn, its answer and
+    the second turn, the template applied to all of them."""
+    n = 24
+    session = ChatSession(gen, system="You answer briefly.", max_new_tokens=n)
+    answers = []
+    for turn in ("Name a primary colour.", "Name another one."):
+        sent = session.messages + [{"role": "user", "content": turn}]
+        out, info = talk(session, turn)
+        result = gen.last_result
+        assert result.token_ids == plain(gen.target, sent, n)
+        assert out == result.text + "\n" and result.text
+        assert info.startswith(f"[gumiho] {result.new_tokens} tokens in {result.cycles} "
+                               "cycles, tau")
+        answers.append(result)
+    assert session.messages == [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Name a primary colour."},
+        {"role": "assistant", "content": answers[0].text},
+        {"role": "user", "content": "Name another one."},
+        {"role": "assistant", "content": answers[1].text}]
+    assert session.totals.turns == 2
+    assert session.totals.new_tokens == sum(a.new_tokens for a in answers)
+    assert session.totals.cycles == sum(a.cycles for a in answers)
+
+
+def test_commands(gen):
+    session = ChatSession(gen, max_new_tokens=6)
+    out, info = talk(session, "Say hi.", "", "  ", "/stats", "/bogus", "/help")
+    lines = info.splitlines()
+    assert lines[1].startswith("[gumiho] 1 answer, 6 tokens in ")
+    assert lines[2].startswith("error: unknown command /bogus: /reset starts")
+    assert lines[3] == chat.HELP
+    assert len(session.messages) == 2
+    out, info = talk(session, "/reset", "/exit", "Say hi.")  # nothing after /exit
+    assert info == "(a new conversation)\n" and out == ""
+    assert session.messages == [] and session.totals.turns == 1
+    # a path-like turn is a question, not a command
+    out, _ = talk(session, "/usr/bin is for what?")
+    assert out.strip() and len(session.messages) == 2
+
+
+def test_the_oldest_turns_give_way_to_the_context(gen, monkeypatch):
+    """A context that holds the new turn but not the whole conversation: the oldest turns
+    are left out (the system message stays) and a note says how many; a turn that alone
+    does not fit is one error line and changes nothing."""
+    session = ChatSession(gen, system="Be brief.", max_new_tokens=8)
+    talk(session, "Name a fruit.", "Name a vegetable.")
+    before = list(session.messages)
+    turn = {"role": "user", "content": "Name a tree."}
+    room = len(gen.prompt_ids([before[0], *before[3:], turn]))  # the last turn fits alone
+    assert room < len(gen.prompt_ids(before + [turn]))
+    monkeypatch.setattr(chat, "context_length", lambda target: room + 8)
+    out, info = talk(session, "Name a tree.")
+    assert "(the 1 oldest turn left out to fit the context)" in info
+    assert session.messages[:4] == [before[0], *before[3:], turn]
+    assert gen.last_result.token_ids == plain(gen.target, session.messages[:4], 8)
+
+    monkeypatch.setattr(chat.ChatSession, "fitted", lambda self, messages: messages)
+    monkeypatch.setattr("gumiho.engine.context_length", lambda target: 10)
+    kept = list(session.messages)
+    out, info = talk(session, "Name a flower.")
+    assert out == "" and info.startswith("error: the prompt is ") and "\n" not in info[:-1]
+    assert session.messages == kept and session.totals.turns == 3
+
+
+def test_an_answer_stopped_early_is_kept_as_far_as_it_came(gen, monkeypatch):
+    """Ctrl-C while the answer prints, or while the loop computes: the conversation keeps
+    the part the user saw, and `last_result` describes it (stopped_by "closed")."""
+    n = 32
+    session = ChatSession(gen, max_new_tokens=n)
+    full = plain(gen.target, [{"role": "user", "content": "Count from one to ten."}], n)
+
+    class Impatient(io.StringIO):
+        """Ctrl-C once, as the second piece prints."""
+        pieces = 0
+
+        def write(self, text):
+            self.pieces += 1
+            if self.pieces == 2:
+                raise KeyboardInterrupt
+            return super().write(text)
+
+    info = io.StringIO()
+    converse(session, ["Count from one to ten."], Impatient(), info, "gumiho")
+    result = gen.last_result
+    assert result.stopped_by == "closed" and 0 < result.new_tokens < len(full)
+    assert result.token_ids == full[:result.new_tokens]
+    assert session.messages[-1] == {"role": "assistant", "content": result.text}
+    assert info.getvalue().rstrip().endswith("(stopped)")
+
+    session.reset()
+    drafter = gen.drafter_for(0.0)
+    calls = []
+    real = drafter.propose
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # inside the loop, as Ctrl-C arrives mid-cycle
+        return real()
+
+    monkeypatch.setattr(drafter, "propose", interrupted)
+    out, info = talk(session, "Count from one to ten.")
+    result = gen.last_result
+    assert result.stopped_by == "closed" and 0 < result.new_tokens < len(full)
+    assert result.token_ids == full[:result.new_tokens]
+    assert session.messages[-1]["content"] == result.text
+
+
+def test_the_command_line(smollm2):
+    """`python -m gumiho.chat` with turns on stdin, as a script pipes them: plain decoding's
+    answers, each with its statistics, the session's totals at the end."""
+    n = 10
+    turns = "Name a primary colour.\n/stats\n"
+    done = subprocess.run([sys.executable, "-m", "gumiho.chat", "--method", "ar",
+                           "--max-new-tokens", str(n), "--dtype", "float32"],
+                          input=turns, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    want = smollm2.decode(plain(smollm2, [{"role": "user", "content": turns.split("\n")[0]}],
+                                n))
+    assert done.stdout == want + "\n"
+    info = done.stderr.splitlines()
+    assert info[-3].startswith("[ar] ") and info[-2].startswith("[ar] 1 answer, ")
+    assert info[-1] == info[-2]
+    bad = subprocess.run([sys.executable, "-m", "gumiho.chat", "--target", "/no/such"],
+                         input="", capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_defaults():
+    """A drafter method at the demo preset, on SmolLM2 the drafter shipped for it; another
+    target needs --draft; a method without a drafter gets no preset."""
+    args = chat.build_parser().parse_args([])
+    chat.chat_defaults(args)
+    assert (args.method, args.preset) == ("gumiho", "demo")
+    assert args.draft.endswith("assets/smollm2/gumiho")
+    args = chat.build_parser().parse_args(["--method", "eagle2", "--preset", "reference"])
+    chat.chat_defaults(args)
+    assert args.preset == "reference" and args.draft.endswith("assets/smollm2/eagle2")
+    args = chat.build_parser().parse_args(["--target", "/some/model"])
+    with pytest.raises(chat.GumihoError, match="--method gumiho needs --draft"):
+        chat.chat_defaults(args)
+    args = chat.build_parser().parse_args(["--method", "lookup", "--target", "/some/model"])
+    chat.chat_defaults(args)
+    assert args.preset is None and args.draft is None
