@@ -6,7 +6,8 @@
 
 The endpoints are the ones OpenAI's clients and vLLM's users call: `POST
 /v1/chat/completions` (the chat template applied), `POST /v1/completions` (a raw prompt),
-`GET /v1/models` and `GET /health`. A request's sampling fields are OpenAI's
+`GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus' text format, vLLM's
+metric names under `gumiho:`, metrics.py). A request's sampling fields are OpenAI's
 (`temperature`, `top_p`, `max_tokens`/`max_completion_tokens`, `stop`, `seed`,
 `presence_penalty`, `frequency_penalty`, `logit_bias`, `logprobs`, `top_logprobs`,
 `stream` with `stream_options.include_usage`) and vLLM's extras (`top_k`, `min_p`,
@@ -30,18 +31,18 @@ import argparse
 import itertools
 import json
 import logging
-import queue
 import secrets
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
+from gumiho.metrics import Metrics
+from gumiho.worker import Worker
 
 log = logging.getLogger("gumiho")
 
@@ -145,75 +146,16 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-class Worker:
-    """Runs the generations, one at a time, on the thread that calls `run_forever`: the
-    main thread in `gumiho serve`. The same torch work called from another thread than the
-    one that first ran parallel work ran 1.5-5x slower on a 2-core AMX Xeon (a 1 x 576 by
-    576 x 1536 product 40 us on the main thread, 206 us on another; plain decoding 54.5
-    against 26.0 tokens/s in bf16, 28.7 against 18.8 in float32: `python
-    scripts/thread_speed.py`), so the handlers' threads only hand work over and wait."""
-
-    def __init__(self):
-        self.jobs: queue.Queue = queue.Queue()
-
-    def run_forever(self) -> None:
-        """Run jobs as they come until `stop`."""
-        while (job := self.jobs.get()) is not None:
-            job()
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-
-    def call(self, fn):
-        """fn() run on the worker; its result here (or its exception raised here)."""
-        done: Future = Future()
-
-        def job():
-            try:
-                done.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 (handed to the waiting thread)
-                done.set_exception(exc)
-        self.jobs.put(job)
-        return done.result()
-
-    def iterate(self, make: Callable[[], Iterator]) -> Iterator:
-        """The items of the iterator `make()` builds and runs on the worker, here as it
-        makes them; closing this one (a client gone) stops that one at its next item."""
-        items: queue.Queue = queue.Queue()
-        cancel = threading.Event()
-
-        def job():
-            try:
-                source = make()
-                try:
-                    for item in source:
-                        items.put((True, item))
-                        if cancel.is_set():
-                            break
-                finally:
-                    source.close()
-                items.put((False, None))
-            except BaseException as exc:  # noqa: BLE001 (raised in the handler's thread)
-                items.put((False, exc))
-        self.jobs.put(job)
-        try:
-            while True:
-                more, item = items.get()
-                if not more:
-                    if item is not None:
-                        raise item
-                    return
-                yield item
-        finally:
-            cancel.set()
-
-
 class Server:
     """What the handler calls: one generator and its name; `worker` runs generations."""
 
     def __init__(self, gen, name: str, max_tokens: int, method: str, worker: Worker):
         self.gen, self.name, self.max_tokens, self.method = gen, name, max_tokens, method
         self.worker = worker
+        self.metrics = Metrics()
+
+    def metrics_text(self) -> str:
+        return self.metrics.text(self.worker.running, self.worker.jobs.qsize())
 
     def check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -267,12 +209,14 @@ class Server:
 
     def answer(self, body: dict, chat: bool) -> dict:
         """A whole (not streamed) completion."""
+        start = time.perf_counter()
         settings, ids = self.request(body, chat)
         results = []
         for i in range(choices(body)):
             seeded = {**settings, "seed": (settings["seed"] + i) % 2**63}
             # a turn each: another request may come between two answers
             results.append(self.worker.call(lambda s=seeded: self.gen.generate(ids, **s)))
+        self.metrics.record(len(ids), results, time.perf_counter() - start)
         answers = []
         for i, result in enumerate(results):
             choice = {"index": i, "finish_reason": FINISH[result.stopped_by]}
@@ -288,11 +232,12 @@ class Server:
 
     def chunks(self, body: dict, chat: bool) -> Iterator[dict]:
         """A streamed completion's chunks (checked before the first is made)."""
+        start = time.perf_counter()
         settings, ids = self.request(body, chat)
         usage = (body.get("stream_options") or {}).get("include_usage")
-        return self.worker.iterate(lambda: self._chunks(ids, settings, chat, usage))
+        return self.worker.iterate(lambda: self._chunks(ids, settings, chat, usage, start))
 
-    def _chunks(self, ids, settings, chat, usage) -> Iterator[dict]:
+    def _chunks(self, ids, settings, chat, usage, start) -> Iterator[dict]:
         head = self.head(chat, chunk=True)
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
@@ -314,7 +259,8 @@ class Server:
                     yield chunk(piece, None)
         finally:
             pieces.close()  # a client gone mid-answer stops the generation
-        result = self.gen.last_result
+            if (result := self.gen.last_result) is not None:  # None: it failed
+                self.metrics.record(len(ids), [result], time.perf_counter() - start)
         end = chunk(None, FINISH[result.stopped_by])
         end["speculative"] = self.stats(result)
         yield end
@@ -361,6 +307,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def send_error_json(self, status: HTTPStatus, message: str) -> None:
+        if self.server.gumiho is not None:
+            self.server.gumiho.metrics.refused(status)
         kind = "invalid_request_error" if status < 500 else "server_error"
         self.send_json(status, {"error": {"message": message, "type": kind,
                                           "code": int(status)}})
@@ -370,6 +318,13 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(HTTPStatus.OK, {"status": "ok"})
         elif self.path.rstrip("/") == "/v1/models":
             self.send_json(HTTPStatus.OK, self.server.gumiho.models())
+        elif self.path.rstrip("/") == "/metrics":
+            data = self.server.gumiho.metrics_text().encode()
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         else:
             self.send_error_json(HTTPStatus.NOT_FOUND, f"no such path: {self.path}")
 

@@ -1,5 +1,5 @@
 """The same work on the main thread and on another thread, in turns: why `gumiho serve`
-runs its generations on the main thread (serve.Worker).
+runs its generations on the main thread (worker.Worker).
 
     python scripts/thread_speed.py [--dtype bfloat16] [--rounds 3]
 

@@ -17,7 +17,8 @@ from conftest import REFERENCE_TOKENS as N
 def served(smollm2):
     """The shipped Gumiho drafter served on a free local port: (base url, generator)."""
     from gumiho import SpeculativeGenerator
-    from gumiho.serve import Worker, make_server
+    from gumiho.serve import make_server
+    from gumiho.worker import Worker
 
     gen = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
                                     total_tokens=8)
@@ -175,6 +176,52 @@ def test_models_and_health(served):
         assert response.status == 200
 
 
+def scrape(url):
+    """GET /metrics: its text and {name with labels: value}."""
+    with urllib.request.urlopen(url + "/metrics") as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return text, values
+
+
+def test_metrics_count_what_the_answers_did(served):
+    """vLLM's metric names under gumiho:, each moved by what a request did: its tokens, its
+    finish reason, its cycles and the draft tokens accepted at each position; a refused
+    request by its status."""
+    url, gen = served
+    _, before = scrape(url)
+    status, out = post(url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": PROMPT}], "max_tokens": N, "temperature": 0})
+    assert status == 200
+    verify = gen.last_result.accept_lengths[1:]  # the verify cycles' tokens
+    assert post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 10**6})[0] == 400
+    text, after = scrape(url)
+
+    def moved(name):
+        return after.get("gumiho:" + name, 0) - before.get("gumiho:" + name, 0)
+
+    assert moved("generation_tokens_total") == out["usage"]["completion_tokens"] == N
+    assert moved("prompt_tokens_total") == out["usage"]["prompt_tokens"]
+    assert moved('request_success_total{finished_reason="length"}') == 1
+    assert moved('request_refused_total{status="400"}') == 1
+    assert moved("e2e_request_latency_seconds_count") == 1
+    assert moved("e2e_request_latency_seconds_sum") > 0
+    assert moved("spec_decode_num_drafts_total") == len(verify) == \
+        out["speculative"]["cycles"] - 1
+    assert moved("spec_decode_num_accepted_tokens_total") == sum(verify) - len(verify) > 0
+    for k in range(max(verify) - 1):
+        assert moved(f'spec_decode_num_accepted_tokens_per_pos_total{{position="{k}"}}') \
+            == sum(a - 1 > k for a in verify)
+    assert after["gumiho:num_requests_running"] == after["gumiho:num_requests_waiting"] == 0
+    for name in {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}:
+        assert f"# HELP {name} " in text
+
+
 def test_a_client_leaving_mid_stream_frees_the_generator(served, caplog):
     """A stream whose client hangs up stops (long before its 400 tokens); the next
     request is answered."""
@@ -189,6 +236,7 @@ def test_a_client_leaving_mid_stream_frees_the_generator(served, caplog):
         "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 400,
         "temperature": 0, "ignore_eos": True, "stream": True}),
         {"Content-Type": "application/json"})
+    _, before = scrape(url)
     response = conn.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")
     response.close()
@@ -197,6 +245,10 @@ def test_a_client_leaving_mid_stream_frees_the_generator(served, caplog):
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0})
     assert status == 200 and out["usage"]["completion_tokens"] == 3
     assert "client left mid-stream" in caplog.text
+    _, after = scrape(url)  # the stream left counts as an abort, the next as a length
+    for reason, more in (("abort", 1), ("length", 1), ("stop", 0)):
+        name = f'gumiho:request_success_total{{finished_reason="{reason}"}}'
+        assert after[name] - before[name] == more, reason
 
 
 def test_a_port_in_use_is_one_line(served, capsys):

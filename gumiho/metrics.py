@@ -1,0 +1,94 @@
+"""The server's running totals, served at `GET /metrics` in Prometheus' text format.
+
+Named after vLLM's metrics where they mean the same (prefix `gumiho:` for `vllm:`), so a
+dashboard built for a vLLM server with speculative decoding reads these with the prefix
+changed: the requests running and waiting, prompt and generated tokens, finished requests by
+reason, end-to-end latency, and the speculative loop's cycles and accepted draft tokens, in
+all and by draft position. From them: mean tokens per cycle (tau, the prefill's cycle left
+out) = 1 + accepted / cycles; the acceptance at position k = accepted_per_pos{k} / cycles.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from gumiho.engine import GenerationResult
+
+# finish reasons as vLLM counts them: a stream whose client left is an abort
+REASON = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length",
+          "closed": "abort"}
+
+
+class Metrics:
+    """Totals over the requests answered so far; `record` and `refused` from any thread."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cycles = 0  # verify cycles (the prefill, which drafts nothing, left out)
+        self.accepted = 0  # draft tokens accepted: each cycle's tokens but its bonus token
+        self.accepted_at: list[int] = []  # cycles that accepted a draft at position k
+        self.finished: Counter[str] = Counter()  # requests by finish reason
+        self.refused_by: Counter[int] = Counter()  # requests refused, by HTTP status
+        self.latency_s = 0.0
+        self.requests = 0
+
+    def record(self, prompt_tokens: int, results: list[GenerationResult],
+               seconds: float) -> None:
+        """One request's answers (n of them), `seconds` after it arrived."""
+        with self.lock:
+            self.requests += 1
+            self.latency_s += seconds
+            for result in results:
+                self.prompt_tokens += prompt_tokens
+                self.generation_tokens += result.new_tokens
+                self.finished[REASON.get(result.stopped_by, "stop")] += 1
+                for emitted in result.accept_lengths[1:]:  # [0]: the prefill's token
+                    self.cycles += 1
+                    drafts = max(emitted - 1, 0)  # a stop can cut the bonus token off
+                    self.accepted += drafts
+                    self.accepted_at += [0] * (drafts - len(self.accepted_at))
+                    for k in range(drafts):
+                        self.accepted_at[k] += 1
+
+    def refused(self, status: int) -> None:
+        with self.lock:
+            self.refused_by[int(status)] += 1
+
+    def text(self, running: int, waiting: int) -> str:
+        """Every metric in Prometheus' text exposition format (version 0.0.4)."""
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, about: str, values: list[tuple[str, float]]):
+            lines.extend([f"# HELP gumiho:{name} {about}", f"# TYPE gumiho:{name} {kind}"])
+            lines.extend(f"gumiho:{name}{labels} {value:g}" for labels, value in values)
+
+        with self.lock:
+            metric("num_requests_running", "gauge", "Requests generating now.",
+                   [("", running)])
+            metric("num_requests_waiting", "gauge", "Requests waiting for the generator.",
+                   [("", waiting)])
+            metric("prompt_tokens_total", "counter", "Prompt tokens processed (once per "
+                   "answer).", [("", self.prompt_tokens)])
+            metric("generation_tokens_total", "counter", "Tokens generated.",
+                   [("", self.generation_tokens)])
+            metric("request_success_total", "counter", "Answers finished, by reason.",
+                   [(f'{{finished_reason="{r}"}}', self.finished[r])
+                    for r in ("stop", "length", "abort")])
+            metric("request_refused_total", "counter", "Requests refused, by HTTP status.",
+                   [(f'{{status="{s}"}}', n) for s, n in sorted(self.refused_by.items())])
+            lines.extend(["# HELP gumiho:e2e_request_latency_seconds Time from a request's "
+                          "arrival to its last token.",
+                          "# TYPE gumiho:e2e_request_latency_seconds summary",
+                          f"gumiho:e2e_request_latency_seconds_sum {self.latency_s:g}",
+                          f"gumiho:e2e_request_latency_seconds_count {self.requests}"])
+            metric("spec_decode_num_drafts_total", "counter", "Verify cycles (each verifies "
+                   "one draft tree; the prefill not counted).", [("", self.cycles)])
+            metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens "
+                   "accepted.", [("", self.accepted)])
+            metric("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Cycles that "
+                   "accepted a draft token at this position (0: the first).",
+                   [(f'{{position="{k}"}}', n) for k, n in enumerate(self.accepted_at)])
+        return "\n".join(lines) + "\n"
