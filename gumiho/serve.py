@@ -6,8 +6,9 @@
 
 The endpoints are the ones OpenAI's clients and vLLM's users call: `POST
 /v1/chat/completions` (the chat template applied), `POST /v1/completions` (a raw prompt),
-`GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus' text format, vLLM's
-metric names under `gumiho:`, metrics.py). A request's sampling fields are OpenAI's
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus' text format, vLLM's
+metric names under `gumiho:`, metrics.py), and vLLM's `POST /tokenize` and `POST
+/detokenize`. A request's sampling fields are OpenAI's
 (`temperature`, `top_p`, `max_tokens`/`max_completion_tokens`, `stop`, `seed`,
 `presence_penalty`, `frequency_penalty`, `logit_bias`, `logprobs`, `top_logprobs`,
 `stream` with `stream_options.include_usage`) and vLLM's extras (`top_k`, `min_p`,
@@ -40,6 +41,7 @@ from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from gumiho.engine import check_in_vocabulary, context_length
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
 from gumiho.metrics import Metrics
 from gumiho.worker import Worker
@@ -181,6 +183,24 @@ class Server:
                     raise RequestError(HTTPStatus.BAD_REQUEST, "empty prompt")
                 prompt = self.gen.target.tokenizer(prompt).input_ids  # raw: no template
         return self.gen.prompt_ids(prompt)
+
+    def tokenize(self, body: dict) -> dict:
+        """vLLM's /tokenize: a prompt's ids as a completion (`prompt`) or a chat
+        (`messages`, the template applied) would see them."""
+        self.check_model(body)
+        ids = self.prompt(body, chat="messages" in body)
+        return {"count": len(ids), "max_model_len": context_length(self.gen.target),
+                "tokens": ids}
+
+    def detokenize(self, body: dict) -> dict:
+        """vLLM's /detokenize: the text of token ids."""
+        self.check_model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "tokens must be a list of token ids")
+        check_in_vocabulary(self.gen.target, "token id", tokens)
+        return {"prompt": self.gen.target.decode(tokens)}
 
     def stats(self, *results) -> dict:
         """The method, tau, cycles and tokens/s over a request's answers."""
@@ -330,7 +350,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802
         path = self.path.rstrip("/")
-        if path not in ("/v1/chat/completions", "/v1/completions"):
+        if path not in ("/v1/chat/completions", "/v1/completions", "/tokenize",
+                        "/detokenize"):
             self.send_error_json(HTTPStatus.NOT_FOUND, f"no such path: {self.path}")
             return
         chat = path == "/v1/chat/completions"
@@ -342,7 +363,11 @@ class Handler(BaseHTTPRequestHandler):
             body = json.loads(self.rfile.read(length) or b"null")
             if not isinstance(body, dict):
                 raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
-            if body.get("stream"):
+            if path in ("/tokenize", "/detokenize"):
+                gumiho = self.server.gumiho
+                self.send_json(HTTPStatus.OK, gumiho.tokenize(body) if path == "/tokenize"
+                               else gumiho.detokenize(body))
+            elif body.get("stream"):
                 self.stream(self.server.gumiho.chunks(body, chat))
             else:
                 self.send_json(HTTPStatus.OK, self.server.gumiho.answer(body, chat))

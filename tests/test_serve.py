@@ -176,6 +176,26 @@ def test_models_and_health(served):
         assert response.status == 200
 
 
+def test_tokenize_and_detokenize(served, smollm2):
+    """vLLM's endpoints: a chat's ids are the ones a chat completion counts as its prompt,
+    a text's the tokenizer's; detokenize gives the text back; ids outside the vocabulary
+    are a 400."""
+    url, gen = served
+    messages = [{"role": "user", "content": PROMPT}]
+    status, out = post(url + "/tokenize", {"messages": messages})
+    assert status == 200 and out["tokens"] == smollm2.chat_ids(messages)
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == 8192
+    usage = post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 1})[1]
+    assert usage["usage"]["prompt_tokens"] == out["count"]
+    status, out = post(url + "/tokenize", {"prompt": "Hello there"})
+    assert out["tokens"] == smollm2.tokenizer("Hello there").input_ids
+    assert post(url + "/detokenize", {"tokens": out["tokens"]})[1] == {"prompt": "Hello there"}
+    for bad in ([49152], ["a"], "12"):
+        status, out = post(url + "/detokenize", {"tokens": bad})
+        assert status == 400 and "token id" in out["error"]["message"], out
+    assert post(url + "/tokenize", {"prompt": "hi", "model": "other"})[0] == 404
+
+
 def scrape(url):
     """GET /metrics: its text and {name with labels: value}."""
     with urllib.request.urlopen(url + "/metrics") as response:
