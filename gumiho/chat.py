@@ -160,7 +160,7 @@ def typed_lines(prompt: str) -> Iterator[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gumiho.generate import add_generator_args, add_sampling_args
+    from gumiho.flags import add_generator_args, add_sampling_args
 
     parser = ArgumentParser(prog="gumiho chat", description=__doc__.split("\n")[0])
     add_generator_args(parser)
@@ -192,7 +192,8 @@ def chat_defaults(args: argparse.Namespace) -> None:
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
     from gumiho.demo import exact_bf16_default
-    from gumiho.generate import check_context_room, load_from_args, sampling_settings
+    from gumiho.flags import sampling_settings
+    from gumiho.generate import check_context_room, load_from_args
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)

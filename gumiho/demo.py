@@ -28,7 +28,8 @@ from gumiho.errors import (
     positive_int,
     probability_arg,
 )
-from gumiho.generate import SpeculativeGenerator, check_context_room, total_tokens_arg
+from gumiho.flags import total_tokens_arg
+from gumiho.generate import SpeculativeGenerator, check_context_room
 from gumiho.graphs import ENGINES
 from gumiho.linear import rows_independent
 from gumiho.methods import DRAFTER_METHODS

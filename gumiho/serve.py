@@ -409,7 +409,7 @@ class GumihoHTTPServer(ThreadingHTTPServer):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gumiho.generate import add_generator_args
+    from gumiho.flags import add_generator_args
 
     parser = ArgumentParser(prog="gumiho serve", description=__doc__.split("\n")[0])
     add_generator_args(parser)

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from gumiho.errors import GumihoError
 from gumiho.evaluation.benchmarks import BENCHMARKS, load_questions
-from gumiho.generate import SpeculativeGenerator, add_tree_args, tree_options
+from gumiho.flags import add_tree_args, tree_options
+from gumiho.generate import SpeculativeGenerator
 from gumiho.target import load_target
 
 

@@ -37,16 +37,15 @@ from gumiho.evaluation.answers import (
     settings_mismatch,
 )
 from gumiho.evaluation.benchmarks import LABELS, pick_questions
-from gumiho.generate import (
-    SpeculativeGenerator,
+from gumiho.flags import (
     add_preset_arg,
     add_sampling_args,
     add_target_args,
     add_tree_args,
-    check_context_room,
     sampling_settings,
     tree_options,
 )
+from gumiho.generate import SpeculativeGenerator, check_context_room
 from gumiho.methods import METHODS
 from gumiho.paths import file_sha256, write_atomically
 from gumiho.version import code_version

@@ -55,7 +55,7 @@ from gumiho.evaluation.profiling import (
     launches_per_cycle,
     tree_build_s,
 )
-from gumiho.generate import add_target_args, add_tree_args, tree_options
+from gumiho.flags import add_target_args, add_tree_args, tree_options
 from gumiho.graphs import resolve_engine
 from gumiho.methods import DRAFTER_METHODS, method_spec
 from gumiho.target import Target, choose_device_dtype, load_target, wrap_target
