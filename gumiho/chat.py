@@ -53,12 +53,14 @@ class Totals:
 class ChatSession:
     """A conversation: the messages so far, and a generator that answers the next turn.
 
-    `settings` are `stream`'s keyword arguments (max_new_tokens, temperature, ...)."""
+    `settings` are `stream`'s keyword arguments (max_new_tokens, temperature, ...);
+    `reuse_prefix` is on unless they say otherwise: each turn's prompt begins with the last
+    turn's prompt and answer, whose prefill it skips (prefix.py)."""
 
     def __init__(self, gen, system: str | None = None, **settings):
         self.gen = gen
         self.system = system
-        self.settings = {"max_new_tokens": 256, **settings}
+        self.settings = {"max_new_tokens": 256, "reuse_prefix": True, **settings}
         self.totals = Totals()
         self.dropped = 0  # turns left out of the last answer's prompt to fit the context
         self.reset()
@@ -99,8 +101,9 @@ class ChatSession:
 def answer_line(method: str, result: GenerationResult) -> str:
     stopped = " (stopped)" if result.stopped_by == "closed" else \
         " (cut at --max-new-tokens)" if result.stopped_by == "max_new_tokens" else ""
+    reused = f", {result.reused_tokens} prompt tokens reused" if result.reused_tokens else ""
     return (f"[{method}] {result.new_tokens} tokens in {result.cycles} cycles, tau "
-            f"{result.tau:.2f}, {result.tokens_per_s:.1f} tokens/s{stopped}")
+            f"{result.tau:.2f}, {result.tokens_per_s:.1f} tokens/s{reused}{stopped}")
 
 
 def converse(session: ChatSession, lines: Iterable[str], out: TextIO, info: TextIO,
@@ -169,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a system message that opens every conversation")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256,
                         help="the longest answer (default 256)")
+    parser.add_argument("--no-reuse-prefix", action="store_true",
+                        help="prefill each turn's whole conversation afresh (default: reuse "
+                        "the cache's entries for the history the last turn left)")
     add_sampling_args(parser)
     return parser
 
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     exact_bf16_default(args)
     gen = load_from_args(args, args.temperature)
     session = ChatSession(gen, args.system, max_new_tokens=args.max_new_tokens,
-                          **sampling_settings(args))
+                          reuse_prefix=not args.no_reuse_prefix, **sampling_settings(args))
     gen.generate([{"role": "user", "content": "Hi"}], 4, **sampling_settings(args))  # warm-up
     interactive = sys.stdin.isatty()
     print(f"(chatting with {args.target}, --method {args.method}; {HELP})", file=sys.stderr,

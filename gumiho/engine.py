@@ -27,6 +27,7 @@ from gumiho.fta import official_for_sampling
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.penalty import Penalties, penalties
+from gumiho.prefix import Prefix, cache_reusing
 from gumiho.profiling import PhaseTimer
 from gumiho.sampling import (
     Acceptance,
@@ -67,6 +68,9 @@ class GenerateConfig:
     logprobs: bool = False  # each emitted token's log-probability under the target's logits
     top_logprobs: int = 0  # and the k likeliest tokens' at each position (0-20; sets logprobs)
     seed: int = 0
+    # keep the cache's entries for the prompt's start where it begins with the last
+    # sequence's tokens, and leave this one's for the next (prefix.py)
+    reuse_prefix: bool = False
     profile: bool = False  # time each phase (adds a device sync around every phase)
     verify_width: int | None = None  # pad every verify step to this many tokens (static shape)
     engine: str | None = None  # graphs.ENGINES; None: graphs on a GPU, eager on a CPU
@@ -116,8 +120,9 @@ class GenerateConfig:
         for i in ids:
             check_positive_int("a stop token id", i, allow_zero=True)
         object.__setattr__(self, "stop_token_ids", ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "reuse_prefix"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_positive_int("min_tokens", self.min_tokens, allow_zero=True)
         check_positive_int("no_repeat_ngram_size", self.no_repeat_ngram_size, allow_zero=True)
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
@@ -175,6 +180,7 @@ class GenerationResult:
     # with GenerateConfig.top_logprobs: at each position the k likeliest (token id,
     # log-probability) pairs under the same distribution, likeliest first
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    reused_tokens: int = 0  # prompt tokens whose prefill was reused (reuse_prefix)
 
     @property
     def new_tokens(self) -> int:
@@ -201,6 +207,7 @@ class GenerationResult:
                 "cycles": self.cycles, "tau": self.tau, "tau_official": self.tau_official,
                 "accept_lengths": self.accept_lengths, "wall_s": self.wall_s,
                 "tokens_per_s": self.tokens_per_s, "stopped_by": self.stopped_by,
+                **({"reused_tokens": self.reused_tokens} if self.reused_tokens else {}),
                 **({"phase_s": self.phase_s} if self.phase_s else {}),
                 **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
                 **({"top_logprobs": [[list(pair) for pair in row] for row in self.top_logprobs]}
@@ -208,14 +215,15 @@ class GenerationResult:
 
 
 def prefill(target: Target, cache: KVCache, input_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Run the prompt (1, P) through the target; commit it to the cache. Returns features
-    (P, H) and the last token's logits (1, V). The ids may come from anywhere (a tokenizer's
-    are on the CPU): they move to the target's device here."""
+    """Run the prompt (1, P) through the target after what the cache holds (nothing, or a
+    reused prefix: prefix.py); commit it to the cache. Returns features (P, H) and the last
+    token's logits (1, V). The ids may come from anywhere (a tokenizer's are on the CPU):
+    they move to the target's device here."""
     input_ids = input_ids.to(target.device)
-    p = input_ids.shape[1]
+    p, start = input_ids.shape[1], cache.length
     cache.begin_step(p)
     causal = torch.ones(p, p, dtype=torch.bool, device=input_ids.device).tril()
-    positions = torch.arange(p, device=input_ids.device)[None]
+    positions = torch.arange(start, start + p, device=input_ids.device)[None]
     features, logits = target.forward(input_ids, positions, cache.hf,
                                       cache.attention_mask(causal, positions[0]),
                                       last_logits=True)
@@ -296,12 +304,15 @@ class TargetRunner:
         if engine == "compile":  # inductor cannot lower the packed products (linear.py)
             target.unpack()
         self.cache: KVCache | None = None
+        self.prefix: Prefix | None = None  # what `cache` holds for the next sequence
         # the target's step by padded width, and whether it accepts greedily too
         self.steps: dict[tuple[int | None, bool], StaticStep] = {}
         # acceptance's device part (tensors only), recorded per tree size like any step
         self.accept_step = StaticStep(match_picks, engine)
 
     def cache_for(self, capacity: int) -> KVCache:
+        """The cache for a sequence of `capacity` slots (reset: nothing reused)."""
+        self.prefix = None
         model = self.target.model
         cache, new = reuse_or_allocate(self.cache, capacity, self.engine != "eager",
                                        lambda n, trim: KVCache.for_model(model, n, trim))
@@ -426,11 +437,13 @@ def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> 
 def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
                        config: GenerateConfig, timer: PhaseTimer | None = None,
                        on_cycle: Callable[[DraftTree, list[int]], None] | None = None,
-                       logprobs: TokenLogprobs | None = None) -> Iterator[list[int]]:
+                       logprobs: TokenLogprobs | None = None,
+                       answer: GenerationResult | None = None) -> Iterator[list[int]]:
     """Yield the tokens each cycle emits (host ints), the prefill's single token first.
     Unbounded: the caller stops it (see `generate`). on_cycle(tree, emitted): called after
     each verify cycle (calibration and analysis hooks). `logprobs`, with config.logprobs,
-    gets each emitted token's log-probability (`TokenLogprobs`) before it is yielded."""
+    gets each emitted token's log-probability (`TokenLogprobs`) before it is yielded;
+    `answer`, if given, the prompt tokens a reused prefix spared (`reused_tokens`)."""
     check_prompt(target, prompt_ids, config.max_new_tokens)
     check_token_ids(target, config)
     stop_ids = answer_stops(target, config)
@@ -442,12 +455,19 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
     width = config.verify_width or (drafter.max_nodes if runner.engine != "eager" else None)
     capacity = (len(prompt_ids) + config.max_new_tokens + 1
                 + max(drafter.max_nodes, width or 0))
-    cache = runner.cache_for(capacity)
+    if config.reuse_prefix:
+        cache, reused, kept = cache_reusing(runner, prompt_ids, capacity)
+    else:
+        cache, reused, kept = runner.cache_for(capacity), 0, None
+    if answer is not None:
+        answer.reused_tokens = reused
     if timer.enabled and hasattr(drafter, "timer"):
         drafter.timer = timer  # the drafter's own phases (serial steps, MLP heads)
     cut = config.top_k, config.top_p, config.min_p
     with timer("prefill"):
-        features, logits = prefill(target, cache, input_ids)
+        features, logits = prefill(target, cache, input_ids[:, reused:])
+        if kept is not None:  # the reused entries' features: the drafter reads them all
+            features = torch.cat([kept, features])
         raw = logits
         penalty = penalties(config.repetition_penalty, config.presence_penalty,
                             config.frequency_penalty, logits.shape[-1], input_ids[0],
@@ -465,6 +485,9 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
             logprobs.add(raw[-1:], root.view(1))
         drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]),
                         prompt_ids[1:] + [first])
+        if config.reuse_prefix:  # the cache's entries, for the next sequence
+            prefix = runner.prefix = Prefix(cache, list(prompt_ids), [features])
+    last = first  # the last emitted token: the next tree's root, whose entry it commits
     yield [first]
     # Greedy acceptance: inside the verify's (recorded) step on a device, so that a cycle
     # syncs once; eagerly on a CPU, in Python over the tree's host copy (match_on_host).
@@ -511,6 +534,9 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
                 penalty.add(emitted)
             if config.logprobs:  # row n_i of the path predicted its token i + 1
                 logprobs.add(raw[result.nodes], emitted)
+        if config.reuse_prefix:  # the root and the accepted drafts: the committed entries
+            prefix.add([last] + result.tokens[:-1], features[result.nodes])
+            last = result.tokens[-1]
         if on_cycle is not None:
             on_cycle(tree, result.tokens)
         yield result.tokens
@@ -538,7 +564,7 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
     stop_ids = answer_stops(target, config)
     logprobs = TokenLogprobs(config.top_logprobs) if config.logprobs else None
     cycles = speculative_cycles(target, drafter, prompt_ids, config, timer, on_cycle,
-                                logprobs)
+                                logprobs, result)
     try:
         for new in cycles:
             room = config.max_new_tokens - result.new_tokens

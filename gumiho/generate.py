@@ -239,7 +239,8 @@ class SpeculativeGenerator:
                  logprobs: bool = False, stop_token_ids: Sequence[int] = (),
                  ignore_eos: bool = False, min_tokens: int = 0,
                  logit_bias: dict[int, float] | None = None,
-                 top_logprobs: int = 0, no_repeat_ngram_size: int = 0) -> GenerationResult:
+                 top_logprobs: int = 0, no_repeat_ngram_size: int = 0,
+                 reuse_prefix: bool = False) -> GenerationResult:
         """The whole answer: text, token ids and statistics (tau, tokens/s, ...).
 
         temperature 0 decodes greedily; above it the target samples, from its `top_k`
@@ -270,7 +271,11 @@ class SpeculativeGenerator:
         settings. `logit_bias` ({token id: bias in [-100, 100]}; OpenAI's and vLLM's)
         adds to those tokens' logits at every position, before the penalties.
         `no_repeat_ngram_size` n (transformers'; 0: off) lets no n-gram of the sequence,
-        prompt included, come twice.
+        prompt included, come twice. `reuse_prefix` keeps the target's cache entries for
+        the start of the prompt that repeats the last sequence's tokens (a conversation's
+        history) and prefills only the rest (`reused_tokens` says how many it spared), and
+        leaves this sequence's for the next; the answer is then plain decoding's with the
+        same reuse, which can differ from a fresh prompt's at a near tie (prefix.py).
 
         The text is decoded once, at the end: a decode after every cycle, as `stream` needs
         (of a short window), would cost plain decoding (a cycle per token) a larger share
@@ -284,7 +289,8 @@ class SpeculativeGenerator:
                            logprobs=logprobs, stop_token_ids=stop_token_ids,
                            ignore_eos=ignore_eos, min_tokens=min_tokens,
                            logit_bias=logit_bias, top_logprobs=top_logprobs,
-                           no_repeat_ngram_size=no_repeat_ngram_size):
+                           no_repeat_ngram_size=no_repeat_ngram_size,
+                           reuse_prefix=reuse_prefix):
             pass
         return self.last_result
 
@@ -295,7 +301,8 @@ class SpeculativeGenerator:
                logprobs: bool = False, stop_token_ids: Sequence[int] = (),
                ignore_eos: bool = False, min_tokens: int = 0,
                logit_bias: dict[int, float] | None = None,
-               top_logprobs: int = 0, no_repeat_ngram_size: int = 0) -> Iterator[str]:
+               top_logprobs: int = 0, no_repeat_ngram_size: int = 0,
+               reuse_prefix: bool = False) -> Iterator[str]:
         """Text pieces as the cycles emit them (the arguments: `generate`'s); the
         statistics land in `last_result`. With `stop`, text that may be the start of a
         stop string waits for the next cycle, so no piece shows any part of one.
@@ -312,7 +319,8 @@ class SpeculativeGenerator:
                          logprobs=logprobs, stop_token_ids=stop_token_ids,
                          ignore_eos=ignore_eos, min_tokens=min_tokens,
                          logit_bias=logit_bias, top_logprobs=top_logprobs,
-                         no_repeat_ngram_size=no_repeat_ngram_size)
+                         no_repeat_ngram_size=no_repeat_ngram_size,
+                         reuse_prefix=reuse_prefix)
 
     def _run(self, prompt: Prompt, pieces: bool, **settings) -> Iterator[str]:
         """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the

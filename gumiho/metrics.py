@@ -32,6 +32,8 @@ class Metrics:
         self.accepted_at: list[int] = []  # cycles that accepted a draft at position k
         self.finished: Counter[str] = Counter()  # requests by finish reason
         self.refused_by: Counter[int] = Counter()  # requests refused, by HTTP status
+        self.prefix_queries = 0  # prompt tokens of every answer
+        self.prefix_hits = 0  # of them, reused from the cache (reuse_prefix)
         self.latency_s = 0.0
         self.requests = 0
 
@@ -43,6 +45,8 @@ class Metrics:
             self.latency_s += seconds
             for result in results:
                 self.prompt_tokens += prompt_tokens
+                self.prefix_queries += prompt_tokens
+                self.prefix_hits += result.reused_tokens
                 self.generation_tokens += result.new_tokens
                 self.finished[REASON.get(result.stopped_by, "stop")] += 1
                 for emitted in result.accept_lengths[1:]:  # [0]: the prefill's token
@@ -74,6 +78,10 @@ class Metrics:
                    "answer).", [("", self.prompt_tokens)])
             metric("generation_tokens_total", "counter", "Tokens generated.",
                    [("", self.generation_tokens)])
+            metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the "
+                   "cache (every answer's).", [("", self.prefix_queries)])
+            metric("prefix_cache_hits_total", "counter", "Prompt tokens whose entries were "
+                   "reused (--reuse-prefix).", [("", self.prefix_hits)])
             metric("request_success_total", "counter", "Answers finished, by reason.",
                    [(f'{{finished_reason="{r}"}}', self.finished[r])
                     for r in ("stop", "length", "abort")])

@@ -151,9 +151,11 @@ def chat_messages(body: dict) -> list[dict]:
 class Server:
     """What the handler calls: one generator and its name; `worker` runs generations."""
 
-    def __init__(self, gen, name: str, max_tokens: int, method: str, worker: Worker):
+    def __init__(self, gen, name: str, max_tokens: int, method: str, worker: Worker,
+                 reuse_prefix: bool = False):
         self.gen, self.name, self.max_tokens, self.method = gen, name, max_tokens, method
         self.worker = worker
+        self.reuse_prefix = reuse_prefix  # every generation's (prefix.py)
         self.metrics = Metrics()
 
     def metrics_text(self) -> str:
@@ -212,13 +214,18 @@ class Server:
 
     def usage(self, ids: list[int], *results) -> dict:
         tokens = sum(r.new_tokens for r in results)
-        return {"prompt_tokens": len(ids), "completion_tokens": tokens,
-                "total_tokens": len(ids) + tokens}
+        usage = {"prompt_tokens": len(ids), "completion_tokens": tokens,
+                 "total_tokens": len(ids) + tokens}
+        if self.reuse_prefix:  # OpenAI's count of prompt tokens served from a cache
+            usage["prompt_tokens_details"] = {"cached_tokens": results[0].reused_tokens}
+        return usage
 
     def request(self, body: dict, chat: bool) -> tuple[dict, list[int]]:
         """A request's `generate` settings and prompt ids, checked."""
         self.check_model(body)
-        return settings_from(body, self.max_tokens, chat), self.prompt(body, chat)
+        settings = settings_from(body, self.max_tokens, chat)
+        settings["reuse_prefix"] = self.reuse_prefix
+        return settings, self.prompt(body, chat)
 
     def head(self, chat: bool, chunk: bool = False) -> dict:
         """A response's id, object, time and model."""
@@ -420,15 +427,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model name clients send (default: --target)")
     parser.add_argument("--max-tokens", type=positive_int, default=512,
                         help="new tokens when a request names no max_tokens (default 512)")
+    parser.add_argument("--reuse-prefix", action="store_true",
+                        help="reuse the cache's entries where a prompt begins with the last "
+                        "sequence (a conversation's history): its prefill skips them; in "
+                        "bf16 an answer can then differ from a fresh prompt's at a near tie")
     return parser
 
 
 def make_server(gen, name: str, method: str, worker: Worker, host: str = "127.0.0.1",
-                port: int = 0, max_tokens: int = 512) -> GumihoHTTPServer:
+                port: int = 0, max_tokens: int = 512, reuse_prefix: bool = False
+                ) -> GumihoHTTPServer:
     """An HTTP server over `gen` (a SpeculativeGenerator of `method`) whose generations
     run where `worker.run_forever` runs; not yet serving (port 0: any free port;
     `server.server_address` says which)."""
-    return GumihoHTTPServer((host, port), Server(gen, name, max_tokens, method, worker))
+    return GumihoHTTPServer((host, port), Server(gen, name, max_tokens, method, worker,
+                                                 reuse_prefix))
 
 
 @cli_errors
@@ -448,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
             from None
     gen = load_from_args(args)
     worker = Worker()
-    server.gumiho = Server(gen, name, args.max_tokens, args.method, worker)
+    server.gumiho = Server(gen, name, args.max_tokens, args.method, worker,
+                           args.reuse_prefix)
     log.info("warming up (greedy and sampled; a sized tree is chosen once per temperature)")
     for temperature in (0.0, 1.0):  # so that no first request pays for it
         gen.generate("Hi", 8, temperature=temperature)

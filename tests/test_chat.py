@@ -43,7 +43,8 @@ def test_each_answer_is_plain_decodings_answer_to_the_conversation(gen):
     """Two turns: the second answer is greedy decoding's on the first turn, its answer and
     the second turn, the template applied to all of them."""
     n = 24
-    session = ChatSession(gen, system="You answer briefly.", max_new_tokens=n)
+    session = ChatSession(gen, system="You answer briefly.", max_new_tokens=n,
+                          reuse_prefix=False)  # each prompt prefilled afresh, as HF's
     answers = []
     for turn in ("Name a primary colour.", "Name another one."):
         sent = session.messages + [{"role": "user", "content": turn}]
@@ -63,6 +64,17 @@ def test_each_answer_is_plain_decodings_answer_to_the_conversation(gen):
     assert session.totals.turns == 2
     assert session.totals.new_tokens == sum(a.new_tokens for a in answers)
     assert session.totals.cycles == sum(a.cycles for a in answers)
+
+
+def test_the_history_is_reused(gen):
+    """By default a turn reuses the cache's entries for the history (prefix.py), and its
+    statistics line says how many prompt tokens it spared."""
+    session = ChatSession(gen, max_new_tokens=8)
+    talk(session, "Name a fruit.")
+    history = len(gen.prompt_ids(session.messages))
+    _, info = talk(session, "Another one?")
+    assert gen.last_result.reused_tokens >= history - 8
+    assert f", {gen.last_result.reused_tokens} prompt tokens reused" in info
 
 
 def test_commands(gen):
@@ -85,7 +97,7 @@ def test_the_oldest_turns_give_way_to_the_context(gen, monkeypatch):
     """A context that holds the new turn but not the whole conversation: the oldest turns
     are left out (the system message stays) and a note says how many; a turn that alone
     does not fit is one error line and changes nothing."""
-    session = ChatSession(gen, system="Be brief.", max_new_tokens=8)
+    session = ChatSession(gen, system="Be brief.", max_new_tokens=8, reuse_prefix=False)
     talk(session, "Name a fruit.", "Name a vegetable.")
     before = list(session.messages)
     turn = {"role": "user", "content": "Name a tree."}
@@ -109,7 +121,7 @@ def test_an_answer_stopped_early_is_kept_as_far_as_it_came(gen, monkeypatch):
     """Ctrl-C while the answer prints, or while the loop computes: the conversation keeps
     the part the user saw, and `last_result` describes it (stopped_by "closed")."""
     n = 32
-    session = ChatSession(gen, max_new_tokens=n)
+    session = ChatSession(gen, max_new_tokens=n, reuse_prefix=False)
     full = plain(gen.target, [{"role": "user", "content": "Count from one to ten."}], n)
 
     class Impatient(io.StringIO):

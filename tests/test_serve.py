@@ -242,6 +242,42 @@ def test_metrics_count_what_the_answers_did(served):
         assert f"# HELP {name} " in text
 
 
+def test_a_server_that_reuses_prefixes_says_so(served):
+    """With --reuse-prefix, a conversation's next turn reports the history's tokens as
+    OpenAI's `cached_tokens`, and the metrics count them as prefix-cache hits."""
+    from gumiho.serve import make_server
+    from gumiho.worker import Worker
+
+    _, gen = served
+    worker = Worker()
+    server = make_server(gen, "smollm2", "gumiho", worker, reuse_prefix=True)
+    for loop in (server.serve_forever, worker.run_forever):
+        threading.Thread(target=loop, daemon=True).start()
+    url = "http://{}:{}".format(*server.server_address[:2])
+    try:
+        messages = [{"role": "user", "content": PROMPT}]
+        body = {"messages": messages, "max_tokens": 12, "temperature": 0}
+        post(url + "/v1/chat/completions", body)
+        _, before = scrape(url)
+        again = post(url + "/v1/chat/completions", body)[1]  # the same prompt: all but
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+            again["usage"]["prompt_tokens"] - 1  # its last token, which the answer needs
+        messages += [again["choices"][0]["message"],
+                     {"role": "user", "content": "And two more?"}]
+        status, out = post(url + "/v1/chat/completions", {**body, "messages": messages})
+        cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert status == 200 and cached == gen.last_result.reused_tokens
+        assert cached > again["usage"]["prompt_tokens"]  # the history and part of its answer
+        _, after = scrape(url)
+        assert after["gumiho:prefix_cache_hits_total"] - \
+            before["gumiho:prefix_cache_hits_total"] == \
+            cached + again["usage"]["prompt_tokens"] - 1
+    finally:
+        server.shutdown()
+        server.server_close()
+        worker.stop()
+
+
 def test_a_client_leaving_mid_stream_frees_the_generator(served, caplog):
     """A stream whose client hangs up stops (long before its 400 tokens); the next
     request is answered."""
