@@ -114,6 +114,25 @@ def test_plain_decoding_equals_hf_generate(family_targets, plain_outputs, family
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_reused_prefix_past_the_window(family_targets, family):
+    """Prefix reuse (prefix.py) on every family, sliding windows included: a prompt that
+    continues the last answer reuses its entries, and the answer is transformers' greedy
+    answer to the whole prompt."""
+    target = family_targets[family]
+    ids = target.chat_ids(PROMPT)
+    config = GenerateConfig(max_new_tokens=NEW, reuse_prefix=True)
+    first = run(target, PlainDrafter(), ids, config)
+    turn = ids + first.token_ids + target.tokenizer(" And more.").input_ids
+    assert len(turn) > len(ids) + NEW > WINDOW
+    result = run(target, PlainDrafter(), turn, config)
+    assert result.reused_tokens == len(ids) + first.new_tokens - 1
+    with torch.inference_mode():
+        hf = target.model.generate(torch.tensor([turn]), max_new_tokens=NEW, do_sample=False,
+                                   eos_token_id=sorted(target.stop_token_ids) or None)
+    assert result.token_ids == hf[0, len(turn):].tolist()[:result.new_tokens]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_method_equals_plain(family_targets, plain_outputs, family):
     target = family_targets[family]
     ids, plain = plain_outputs[family]
