@@ -16,8 +16,9 @@ _EXPORTS = {"ChatSession": "gumiho.chat", "DraftTree": "gumiho.tree", "Drafter":
             "Target": "gumiho.target", "load_drafter": "gumiho.drafters",
             "load_target": "gumiho.target"}
 
-__all__ = ["ChatSession", "DraftTree", "Drafter", "GenerateConfig", "GenerationResult", "GumihoError",
-           "PlainDrafter", "SpeculativeGenerator", "Target", "load_drafter", "load_target"]
+__all__ = ["ChatSession", "DraftTree", "Drafter", "GenerateConfig", "GenerationResult",
+           "GumihoError", "PlainDrafter", "SpeculativeGenerator", "Target", "load_drafter",
+           "load_target"]
 
 
 def __getattr__(name: str):

@@ -3,7 +3,8 @@
 Named after vLLM's metrics where they mean the same (prefix `gumiho:` for `vllm:`), so a
 dashboard built for a vLLM server with speculative decoding reads these with the prefix
 changed: the requests running and waiting, prompt and generated tokens, finished requests by
-reason, end-to-end latency, and the speculative loop's cycles and accepted draft tokens, in
+reason, end-to-end latency and time to the first token, the prefix cache's queries and
+hits, and the speculative loop's cycles and accepted draft tokens, in
 all and by draft position. From them: mean tokens per cycle (tau, the prefill's cycle left
 out) = 1 + accepted / cycles; the acceptance at position k = accepted_per_pos{k} / cycles.
 """
@@ -35,14 +36,17 @@ class Metrics:
         self.prefix_queries = 0  # prompt tokens of every answer
         self.prefix_hits = 0  # of them, reused from the cache (reuse_prefix)
         self.latency_s = 0.0
+        self.first_token_s = 0.0
         self.requests = 0
 
     def record(self, prompt_tokens: int, results: list[GenerationResult],
-               seconds: float) -> None:
-        """One request's answers (n of them), `seconds` after it arrived."""
+               seconds: float, first_token_s: float) -> None:
+        """One request's answers (n of them), done `seconds` after it arrived, its first
+        token `first_token_s` after it arrived (the queue's wait and the prefill)."""
         with self.lock:
             self.requests += 1
             self.latency_s += seconds
+            self.first_token_s += first_token_s
             for result in results:
                 self.prompt_tokens += prompt_tokens
                 self.prefix_queries += prompt_tokens
@@ -91,7 +95,12 @@ class Metrics:
                           "arrival to its last token.",
                           "# TYPE gumiho:e2e_request_latency_seconds summary",
                           f"gumiho:e2e_request_latency_seconds_sum {self.latency_s:g}",
-                          f"gumiho:e2e_request_latency_seconds_count {self.requests}"])
+                          f"gumiho:e2e_request_latency_seconds_count {self.requests}",
+                          "# HELP gumiho:time_to_first_token_seconds Time from a request's "
+                          "arrival to its first token (its wait and its prefill).",
+                          "# TYPE gumiho:time_to_first_token_seconds summary",
+                          f"gumiho:time_to_first_token_seconds_sum {self.first_token_s:g}",
+                          f"gumiho:time_to_first_token_seconds_count {self.requests}"])
             metric("spec_decode_num_drafts_total", "counter", "Verify cycles (each verifies "
                    "one draft tree; the prefill not counted).", [("", self.cycles)])
             metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens "

@@ -238,12 +238,17 @@ class Server:
         """A whole (not streamed) completion."""
         start = time.perf_counter()
         settings, ids = self.request(body, chat)
-        results = []
+        results, began = [], []
+
+        def generate(seeded):
+            began.append(time.perf_counter())  # off the queue
+            return self.gen.generate(ids, **seeded)
         for i in range(choices(body)):
             seeded = {**settings, "seed": (settings["seed"] + i) % 2**63}
             # a turn each: another request may come between two answers
-            results.append(self.worker.call(lambda s=seeded: self.gen.generate(ids, **s)))
-        self.metrics.record(len(ids), results, time.perf_counter() - start)
+            results.append(self.worker.call(lambda s=seeded: generate(s)))
+        self.metrics.record(len(ids), results, time.perf_counter() - start,
+                            began[0] - start + results[0].cycle_s[0])
         answers = []
         for i, result in enumerate(results):
             choice = {"index": i, "finish_reason": FINISH[result.stopped_by]}
@@ -277,6 +282,7 @@ class Server:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish}
             return {**head, "choices": [choice]}
 
+        began = time.perf_counter()  # off the queue
         pieces = self.gen.stream(ids, **settings)
         try:
             if chat:
@@ -287,7 +293,8 @@ class Server:
         finally:
             pieces.close()  # a client gone mid-answer stops the generation
             if (result := self.gen.last_result) is not None:  # None: it failed
-                self.metrics.record(len(ids), [result], time.perf_counter() - start)
+                first = began - start + (result.cycle_s[0] if result.cycle_s else 0.0)
+                self.metrics.record(len(ids), [result], time.perf_counter() - start, first)
         end = chunk(None, FINISH[result.stopped_by])
         end["speculative"] = self.stats(result)
         yield end
