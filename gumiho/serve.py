@@ -21,8 +21,8 @@ One generation runs at a time (the target's caches belong to one), on the main t
 (`Worker`): requests wait their turn, while `/health` and `/v1/models` answer at once.
 `n` answers are sampled one after another with seeds `seed`, `seed + 1`, ... (a request
 without a seed gets a random one, so it samples afresh each time, as OpenAI's). Not
-served: `best_of` above 1, `echo`, `suffix`, tools, and `logprobs` or `n` above 1 with
-`stream`; each is refused with a 400 that says so. Python's standard library serves it
+served: `best_of` above 1, `echo`, `suffix`, tools, and `logprobs` with `stream`; each is
+refused with a 400 that says so. Python's standard library serves it
 (no web framework to install).
 """
 
@@ -110,9 +110,7 @@ def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
                                f"(the alternatives per token), got {logprobs!r}")
         settings["logprobs"] = True
         settings["top_logprobs"] = logprobs
-    if body.get("stream") and choices(body) > 1:
-        raise RequestError(HTTPStatus.BAD_REQUEST, "n above 1 with stream is not supported "
-                           "here: ask without stream")
+    choices(body)  # checked here, before a stream's first chunk
     if body.get("stream") and settings.get("logprobs"):
         raise RequestError(HTTPStatus.BAD_REQUEST, "logprobs with stream is not supported "
                            "here: ask without stream")
@@ -263,43 +261,51 @@ class Server:
                 "speculative": self.stats(*results)}
 
     def chunks(self, body: dict, chat: bool) -> Iterator[dict]:
-        """A streamed completion's chunks (checked before the first is made)."""
+        """A streamed completion's chunks (checked before the first is made): its `n`
+        answers one after another, each chunk naming its answer's index."""
         start = time.perf_counter()
         settings, ids = self.request(body, chat)
         usage = (body.get("stream_options") or {}).get("include_usage")
-        return self.worker.iterate(lambda: self._chunks(ids, settings, chat, usage, start))
+        n = choices(body)
+        return self.worker.iterate(lambda: self._chunks(ids, settings, chat, usage, start, n))
 
-    def _chunks(self, ids, settings, chat, usage, start) -> Iterator[dict]:
+    def _chunks(self, ids, settings, chat, usage, start, n) -> Iterator[dict]:
         head = self.head(chat, chunk=True)
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+        def chunk(i: int, text: str | None, finish: str | None, role: bool = False) -> dict:
             if chat:
                 delta = {"role": "assistant"} if role else {}
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice = {"index": i, "delta": delta, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish}
+                choice = {"index": i, "text": text or "", "finish_reason": finish}
             return {**head, "choices": [choice]}
 
-        began = time.perf_counter()  # off the queue
-        pieces = self.gen.stream(ids, **settings)
+        results, began = [], time.perf_counter()  # off the queue
         try:
-            if chat:
-                yield chunk("", None, role=True)
-            for piece in pieces:
-                if piece:
-                    yield chunk(piece, None)
+            for i in range(n):
+                pieces = self.gen.stream(ids, **{**settings,
+                                                 "seed": (settings["seed"] + i) % 2**63})
+                try:
+                    if chat:
+                        yield chunk(i, "", None, role=True)
+                    for piece in pieces:
+                        if piece:
+                            yield chunk(i, piece, None)
+                finally:
+                    pieces.close()  # a client gone mid-answer stops the generation
+                    if (result := self.gen.last_result) is not None:  # None: it failed
+                        results.append(result)
+                end = chunk(i, None, FINISH[result.stopped_by])
+                end["speculative"] = self.stats(result)
+                yield end
         finally:
-            pieces.close()  # a client gone mid-answer stops the generation
-            if (result := self.gen.last_result) is not None:  # None: it failed
-                first = began - start + (result.cycle_s[0] if result.cycle_s else 0.0)
-                self.metrics.record(len(ids), [result], time.perf_counter() - start, first)
-        end = chunk(None, FINISH[result.stopped_by])
-        end["speculative"] = self.stats(result)
-        yield end
+            if results:
+                first = began - start + (results[0].cycle_s[0] if results[0].cycle_s else 0.0)
+                self.metrics.record(len(ids), results, time.perf_counter() - start, first)
         if usage:
-            yield {**head, "choices": [], "usage": self.usage(ids, result)}
+            yield {**head, "choices": [], "usage": self.usage(ids, *results)}
 
     def token_text(self, token_id: int) -> str:
         return self.gen.target.decode([token_id])

@@ -119,6 +119,18 @@ def test_n_answers_are_sampled_with_seed_seed_plus_one_and_so_on(served, monkeyp
                      for i in range(3)]
     assert len(set(texts)) > 1
     assert out["usage"]["completion_tokens"] == 36
+    status, text = post(url + "/v1/chat/completions",  # streamed: answer by answer
+                        {**body, "n": 3, "seed": 7, "stream": True,
+                         "stream_options": {"include_usage": True}}, raw=True)
+    chunks, done = events(text)
+    assert status == 200 and done
+    for i in range(3):
+        mine = [c["choices"][0] for c in chunks if c["choices"]
+                and c["choices"][0]["index"] == i]
+        assert "".join(c["delta"].get("content", "") for c in mine) == texts[i]
+        assert mine[0]["delta"]["role"] == "assistant" and mine[-1]["finish_reason"]
+    indexes = [c["choices"][0]["index"] for c in chunks if c["choices"]]
+    assert indexes == sorted(indexes) and chunks[-1]["usage"]["completion_tokens"] == 36
     monkeypatch.setattr(gumiho.serve.secrets, "randbelow", lambda n: 40)
     out = post(url + "/v1/chat/completions", body)[1]
     assert out["choices"][0]["message"]["content"] == gen.generate(
@@ -133,8 +145,8 @@ def test_n_answers_are_sampled_with_seed_seed_plus_one_and_so_on(served, monkeyp
      404, "not served"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0},
      400, "n must be an integer"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
-                              "stream": True}, 400, "n above 1 with stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17,
+                              "stream": True}, 400, "n must be an integer"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "temperature": -1}, 400, "temperature"),
