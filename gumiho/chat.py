@@ -5,9 +5,11 @@ Medusa shipped a chat command line and EAGLE a web page for trying a drafter by 
 ours. With no flags it runs what `gumiho demo` runs (SmolLM2 and its shipped Gumiho drafter
 at the demo preset; on a CPU with AMX bf16, exact); every flag of `gumiho generate` applies.
 Each turn sends the whole conversation through the target's chat template, as an API client
-does; when it outgrows the context, the oldest turns are left out (and a note says so).
-Commands: /reset (a new conversation), /stats (the session's totals), /help, /exit. Ctrl-C
-stops an answer (what came so far stays in the conversation); at the prompt it ends the chat.
+does, reusing the cache's entries for the history (prefix.py); when it outgrows the context,
+the oldest turns are left out (and a note says so). --show-cycles colours each cycle's text
+in turn. Commands: /reset (a new conversation), /stats (the session's totals), /help,
+/exit. Ctrl-C stops an answer (what came so far stays in the conversation); at the prompt
+it ends the chat.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from gumiho.errors import ArgumentParser, GumihoError, cli_errors, one_line, pos
 
 log = logging.getLogger("gumiho")
 
+# each cycle's text in the other of two colours (--show-cycles): a run of one colour is
+# what one target step produced
+SHADES = ("\033[39m", "\033[36m")
+RESET = "\033[0m"
 HELP = ("/reset starts a new conversation, /stats shows this session's totals, /exit (or "
         "Ctrl-D) ends the chat; Ctrl-C stops an answer")
 
@@ -82,12 +88,13 @@ class ChatSession:
             self.dropped += 1
         return messages
 
-    def reply(self, text: str) -> Iterator[str]:
-        """Text pieces of the answer to the user's `text`. The turn and its answer join the
-        conversation once the answer ends or is stopped early (closing this iterator), not
-        when generating fails (a bad setting, a prompt past the context)."""
+    def reply(self, text: str, cycles: bool = False) -> Iterator:
+        """Text pieces of the answer to the user's `text` (with `cycles`, `stream`'s Cycles).
+        The turn and its answer join the conversation once the answer ends or is stopped
+        early (closing this iterator), not when generating fails (a bad setting, a prompt
+        past the context: raised at the first piece)."""
         asked = self.fitted(self.messages + [{"role": "user", "content": text}])
-        pieces = self.gen.stream(asked, **self.settings)  # checks now, before any piece
+        pieces = self.gen.stream(asked, **self.settings, cycles=cycles)
         try:
             yield from pieces
         finally:
@@ -107,9 +114,10 @@ def answer_line(method: str, result: GenerationResult) -> str:
 
 
 def converse(session: ChatSession, lines: Iterable[str], out: TextIO, info: TextIO,
-             method: str) -> None:
-    """The chat loop over `lines` (the user's turns and commands): answers to `out`, each
-    answer's statistics, notes and errors to `info`. Ends at /exit or when `lines` do."""
+             method: str, show_cycles: bool = False) -> None:
+    """The chat loop over `lines` (the user's turns and commands): answers to `out` (with
+    `show_cycles` each cycle's text in the other colour), each answer's statistics, notes
+    and errors to `info`. Ends at /exit or when `lines` do."""
     for line in lines:
         text = line.strip()
         if not text:
@@ -127,16 +135,22 @@ def converse(session: ChatSession, lines: Iterable[str], out: TextIO, info: Text
         elif text.startswith("/") and " " not in text:
             print(f"error: unknown command {text}: {HELP}", file=info, flush=True)
         else:
-            answer(session, text, out, info, method)
+            answer(session, text, out, info, method, show_cycles)
 
 
-def answer(session: ChatSession, text: str, out: TextIO, info: TextIO, method: str) -> None:
+def answer(session: ChatSession, text: str, out: TextIO, info: TextIO, method: str,
+           show_cycles: bool = False) -> None:
     """Stream one answer; Ctrl-C stops it (kept as far as it came), a bad turn is one
     `error:` line and leaves the conversation as it was."""
     try:
-        pieces = session.reply(text)
+        pieces = session.reply(text, cycles=show_cycles)
         try:
+            shown = 0  # pieces shown: the next takes the other colour
             for piece in pieces:
+                if show_cycles and piece.text:
+                    piece, shown = f"{SHADES[shown % 2]}{piece.text}{RESET}", shown + 1
+                elif show_cycles:
+                    continue  # held back: its text comes with a later cycle's
                 print(piece, end="", file=out, flush=True)
         except KeyboardInterrupt:
             pieces.close()
@@ -172,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a system message that opens every conversation")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256,
                         help="the longest answer (default 256)")
+    parser.add_argument("--show-cycles", action="store_true",
+                        help="print each cycle's text in the other of two colours: a run of "
+                        "one colour is what one target step produced")
     parser.add_argument("--no-reuse-prefix", action="store_true",
                         help="prefill each turn's whole conversation afresh (default: reuse "
                         "the cache's entries for the history the last turn left)")
@@ -214,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(chatting with {args.target}, --method {args.method}; {HELP})", file=sys.stderr,
           flush=True)
     lines = typed_lines("> ") if interactive else sys.stdin
-    converse(session, lines, sys.stdout, sys.stderr, args.method)
+    converse(session, lines, sys.stdout, sys.stderr, args.method, args.show_cycles)
     if session.totals.turns:
         print(f"[{args.method}] {session.totals.line()}", file=sys.stderr)
     return 0

@@ -563,6 +563,8 @@ def generate(target: Target, drafter: Drafter, prompt_ids: list[int],
     strings = StopStrings(target.decode, config.stop) if config.stop else None
     stop_ids = answer_stops(target, config)
     logprobs = TokenLogprobs(config.top_logprobs) if config.logprobs else None
+    if logprobs is not None:  # growing as the cycles run (a stream reads them: Cycle.of)
+        result.logprobs, result.top_logprobs = logprobs.values, logprobs.tops
     cycles = speculative_cycles(target, drafter, prompt_ids, config, timer, on_cycle,
                                 logprobs, result)
     try:

@@ -17,7 +17,7 @@ import operator
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -86,6 +86,27 @@ def check_verify_width(verify_width: int | None, drafter: Drafter) -> None:
         raise GumihoError(f"--verify-width {verify_width} is narrower than this tree's "
                           f"{drafter.max_nodes} tokens (root included): give at least "
                           f"{drafter.max_nodes}, or leave it out")
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """One cycle of `stream(..., cycles=True)`: the tokens it emitted (accepted drafts, then
+    the target's own next token), their text (what the stream shows now: empty while held
+    back), and with `logprobs` their log-probabilities (and top_logprobs)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @classmethod
+    def of(cls, result: GenerationResult, new: list[int], text: str) -> Cycle:
+        """The cycle that just added `new` to `result` (whose logprob lists grow as the
+        engine runs)."""
+        end = result.new_tokens
+        span = slice(end - len(new), end)
+        return cls(text, new, None if result.logprobs is None else result.logprobs[span],
+                   None if result.top_logprobs is None else result.top_logprobs[span])
 
 
 class SpeculativeGenerator:
@@ -281,7 +302,7 @@ class SpeculativeGenerator:
         (of a short window), would cost plain decoding (a cycle per token) a larger share
         than a drafter's fewer cycles on a GPU, where a small model's step takes
         milliseconds."""
-        for _ in self._run(prompt, False, max_new_tokens=max_new_tokens,
+        for _ in self._run(prompt, None, max_new_tokens=max_new_tokens,
                            temperature=temperature, seed=seed, top_k=top_k, top_p=top_p,
                            min_p=min_p, repetition_penalty=repetition_penalty,
                            presence_penalty=presence_penalty,
@@ -302,16 +323,21 @@ class SpeculativeGenerator:
                ignore_eos: bool = False, min_tokens: int = 0,
                logit_bias: dict[int, float] | None = None,
                top_logprobs: int = 0, no_repeat_ngram_size: int = 0,
-               reuse_prefix: bool = False) -> Iterator[str]:
-        """Text pieces as the cycles emit them (the arguments: `generate`'s); the
+               reuse_prefix: bool = False, cycles: bool = False) -> Iterator[str] | Iterator[Cycle]:
+        """Text pieces as the cycles emit them (the other arguments: `generate`'s); the
         statistics land in `last_result`. With `stop`, text that may be the start of a
         stop string waits for the next cycle, so no piece shows any part of one.
+
+        With `cycles`, a `Cycle` for every cycle instead: the tokens it emitted (the drafts
+        the target accepted and its own next token), their text piece (empty while it is
+        held back, e.g. inside a character) and, with `logprobs`, their log-probabilities;
+        then, if held-back text remains, one more with that text and no tokens.
 
         Stopping early (`break`, closing the iterator, or Ctrl-C) leaves in `last_result`
         the part generated so far, with `stopped_by == "closed"`; an error leaves None. One
         generation at a time: a newer `generate`/`stream` call ends an older stream.
         """
-        return self._run(prompt, True, max_new_tokens=max_new_tokens,
+        return self._run(prompt, "cycles" if cycles else "text", max_new_tokens=max_new_tokens,
                          temperature=temperature, seed=seed, top_k=top_k, top_p=top_p,
                          min_p=min_p, repetition_penalty=repetition_penalty,
                          presence_penalty=presence_penalty,
@@ -322,9 +348,10 @@ class SpeculativeGenerator:
                          no_repeat_ngram_size=no_repeat_ngram_size,
                          reuse_prefix=reuse_prefix)
 
-    def _run(self, prompt: Prompt, pieces: bool, **settings) -> Iterator[str]:
-        """`stream`'s loop; without `pieces` it yields nothing and decodes nothing (the
-        engine decodes the whole answer once, into `result.text`). The call itself, not
+    def _run(self, prompt: Prompt, pieces: str | None, **settings) -> Iterator:
+        """`stream`'s loop, yielding text pieces (`pieces` "text") or Cycles ("cycles");
+        with None it yields nothing and decodes nothing (the engine decodes the whole answer
+        once, into `result.text`). The call itself, not
         its first piece, supersedes an older stream and checks the prompt and `settings`
         (GenerateConfig's fields)."""
         self.last_result = None
@@ -336,9 +363,10 @@ class SpeculativeGenerator:
         return self._pieces(owner, steps, result, pieces, stops)
 
     def _pieces(self, owner: object, steps: Iterator[list[int]], result: GenerationResult,
-                pieces: bool, stops: tuple[str, ...] = ()) -> Iterator[str]:
+                pieces: str | None, stops: tuple[str, ...] = ()) -> Iterator:
         text = TextPieces(self.target.decode) if pieces else None
         held = HeldText(stops) if pieces and stops else None
+        cycles = pieces == "cycles"
         try:
             while True:
                 if self.target.stream_owner is not owner:
@@ -353,13 +381,17 @@ class SpeculativeGenerator:
                         rest = (held.finish(result.text) if held is not None
                                 else text.finish(result.text))
                         if rest:
-                            yield rest
+                            yield Cycle(rest, []) if cycles else rest
                     return
-                if text is not None and (piece := text.push(new)):
-                    if held is not None:
-                        piece = held.push(piece)
-                    if piece:
-                        yield piece
+                if text is None:
+                    continue
+                piece = text.push(new)
+                if piece and held is not None:
+                    piece = held.push(piece)
+                if cycles:
+                    yield Cycle.of(result, new, piece)
+                elif piece:
+                    yield piece
         except (GeneratorExit, KeyboardInterrupt):  # stopped early: describe what it got
             steps.close()
             if self._active is owner:

@@ -21,9 +21,9 @@ One generation runs at a time (the target's caches belong to one), on the main t
 (`Worker`): requests wait their turn, while `/health` and `/v1/models` answer at once.
 `n` answers are sampled one after another with seeds `seed`, `seed + 1`, ... (a request
 without a seed gets a random one, so it samples afresh each time, as OpenAI's). Not
-served: `best_of` above 1, `echo`, `suffix`, tools, and `logprobs` with `stream`; each is
-refused with a 400 that says so. Python's standard library serves it
-(no web framework to install).
+served: `best_of` above 1, `echo`, `suffix` and tools; each is refused with a 400 that
+says so. A stream with `logprobs` sends a chunk a cycle, holding that cycle's tokens'.
+Python's standard library serves it (no web framework to install).
 """
 
 from __future__ import annotations
@@ -111,9 +111,6 @@ def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
         settings["logprobs"] = True
         settings["top_logprobs"] = logprobs
     choices(body)  # checked here, before a stream's first chunk
-    if body.get("stream") and settings.get("logprobs"):
-        raise RequestError(HTTPStatus.BAD_REQUEST, "logprobs with stream is not supported "
-                           "here: ask without stream")
     return settings
 
 
@@ -283,16 +280,29 @@ class Server:
             return {**head, "choices": [choice]}
 
         results, began = [], time.perf_counter()  # off the queue
+        logprobs = bool(settings.get("logprobs"))  # then a chunk a cycle, with its tokens'
         try:
             for i in range(n):
                 pieces = self.gen.stream(ids, **{**settings,
-                                                 "seed": (settings["seed"] + i) % 2**63})
+                                                 "seed": (settings["seed"] + i) % 2**63},
+                                         cycles=logprobs)
                 try:
                     if chat:
                         yield chunk(i, "", None, role=True)
+                    offset = 0  # completions' text_offset so far
                     for piece in pieces:
-                        if piece:
-                            yield chunk(i, piece, None)
+                        if not logprobs:
+                            if piece:
+                                yield chunk(i, piece, None)
+                            continue
+                        one = chunk(i, piece.text, None)
+                        if piece.token_ids:  # (the last may be held-back text alone)
+                            scores = (self.chat_logprobs(piece) if chat
+                                      else self.text_logprobs(piece, offset))
+                            one["choices"][0]["logprobs"] = scores
+                            if not chat:
+                                offset = scores["text_offset"][-1] + len(scores["tokens"][-1])
+                        yield one
                 finally:
                     pieces.close()  # a client gone mid-answer stops the generation
                     if (result := self.gen.last_result) is not None:  # None: it failed
@@ -311,6 +321,7 @@ class Server:
         return self.gen.target.decode([token_id])
 
     def chat_logprobs(self, result) -> dict:
+        """OpenAI's chat `logprobs` of a result's tokens (or a stream Cycle's)."""
         def entry(token_id, logprob):
             text = self.token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -319,9 +330,11 @@ class Server:
                             for t, lp, top in zip(result.token_ids, result.logprobs, tops,
                                                   strict=True)]}
 
-    def text_logprobs(self, result) -> dict:
+    def text_logprobs(self, result, offset: int = 0) -> dict:
+        """OpenAI's completions `logprobs` of a result's tokens (or a stream Cycle's, whose
+        text begins at `offset`)."""
         tokens = [self.token_text(t) for t in result.token_ids]
-        offsets, at = [], 0
+        offsets, at = [], offset
         for text in tokens:
             offsets.append(at)
             at += len(text)

@@ -77,6 +77,21 @@ def test_the_history_is_reused(gen):
     assert f", {gen.last_result.reused_tokens} prompt tokens reused" in info
 
 
+def test_each_cycle_in_the_other_colour(gen):
+    """--show-cycles: the answer's text, each cycle's piece in the other of two colours; as
+    many pieces as cycles that showed text (a cycle of several tokens is one piece)."""
+    session = ChatSession(gen, max_new_tokens=24, reuse_prefix=False)
+    out, info = io.StringIO(), io.StringIO()
+    converse(session, ["List three uses of a paperclip."], out, info, "gumiho", True)
+    text, result = out.getvalue(), gen.last_result
+    plain_text = text
+    for code in (*chat.SHADES, chat.RESET):
+        plain_text = plain_text.replace(code, "")
+    assert plain_text == result.text + "\n" and result.tau > 1.1
+    shown = text.count(chat.RESET)
+    assert 1 < shown <= result.cycles and text.count(chat.SHADES[1]) == shown // 2
+
+
 def test_commands(gen):
     session = ChatSession(gen, max_new_tokens=6)
     out, info = talk(session, "Say hi.", "", "  ", "/stats", "/bogus", "/help")

@@ -99,3 +99,33 @@ def test_top_logprobs_are_the_targets_likeliest_at_each_position(smollm2, refere
     assert record[0][0] == [full[0], plain.logprobs[0]]
     assert "top_logprobs" not in SpeculativeGenerator.load(smollm2, "ar").generate(
         ids, 2, logprobs=True).to_json()
+
+
+def test_a_stream_of_cycles_is_the_answer_cycle_by_cycle(smollm2, reference):
+    """stream(cycles=True): one Cycle per cycle whose tokens are what that cycle accepted
+    (their counts the accept lengths after the prefill's), whose texts join to the answer's,
+    and whose logprobs and top_logprobs are the whole answer's, cut where the tokens are;
+    with a stop string the texts end before it, as a text stream's do."""
+    from gumiho import SpeculativeGenerator
+    from gumiho.generate import Cycle
+
+    ids, full = reference[0], reference[1]
+    gen = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
+                                    total_tokens=8)
+    whole = gen.generate(ids, N, top_logprobs=2)
+    got = list(gen.stream(ids, N, top_logprobs=2, cycles=True))
+    result = gen.last_result
+    assert all(isinstance(c, Cycle) for c in got) and result.tau > 1.1
+    tokens = [c.token_ids for c in got if c.token_ids]
+    assert [len(t) for t in tokens] == result.accept_lengths
+    assert sum(tokens, []) == whole.token_ids == full.token_ids
+    assert "".join(c.text for c in got) == whole.text
+    assert sum((c.logprobs for c in got if c.token_ids), []) == whole.logprobs
+    assert sum((c.top_logprobs for c in got if c.token_ids), []) == whole.top_logprobs
+    assert all(c.logprobs is None for c in gen.stream(ids, 4, cycles=True))
+
+    stop = whole.text[30:34]
+    texts = list(gen.stream(ids, N, stop=stop))
+    cut = list(gen.stream(ids, N, stop=stop, cycles=True))
+    assert "".join(c.text for c in cut) == "".join(texts) == gen.last_result.text
+    assert sum((c.token_ids for c in cut), []) == gen.last_result.token_ids

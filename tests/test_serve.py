@@ -104,6 +104,33 @@ def test_completions_logprobs_stop_and_sampling_settings(served, smollm2):
     assert content[0]["logprob"] == content[0]["top_logprobs"][0]["logprob"]
 
 
+def test_a_stream_with_logprobs_carries_each_cycles(served):
+    """Streamed with logprobs, chat and completions: a chunk a cycle, and what the chunks
+    carry joins to the whole response's text and logprobs (tokens, offsets, alternatives)."""
+    url, _ = served
+    messages = [{"role": "user", "content": PROMPT}]
+    for path, body, key in (
+            ("/v1/chat/completions", {"messages": messages, "logprobs": True,
+                                      "top_logprobs": 2}, "content"),
+            ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, None)):
+        body = {**body, "max_tokens": N, "temperature": 0}
+        whole = post(url + path, body)[1]["choices"][0]
+        status, text = post(url + path, {**body, "stream": True}, raw=True)
+        chunks, done = events(text)
+        assert status == 200 and done
+        parts = [c["choices"][0] for c in chunks if c["choices"]]
+        scored = [p["logprobs"] for p in parts if p.get("logprobs")]
+        assert len(scored) > 1
+        if key:  # chat
+            assert "".join(p["delta"].get("content", "") for p in parts) == \
+                whole["message"]["content"]
+            assert sum((s["content"] for s in scored), []) == whole["logprobs"]["content"]
+        else:
+            assert "".join(p["text"] for p in parts) == whole["text"]
+            for field in ("tokens", "token_logprobs", "text_offset", "top_logprobs"):
+                assert sum((s[field] for s in scored), []) == whole["logprobs"][field], field
+
+
 def test_n_answers_are_sampled_with_seed_seed_plus_one_and_so_on(served, monkeypatch):
     """n = 3 at T = 0.9 with seed 7: answers i are `generate`'s with seed 7 + i; a request
     without a seed gets a fresh random one (here 40, made to be)."""
@@ -153,7 +180,8 @@ def test_n_answers_are_sampled_with_seed_seed_plus_one_and_so_on(served, monkeyp
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "stream": True, "logprobs": True}, 400, "stream"),
+                              "stream": True, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "stream": True, "top_p": 2}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "context"),
