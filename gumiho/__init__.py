@@ -10,13 +10,14 @@ from gumiho.errors import GumihoError, install_interrupt_hook
 
 install_interrupt_hook()  # a command's Ctrl-C during its imports: `interrupted`, exit 130
 
-_EXPORTS = {"ChatSession": "gumiho.chat", "DraftTree": "gumiho.tree", "Drafter": "gumiho.drafters",
+_EXPORTS = {"ChatSession": "gumiho.chat", "Cycle": "gumiho.generate",
+            "DraftTree": "gumiho.tree", "Drafter": "gumiho.drafters",
             "GenerateConfig": "gumiho.engine", "GenerationResult": "gumiho.engine",
             "PlainDrafter": "gumiho.drafters", "SpeculativeGenerator": "gumiho.generate",
             "Target": "gumiho.target", "load_drafter": "gumiho.drafters",
             "load_target": "gumiho.target"}
 
-__all__ = ["ChatSession", "DraftTree", "Drafter", "GenerateConfig", "GenerationResult",
+__all__ = ["ChatSession", "Cycle", "DraftTree", "Drafter", "GenerateConfig", "GenerationResult",
            "GumihoError", "PlainDrafter", "SpeculativeGenerator", "Target", "load_drafter",
            "load_target"]
 
