@@ -27,7 +27,7 @@ from gumiho.fta import official_for_sampling
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.kv_cache import KVCache, reuse_or_allocate
 from gumiho.penalty import Penalties, penalties
-from gumiho.prefix import Prefix, cache_reusing
+from gumiho.prefix import Prefix, Prefixes, cache_reusing
 from gumiho.profiling import PhaseTimer
 from gumiho.sampling import (
     Acceptance,
@@ -43,6 +43,7 @@ from gumiho.tree import DraftTree
 
 MIN_TEMPERATURE = 1e-4
 MAX_TOP_LOGPROBS = 20
+PREFIXES_KEPT = 4  # sequences a CPU runner keeps for prefix reuse (prefix.py)
 HOST_MATCH = True  # greedy acceptance in Python on the eager CPU loop (False: match_picks)
 
 
@@ -304,7 +305,9 @@ class TargetRunner:
         if engine == "compile":  # inductor cannot lower the packed products (linear.py)
             target.unpack()
         self.cache: KVCache | None = None
-        self.prefix: Prefix | None = None  # what `cache` holds for the next sequence
+        # what the caches hold for later sequences (prefix.py): on a CPU a few, each in its
+        # own cache; a GPU's memory keeps one
+        self.prefixes = Prefixes(PREFIXES_KEPT if target.device.type == "cpu" else 1)
         # the target's step by padded width, and whether it accepts greedily too
         self.steps: dict[tuple[int | None, bool], StaticStep] = {}
         # acceptance's device part (tensors only), recorded per tree size like any step
@@ -312,7 +315,8 @@ class TargetRunner:
 
     def cache_for(self, capacity: int) -> KVCache:
         """The cache for a sequence of `capacity` slots (reset: nothing reused)."""
-        self.prefix = None
+        if self.engine != "eager":  # one cache, reset in place: what it held goes
+            self.prefixes.clear()
         model = self.target.model
         cache, new = reuse_or_allocate(self.cache, capacity, self.engine != "eager",
                                        lambda n, trim: KVCache.for_model(model, n, trim))
@@ -486,7 +490,8 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         drafter.observe(features, torch.cat([input_ids[0, 1:], root.view(1)]),
                         prompt_ids[1:] + [first])
         if config.reuse_prefix:  # the cache's entries, for the next sequence
-            prefix = runner.prefix = Prefix(cache, list(prompt_ids), [features])
+            prefix = Prefix(cache, list(prompt_ids), [features])
+            runner.prefixes.keep(prefix)
     last = first  # the last emitted token: the next tree's root, whose entry it commits
     yield [first]
     # Greedy acceptance: inside the verify's (recorded) step on a device, so that a cycle

@@ -42,7 +42,7 @@ def fresh(target, ids):
 def check_prefix(target, engine="eager"):
     """The runner's cache holds the entries of the tokens it records, as a fresh prefill of
     them computes them, and their features."""
-    prefix = target.runners[engine].prefix
+    prefix = target.runners[engine].prefixes.latest
     assert prefix is not None and prefix.usable()
     n = len(prefix.tokens)
     cache, features = fresh(target, prefix.tokens)
@@ -69,9 +69,9 @@ def test_the_cache_left_holds_what_it_records(gens):
         cut.token_ids[:-1]
     for _ in gen.stream(ids, 40, reuse_prefix=True):
         break
-    check_prefix(gen.target)
-    gen.generate(ids, 4)  # without reuse: nothing is left for the next
-    assert gen.target.runners["eager"].prefix is None
+    kept = check_prefix(gen.target)
+    gen.generate(ids, 4)  # without reuse: its own cache, none kept; the kept ones stay
+    assert gen.target.runners["eager"].prefixes.latest is kept
 
 
 def test_a_prompt_that_continues_the_last_sequence_skips_its_prefill(gens):
@@ -84,7 +84,8 @@ def test_a_prompt_that_continues_the_last_sequence_skips_its_prefill(gens):
     n = 24
     answers = {}
     for name, g in (("plain", plain), ("gumiho", gen)):
-        first = plain.generate(ids, n, reuse_prefix=True)  # the same history for both
+        gen.target.runners["eager"].prefixes.clear()  # the same history for both
+        first = plain.generate(ids, n, reuse_prefix=True)
         turn = ids + first.token_ids + gen.target.tokenizer(" And one more?").input_ids
         answers[name] = g.generate(turn, n, reuse_prefix=True)
         assert answers[name].reused_tokens == len(ids) + n - 1
@@ -106,9 +107,10 @@ def test_reused_logits_are_a_fresh_prefills(gens):
     plain, _ = gens
     target = plain.target
     ids = plain.prompt_ids(PROMPT)
+    runner = target.runners["eager"]
+    runner.prefixes.clear()
     first = plain.generate(ids, 16, reuse_prefix=True)
     turn = ids + first.token_ids + target.tokenizer(" Why?").input_ids
-    runner = target.runners["eager"]
     from gumiho.prefix import cache_reusing
 
     cache, p, kept = cache_reusing(runner, turn, len(turn) + 1)
@@ -129,15 +131,42 @@ def test_a_captured_engine_reuses_its_own_cache(gens, smollm2):
     ids = gen.prompt_ids(PROMPT)
     answers = []
     for g, engine in ((gen, "eager"), (static, "static")):
+        if engine in smollm2.runners:
+            smollm2.runners[engine].prefixes.clear()
         first = g.generate(ids, 16, reuse_prefix=True)
-        left = list(smollm2.runners[engine].prefix.tokens)
+        left = list(smollm2.runners[engine].prefixes.latest.tokens)
         turn = ids + first.token_ids + smollm2.tokenizer(" Why?").input_ids
         answers.append(g.generate(turn, 16, reuse_prefix=True))
         assert answers[-1].reused_tokens == shared_length(left, turn) >= len(ids) + 15
-    runner = smollm2.runners["static"]
-    assert runner.prefix.cache is runner.cache
+    runner = smollm2.runners["static"]  # its one cache: one sequence kept
+    assert len(runner.prefixes.kept) == 1 and runner.prefixes.latest.cache is runner.cache
     check_prefix(smollm2, "static")
     assert answers[0].token_ids == answers[1].token_ids
+
+
+def test_a_side_request_between_two_turns(gens):
+    """A chat client asks for a title between two turns: the second turn still reuses the
+    conversation's history (a CPU runner keeps four sequences, the most recently used
+    last), and past four other sequences it is gone."""
+    plain, _ = gens
+    runner = plain.target.runners["eager"]
+    runner.prefixes.clear()
+    messages = [{"role": "user", "content": PROMPT}]
+    first = plain.generate(messages, 16, reuse_prefix=True)
+    history = plain.prompt_ids(messages) + first.token_ids[:-1]
+    title = plain.generate([{"role": "user", "content": "A title for: paperclips."}], 8,
+                           reuse_prefix=True)
+    assert 0 < title.reused_tokens < 40  # the template's opening, from the conversation
+    turn = plain.prompt_ids(messages) + first.token_ids + \
+        plain.target.tokenizer(" Two more?").input_ids
+    again = plain.generate(turn, 8, reuse_prefix=True)
+    assert again.reused_tokens == len(history)
+    assert again.token_ids == plain.generate(turn, 8).token_ids  # float32: as fresh
+    for i in range(4):  # four other sequences: the conversation's is the oldest, then gone
+        plain.generate([{"role": "user", "content": f"Count to {i + 2}."}], 4,
+                       reuse_prefix=True)
+    assert len(runner.prefixes.kept) == 4
+    assert plain.generate(turn, 4, reuse_prefix=True).reused_tokens < 40
 
 
 def test_a_chat_reuses_its_history(gens):
