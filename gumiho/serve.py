@@ -6,7 +6,7 @@
 
 The endpoints are the ones OpenAI's clients and vLLM's users call: `POST
 /v1/chat/completions` (the chat template applied), `POST /v1/completions` (a raw prompt),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus' text format, vLLM's
+`GET /v1/models`, `GET /health`, `GET /version`, `GET /metrics` (Prometheus' text format, vLLM's
 metric names under `gumiho:`, metrics.py), and vLLM's `POST /tokenize` and `POST
 /detokenize`. A request's sampling fields are OpenAI's
 (`temperature`, `top_p`, `max_tokens`/`max_completion_tokens`, `stop`, `seed`,
@@ -29,9 +29,11 @@ Python's standard library serves it (no web framework to install).
 from __future__ import annotations
 
 import argparse
+import hmac
 import itertools
 import json
 import logging
+import os
 import secrets
 import sys
 import threading
@@ -44,6 +46,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from gumiho.engine import check_in_vocabulary, context_length
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
 from gumiho.metrics import Metrics
+from gumiho.version import __version__, code_version
 from gumiho.worker import Worker
 
 log = logging.getLogger("gumiho")
@@ -147,10 +150,11 @@ class Server:
     """What the handler calls: one generator and its name; `worker` runs generations."""
 
     def __init__(self, gen, name: str, max_tokens: int, method: str, worker: Worker,
-                 reuse_prefix: bool = False):
+                 reuse_prefix: bool = False, api_key: str | None = None):
         self.gen, self.name, self.max_tokens, self.method = gen, name, max_tokens, method
         self.worker = worker
         self.reuse_prefix = reuse_prefix  # every generation's (prefix.py)
+        self.api_key = api_key or None  # the key requests must send (Handler.authorized)
         self.metrics = Metrics()
 
     def metrics_text(self) -> str:
@@ -366,9 +370,28 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(status, {"error": {"message": message, "type": kind,
                                           "code": int(status)}})
 
+    def authorized(self, path: str) -> bool:
+        """With an API key (--api-key), the /v1 endpoints, /tokenize and /detokenize want
+        it as `Authorization: Bearer KEY` (as vLLM's and OpenAI's clients send it); a
+        request without it gets a 401. /health, /version and /metrics stay open."""
+        key = self.server.gumiho.api_key if self.server.gumiho else None
+        if key is None or path in ("/health", "/version", "/metrics"):
+            return True
+        sent = self.headers.get("Authorization", "")
+        if hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
+            return True
+        self.send_error_json(HTTPStatus.UNAUTHORIZED, "a valid API key is needed: send "
+                             "the header 'Authorization: Bearer KEY'")
+        return False
+
     def do_GET(self):  # noqa: N802 (http.server's name)
+        if not self.authorized(self.path.rstrip("/")):
+            return
         if self.path.rstrip("/") == "/health":
             self.send_json(HTTPStatus.OK, {"status": "ok"})
+        elif self.path.rstrip("/") == "/version":
+            self.send_json(HTTPStatus.OK, {"version": __version__,
+                                           "code": code_version(short=True)})
         elif self.path.rstrip("/") == "/v1/models":
             self.send_json(HTTPStatus.OK, self.server.gumiho.models())
         elif self.path.rstrip("/") == "/metrics":
@@ -383,6 +406,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802
         path = self.path.rstrip("/")
+        if not self.authorized(path):
+            return
         if path not in ("/v1/chat/completions", "/v1/completions", "/tokenize",
                         "/detokenize"):
             self.send_error_json(HTTPStatus.NOT_FOUND, f"no such path: {self.path}")
@@ -453,6 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model name clients send (default: --target)")
     parser.add_argument("--max-tokens", type=positive_int, default=512,
                         help="new tokens when a request names no max_tokens (default 512)")
+    parser.add_argument("--api-key", default=os.environ.get("GUMIHO_API_KEY"),
+                        help="a key requests to /v1/*, /tokenize and /detokenize must send "
+                        "as 'Authorization: Bearer KEY' (default: $GUMIHO_API_KEY; none: "
+                        "open)")
     parser.add_argument("--reuse-prefix", action="store_true",
                         help="reuse the cache's entries where a prompt begins with the last "
                         "sequence (a conversation's history): its prefill skips them; in "
@@ -461,13 +490,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_server(gen, name: str, method: str, worker: Worker, host: str = "127.0.0.1",
-                port: int = 0, max_tokens: int = 512, reuse_prefix: bool = False
-                ) -> GumihoHTTPServer:
+                port: int = 0, max_tokens: int = 512, reuse_prefix: bool = False,
+                api_key: str | None = None) -> GumihoHTTPServer:
     """An HTTP server over `gen` (a SpeculativeGenerator of `method`) whose generations
     run where `worker.run_forever` runs; not yet serving (port 0: any free port;
     `server.server_address` says which)."""
     return GumihoHTTPServer((host, port), Server(gen, name, max_tokens, method, worker,
-                                                 reuse_prefix))
+                                                 reuse_prefix, api_key))
 
 
 @cli_errors
@@ -488,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = load_from_args(args)
     worker = Worker()
     server.gumiho = Server(gen, name, args.max_tokens, args.method, worker,
-                           args.reuse_prefix)
+                           args.reuse_prefix, args.api_key)
     log.info("warming up (greedy and sampled; a sized tree is chosen once per temperature)")
     for temperature in (0.0, 1.0):  # so that no first request pays for it
         gen.generate("Hi", 8, temperature=temperature)

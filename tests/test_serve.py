@@ -318,6 +318,49 @@ def test_a_server_that_reuses_prefixes_says_so(served):
         worker.stop()
 
 
+def test_an_api_key_guards_the_api_and_not_health(served):
+    """--api-key: /v1 and /tokenize want `Authorization: Bearer KEY` (a 401 without it or
+    with another), /health, /version and /metrics answer anyone."""
+    from gumiho.serve import make_server
+    from gumiho.version import __version__
+    from gumiho.worker import Worker
+
+    _, gen = served
+    worker = Worker()
+    server = make_server(gen, "smollm2", "gumiho", worker, api_key="sesame")
+    for loop in (server.serve_forever, worker.run_forever):
+        threading.Thread(target=loop, daemon=True).start()
+    url = "http://{}:{}".format(*server.server_address[:2])
+
+    def status(path, key=None, body=None):
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        data = None if body is None else json.dumps(body).encode()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url + path, data, headers),
+                                        timeout=300) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    try:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert status("/v1/models")[0] == status("/v1/models", "wrong")[0] == 401
+        code, out = status("/v1/chat/completions", body=chat)
+        assert code == 401 and "Authorization: Bearer" in out["error"]["message"]
+        assert status("/tokenize", body={"prompt": "hi"})[0] == 401
+        assert status("/v1/models", "sesame")[0] == 200
+        assert status("/v1/chat/completions", "sesame", chat)[0] == 200
+        assert status("/health")[0] == 200
+        code, out = status("/version")
+        assert code == 200 and out["version"] == __version__
+    finally:
+        server.shutdown()
+        server.server_close()
+        worker.stop()
+
+
 def test_a_client_leaving_mid_stream_frees_the_generator(served, caplog):
     """A stream whose client hangs up stops (long before its 400 tokens); the next
     request is answered."""
