@@ -18,7 +18,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TextIO
 
 from gumiho.engine import GenerationResult, context_length
@@ -42,18 +42,33 @@ class Totals:
     new_tokens: int = 0
     cycles: int = 0
     wall_s: float = 0.0
+    # of the verify cycles (the prefill's left out), how many accepted a draft at depth k + 1
+    verifies: int = 0
+    accepted_at: list[int] = field(default_factory=list)
 
     def add(self, result: GenerationResult) -> None:
         self.turns += 1
         self.new_tokens += result.new_tokens
         self.cycles += result.cycles
         self.wall_s += result.wall_s
+        for emitted in result.accept_lengths[1:]:
+            self.verifies += 1
+            drafts = emitted - 1  # all but the target's own token
+            self.accepted_at += [0] * (drafts - len(self.accepted_at))
+            for k in range(drafts):
+                self.accepted_at[k] += 1
+
+    def depths(self) -> str:
+        """How often each draft depth was accepted, over the verify cycles."""
+        shares = [f"{k + 1}: {n / self.verifies:.0%}" for k, n in enumerate(self.accepted_at)]
+        return f"; drafts accepted at depth {', '.join(shares)}" if shares else ""
 
     def line(self) -> str:
         tau = self.new_tokens / max(self.cycles, 1)
         speed = self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
         return (f"{self.turns} answer{'s' if self.turns != 1 else ''}, {self.new_tokens} "
-                f"tokens in {self.cycles} cycles, tau {tau:.2f}, {speed:.1f} tokens/s")
+                f"tokens in {self.cycles} cycles, tau {tau:.2f}, {speed:.1f} tokens/s"
+                f"{self.depths()}")
 
 
 class ChatSession:

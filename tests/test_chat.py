@@ -64,6 +64,13 @@ def test_each_answer_is_plain_decodings_answer_to_the_conversation(gen):
     assert session.totals.turns == 2
     assert session.totals.new_tokens == sum(a.new_tokens for a in answers)
     assert session.totals.cycles == sum(a.cycles for a in answers)
+    verifies = [n for a in answers for n in a.accept_lengths[1:]]
+    deepest = max(verifies) - 1
+    assert deepest >= 1 and len(session.totals.accepted_at) == deepest
+    assert session.totals.accepted_at[0] == sum(n > 1 for n in verifies)
+    line = session.totals.line()
+    assert f"drafts accepted at depth 1: {sum(n > 1 for n in verifies) / len(verifies):.0%}" \
+        in line and f", {deepest}: " in line
 
 
 def test_the_history_is_reused(gen):
