@@ -30,8 +30,10 @@ log = logging.getLogger("gumiho")
 # what one target step produced
 SHADES = ("\033[39m", "\033[36m")
 RESET = "\033[0m"
+BLOCK = '"""'  # a line of it opens or closes a turn of several lines
 HELP = ("/reset starts a new conversation, /stats shows this session's totals, /exit (or "
-        "Ctrl-D) ends the chat; Ctrl-C stops an answer")
+        'Ctrl-D) ends the chat; Ctrl-C stops an answer; a line of """ opens and closes a '
+        "turn of several lines, as does a backslash at a line's end")
 
 
 @dataclass
@@ -128,13 +130,37 @@ def answer_line(method: str, result: GenerationResult) -> str:
             f"{result.tau:.2f}, {result.tokens_per_s:.1f} tokens/s{reused}{stopped}")
 
 
+def turns(lines: Iterable[str]) -> Iterator[str]:
+    """The user's turns in the lines typed or piped: a line is a turn, but a line ending in
+    a backslash goes on to the next, and a line of three double quotes opens a block of
+    lines (pasted text, code) that the next such line closes, one turn."""
+    held: list[str] = []
+    block = False
+    for line in lines:
+        line = line.rstrip("\r\n")
+        if line.strip() == BLOCK:
+            if block:
+                yield "\n".join(held)
+                held = []
+            block = not block
+        elif block:
+            held.append(line)
+        elif line.endswith("\\"):
+            held.append(line[:-1])
+        else:
+            yield "\n".join(held + [line])
+            held = []
+    if held:
+        yield "\n".join(held)
+
+
 def converse(session: ChatSession, lines: Iterable[str], out: TextIO, info: TextIO,
              method: str, show_cycles: bool = False) -> None:
-    """The chat loop over `lines` (the user's turns and commands): answers to `out` (with
-    `show_cycles` each cycle's text in the other colour), each answer's statistics, notes
-    and errors to `info`. Ends at /exit or when `lines` do."""
-    for line in lines:
-        text = line.strip()
+    """The chat loop over `lines` (the user's turns and commands, `turns`): answers to
+    `out` (with `show_cycles` each cycle's text in the other colour), each answer's
+    statistics, notes and errors to `info`. Ends at /exit or when `lines` do."""
+    for text in turns(lines):
+        text = text.strip()
         if not text:
             continue
         command = text.lower()
@@ -147,7 +173,7 @@ def converse(session: ChatSession, lines: Iterable[str], out: TextIO, info: Text
             print(f"[{method}] {session.totals.line()}", file=info, flush=True)
         elif command in ("/help", "/?"):
             print(HELP, file=info, flush=True)
-        elif text.startswith("/") and " " not in text:
+        elif text.startswith("/") and not any(c.isspace() for c in text):
             print(f"error: unknown command {text}: {HELP}", file=info, flush=True)
         else:
             answer(session, text, out, info, method, show_cycles)

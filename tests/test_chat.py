@@ -99,6 +99,15 @@ def test_each_cycle_in_the_other_colour(gen):
     assert 1 < shown <= result.cycles and text.count(chat.SHADES[1]) == shown // 2
 
 
+def test_turns_of_several_lines():
+    """A line is a turn; a block between two lines of three double quotes is one, as is a
+    line ending in a backslash with the next; an unclosed block ends with the input."""
+    lines = ['Hi there', '"""', 'def f():', '    return 1', '"""', 'first \\', 'second',
+             '"""', 'left open']
+    assert list(chat.turns(line + "\n" for line in lines)) == [
+        "Hi there", "def f():\n    return 1", "first \nsecond", "left open"]
+
+
 def test_commands(gen):
     session = ChatSession(gen, max_new_tokens=6)
     out, info = talk(session, "Say hi.", "", "  ", "/stats", "/bogus", "/help")
