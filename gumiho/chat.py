@@ -7,22 +7,26 @@ at the demo preset; on a CPU with AMX bf16, exact); every flag of `gumiho genera
 Each turn sends the whole conversation through the target's chat template, as an API client
 does, reusing the cache's entries for the history (prefix.py); when it outgrows the context,
 the oldest turns are left out (and a note says so). --show-cycles colours each cycle's text
-in turn. Commands: /reset (a new conversation), /stats (the session's totals), /help,
-/exit. Ctrl-C stops an answer (what came so far stays in the conversation); at the prompt
+in turn. Commands: /reset (a new conversation), /stats (the session's totals), /save FILE
+and /load FILE (the conversation as JSON), /help, /exit. Ctrl-C stops an answer (what came so far stays in the conversation); at the prompt
 it ends the chat.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TextIO
 
 from gumiho.engine import GenerationResult, context_length
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, one_line, positive_int
+from gumiho.generate import check_messages
+from gumiho.paths import write_atomically
 
 log = logging.getLogger("gumiho")
 
@@ -31,7 +35,8 @@ log = logging.getLogger("gumiho")
 SHADES = ("\033[39m", "\033[36m")
 RESET = "\033[0m"
 BLOCK = '"""'  # a line of it opens or closes a turn of several lines
-HELP = ("/reset starts a new conversation, /stats shows this session's totals, /exit (or "
+HELP = ("/reset starts a new conversation, /stats shows this session's totals, /save FILE "
+        "and /load FILE keep and take up a conversation (JSON), /exit (or "
         'Ctrl-D) ends the chat; Ctrl-C stops an answer; a line of """ opens and closes a '
         "turn of several lines, as does a backslash at a line's end")
 
@@ -90,6 +95,33 @@ class ChatSession:
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def save(self, path: str) -> str:
+        """Write the conversation to `path` as JSON ({"messages": [...]}, whole or not at
+        all); what happened, in a line."""
+        data = json.dumps({"messages": self.messages}, ensure_ascii=False, indent=1)
+        try:
+            write_atomically(Path(path), lambda tmp: tmp.write_text(data + "\n"))
+        except OSError as exc:
+            raise GumihoError(f"cannot write {path}: {exc.strerror or exc}") from None
+        return f"(the conversation, {len(self.messages)} messages, saved to {path})"
+
+    def load(self, path: str) -> str:
+        """Go on with the conversation `save` wrote to `path` (or any {"messages": [{"role",
+        "content"}, ...]}); a file that is not one changes nothing."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise GumihoError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise GumihoError(f"{path} is not JSON: {exc}") from None
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise GumihoError(f"{path} holds no conversation: expected "
+                              '{"messages": [{"role": ..., "content": ...}, ...]}')
+        check_messages(messages)
+        self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        return f"(a conversation of {len(messages)} messages loaded from {path})"
 
     def fitted(self, messages: list[dict]) -> list[dict]:
         """`messages` without their oldest turns (a user message and its answer), as many as
@@ -164,8 +196,16 @@ def converse(session: ChatSession, lines: Iterable[str], out: TextIO, info: Text
         if not text:
             continue
         command = text.lower()
+        word, _, path = text.partition(" ")
         if command in ("/exit", "/quit"):
             return
+        if word.lower() in ("/save", "/load") and path.strip():
+            try:
+                note = (session.save if word.lower() == "/save" else session.load)(path.strip())
+                print(note, file=info, flush=True)
+            except GumihoError as exc:
+                print(f"error: {one_line(exc)}", file=info, flush=True)
+            continue
         if command == "/reset":
             session.reset()
             print("(a new conversation)", file=info, flush=True)

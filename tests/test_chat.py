@@ -3,6 +3,7 @@ conversation so far, commands that do what they say, the oldest turns left out w
 context fills, and an answer stopped early kept as far as it came."""
 
 import io
+import json
 import subprocess
 import sys
 
@@ -97,6 +98,27 @@ def test_each_cycle_in_the_other_colour(gen):
     assert plain_text == result.text + "\n" and result.tau > 1.1
     shown = text.count(chat.RESET)
     assert 1 < shown <= result.cycles and text.count(chat.SHADES[1]) == shown // 2
+
+
+def test_save_and_load_a_conversation(gen, tmp_path):
+    """/save writes the conversation as JSON, /load takes it up again (the next answer
+    reads it); a missing or foreign file is one error line and changes nothing."""
+    session = ChatSession(gen, system="Be brief.", max_new_tokens=6)
+    saved = tmp_path / "talk.json"
+    _, info = talk(session, "Name a fruit.", f"/save {saved}")
+    assert info.splitlines()[-1] == f"(the conversation, 3 messages, saved to {saved})"
+    assert json.loads(saved.read_text())["messages"] == session.messages
+    kept = list(session.messages)
+    _, info = talk(session, "/reset", f"/load {saved}")
+    assert session.messages == kept and "3 messages loaded" in info
+    (tmp_path / "bad.json").write_text('{"messages": [{"role": "robot", "content": 1}]}')
+    for bad, says in ((tmp_path / "none.json", "cannot read"), (tmp_path / "bad.json",
+                                                                 "message 0 must be")):
+        _, info = talk(session, f"/load {bad}")
+        assert info.startswith(f"error: {says}") and info.count("\n") == 1, info
+    assert session.messages == kept
+    _, info = talk(session, f"/save {tmp_path / 'no' / 'dir.json'}")
+    assert info.startswith("error: cannot write")
 
 
 def test_turns_of_several_lines():
