@@ -8,8 +8,9 @@ Each turn sends the whole conversation through the target's chat template, as an
 does, reusing the cache's entries for the history (prefix.py); when it outgrows the context,
 the oldest turns are left out (and a note says so). --show-cycles colours each cycle's text
 in turn. Commands: /reset (a new conversation), /stats (the session's totals), /save FILE
-and /load FILE (the conversation as JSON), /help, /exit. Ctrl-C stops an answer (what came so far stays in the conversation); at the prompt
-it ends the chat.
+and /load FILE (the conversation as JSON), /help, /exit; a line of three double quotes
+opens and closes a turn of several lines. Ctrl-C stops an answer (what came so far stays in
+the conversation); at the prompt it ends the chat.
 """
 
 from __future__ import annotations
