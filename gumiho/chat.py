@@ -27,6 +27,7 @@ from typing import TextIO
 from gumiho.engine import GenerationResult, context_length
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, one_line, positive_int
 from gumiho.generate import check_messages
+from gumiho.metrics import added
 from gumiho.paths import write_atomically
 
 log = logging.getLogger("gumiho")
@@ -59,12 +60,8 @@ class Totals:
         self.new_tokens += result.new_tokens
         self.cycles += result.cycles
         self.wall_s += result.wall_s
-        for emitted in result.accept_lengths[1:]:
-            self.verifies += 1
-            drafts = emitted - 1  # all but the target's own token
-            self.accepted_at += [0] * (drafts - len(self.accepted_at))
-            for k in range(drafts):
-                self.accepted_at[k] += 1
+        self.verifies += max(result.cycles - 1, 0)  # the prefill's left out
+        self.accepted_at = added(self.accepted_at, result.accepted_by_depth())
 
     def depths(self) -> str:
         """How often each draft depth was accepted, over the verify cycles."""

@@ -199,6 +199,17 @@ class GenerationResult:
     def tau_official(self) -> float:
         return self.new_tokens / max(self.cycles - 1, 1)
 
+    def accepted_by_depth(self) -> list[int]:
+        """How many verify cycles (the prefill's left out) accepted a draft at depth k + 1,
+        for each k: the acceptance at depth k + 1 is that over `cycles - 1`."""
+        counts: list[int] = []
+        for emitted in self.accept_lengths[1:]:
+            drafts = max(emitted - 1, 0)  # all but the target's own token (a stop may cut it)
+            counts += [0] * (drafts - len(counts))
+            for k in range(drafts):
+                counts[k] += 1
+        return counts
+
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0

@@ -21,6 +21,12 @@ REASON = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length
           "closed": "abort"}
 
 
+def added(a: list[int], b: list[int]) -> list[int]:
+    """Two per-depth counts added, the shorter padded with zeros."""
+    return [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)),
+                                  strict=True)]
+
+
 class Metrics:
     """Totals over the requests answered so far; `record` and `refused` from any thread."""
 
@@ -53,13 +59,9 @@ class Metrics:
                 self.prefix_hits += result.reused_tokens
                 self.generation_tokens += result.new_tokens
                 self.finished[REASON.get(result.stopped_by, "stop")] += 1
-                for emitted in result.accept_lengths[1:]:  # [0]: the prefill's token
-                    self.cycles += 1
-                    drafts = max(emitted - 1, 0)  # a stop can cut the bonus token off
-                    self.accepted += drafts
-                    self.accepted_at += [0] * (drafts - len(self.accepted_at))
-                    for k in range(drafts):
-                        self.accepted_at[k] += 1
+                self.cycles += max(result.cycles - 1, 0)  # the prefill's left out
+                self.accepted_at = added(self.accepted_at, result.accepted_by_depth())
+                self.accepted = sum(self.accepted_at)
 
     def refused(self, status: int) -> None:
         with self.lock:
