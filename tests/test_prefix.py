@@ -144,6 +144,30 @@ def test_a_captured_engine_reuses_its_own_cache(gens, smollm2):
     assert answers[0].token_ids == answers[1].token_ids
 
 
+def test_lookup_chains_and_plain_steps_record_what_they_commit(smollm2):
+    """The demo's kind of tree (a prompt-lookup chain verified alone when found, confidence
+    floors that make some cycles plain steps): the cache left still holds what it records,
+    and the next turn's answer is plain decoding's under the same reuse."""
+    gen = SpeculativeGenerator.load(smollm2, "gumiho", SHIPPED, total_tokens=8, lookup=10,
+                                    lookup_first=True, min_confidence=0.1,
+                                    extend_confidence=0.4)
+    plain = SpeculativeGenerator.load(smollm2, "ar")
+    messages = [{"role": "user", "content": "Repeat this list twice: red, green, blue."}]
+    ids = gen.prompt_ids(messages)
+    answers = []
+    for g in (gen, plain):
+        if "eager" in smollm2.runners:
+            smollm2.runners["eager"].prefixes.clear()
+        first = gen.generate(ids, 48, reuse_prefix=True)
+        check_prefix(smollm2)
+        turn = messages + [{"role": "assistant", "content": first.text},
+                           {"role": "user", "content": "Now list them backwards."}]
+        answers.append(g.generate(turn, 32, reuse_prefix=True))
+        assert answers[-1].reused_tokens >= len(ids)
+    assert answers[0].token_ids == answers[1].token_ids and answers[0].new_tokens > 8
+    assert answers[0].tau > 1.3
+
+
 def test_a_side_request_between_two_turns(gens):
     """A chat client asks for a title between two turns: the second turn still reuses the
     conversation's history (a CPU runner keeps four sequences, the most recently used
