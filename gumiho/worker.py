@@ -13,6 +13,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 
+def stopped() -> RuntimeError:
+    return RuntimeError("the server stopped (Ctrl-C) during this request")
+
+
 class Worker:
     """Runs the generations, one at a time, on the thread that calls `run_forever`: the
     main thread in `gumiho serve`. The same torch work called from another thread than the
@@ -26,7 +30,8 @@ class Worker:
         self.running = 0  # jobs running now (0 or 1); `jobs.qsize()` wait
 
     def run_forever(self) -> None:
-        """Run jobs as they come until `stop`."""
+        """Run jobs as they come until `stop`; Ctrl-C (KeyboardInterrupt) during a job
+        ends the job's request with an error and stops this loop, raising it here."""
         while (job := self.jobs.get()) is not None:
             self.running = 1
             try:
@@ -44,8 +49,11 @@ class Worker:
         def job():
             try:
                 done.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 (handed to the waiting thread)
+            except Exception as exc:  # noqa: BLE001 (handed to the waiting thread)
                 done.set_exception(exc)
+            except BaseException:  # Ctrl-C: the worker stops; the waiting thread hears so
+                done.set_exception(stopped())
+                raise
         self.jobs.put(job)
         return done.result()
 
@@ -66,8 +74,11 @@ class Worker:
                 finally:
                     source.close()
                 items.put((False, None))
-            except BaseException as exc:  # noqa: BLE001 (raised in the handler's thread)
+            except Exception as exc:  # noqa: BLE001 (raised in the handler's thread)
                 items.put((False, exc))
+            except BaseException:  # Ctrl-C: the worker stops; the handler hears so
+                items.put((False, stopped()))
+                raise
         self.jobs.put(job)
         try:
             while True:

@@ -4,6 +4,7 @@ that says why."""
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -388,6 +389,39 @@ def test_a_client_leaving_mid_stream_frees_the_generator(served, caplog):
     for reason, more in (("abort", 1), ("length", 1), ("stop", 0)):
         name = f'gumiho:request_success_total{{finished_reason="{reason}"}}'
         assert after[name] - before[name] == more, reason
+
+
+def test_ctrl_c_during_a_generation_stops_the_worker():
+    """Ctrl-C on the worker's thread (the server's main thread) while it runs a request:
+    the worker stops with it, as `gumiho serve` then stops, and the request's thread hears
+    that the server stopped instead of a KeyboardInterrupt of its own; the same for a
+    stream."""
+    from gumiho.worker import Worker
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    def interrupted_stream():
+        yield 1
+        raise KeyboardInterrupt
+
+    for ask in (lambda w: w.call(interrupted), lambda w: list(w.iterate(interrupted_stream))):
+        worker, heard = Worker(), []
+
+        def client(worker=worker, ask=ask, heard=heard):
+            try:
+                ask(worker)
+            except BaseException as exc:  # noqa: BLE001
+                heard.append(exc)
+        thread = threading.Thread(target=client)
+        thread.start()
+        while worker.jobs.qsize() == 0:  # the request's job is queued
+            time.sleep(0.01)
+        worker.stop()  # after it: a worker that swallowed the Ctrl-C would return here
+        with pytest.raises(KeyboardInterrupt):
+            worker.run_forever()
+        thread.join(timeout=10)
+        assert isinstance(heard[0], RuntimeError) and "stopped" in str(heard[0])
 
 
 def test_a_port_in_use_is_one_line(served, capsys):
