@@ -47,7 +47,7 @@ from gumiho.engine import check_in_vocabulary, context_length
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
 from gumiho.metrics import Metrics
 from gumiho.version import __version__, code_version
-from gumiho.worker import Worker
+from gumiho.worker import Stopped, Worker
 
 log = logging.getLogger("gumiho")
 
@@ -431,6 +431,9 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_json(HTTPStatus.OK, self.server.gumiho.answer(body, chat))
         except RequestError as exc:
             self.send_error_json(exc.status, str(exc))
+        except Stopped as exc:  # Ctrl-C on the server: not a bug
+            log.info("%s", exc)
+            self.send_error_json(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
         except (ValueError, TypeError, GumihoError) as exc:  # bad JSON, bad settings
             message = f"invalid JSON: {exc}" if isinstance(exc, json.JSONDecodeError) \
                 else str(exc)

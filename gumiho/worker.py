@@ -13,8 +13,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 
-def stopped() -> RuntimeError:
-    return RuntimeError("the server stopped (Ctrl-C) during this request")
+class Stopped(RuntimeError):
+    """What a request's thread hears when the worker stopped (Ctrl-C) during its job."""
+
+
+def stopped() -> Stopped:
+    return Stopped("the server stopped (Ctrl-C) during this request")
 
 
 class Worker:

@@ -396,7 +396,7 @@ def test_ctrl_c_during_a_generation_stops_the_worker():
     the worker stops with it, as `gumiho serve` then stops, and the request's thread hears
     that the server stopped instead of a KeyboardInterrupt of its own; the same for a
     stream."""
-    from gumiho.worker import Worker
+    from gumiho.worker import Stopped, Worker
 
     def interrupted():
         raise KeyboardInterrupt
@@ -421,7 +421,7 @@ def test_ctrl_c_during_a_generation_stops_the_worker():
         with pytest.raises(KeyboardInterrupt):
             worker.run_forever()
         thread.join(timeout=10)
-        assert isinstance(heard[0], RuntimeError) and "stopped" in str(heard[0])
+        assert isinstance(heard[0], Stopped) and "stopped" in str(heard[0])
 
 
 def test_a_port_in_use_is_one_line(served, capsys):
