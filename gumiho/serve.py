@@ -444,16 +444,29 @@ class Handler(BaseHTTPRequestHandler):
                                  f"{type(exc).__name__}: {exc}")
 
     def stream(self, chunks: Iterator[dict]) -> None:
-        """Server-sent events, one chunk each, then `data: [DONE]`."""
+        """Server-sent events, one chunk each, then `data: [DONE]`. A failure after the
+        first chunk (the status is sent by then) is an `error` event before `[DONE]`."""
         first = next(chunks)  # errors in the settings surface here, as a 400
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
         try:
-            for one in itertools.chain([first], chunks):
-                self.wfile.write(f"data: {json.dumps(one)}\n\n".encode())
-                self.wfile.flush()
+            try:
+                for one in itertools.chain([first], chunks):
+                    self.wfile.write(f"data: {json.dumps(one)}\n\n".encode())
+                    self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - told to the client, in the stream
+                if isinstance(exc, Stopped):
+                    log.info("%s", exc)
+                else:
+                    log.exception("a stream failed")
+                kind = "invalid_request_error" if isinstance(exc, GumihoError) \
+                    else "server_error"
+                error = {"error": {"message": str(exc), "type": kind}}
+                self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):

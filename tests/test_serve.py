@@ -391,6 +391,31 @@ def test_a_client_leaving_mid_stream_frees_the_generator(served, caplog):
         assert after[name] - before[name] == more, reason
 
 
+def test_a_stream_that_fails_midway_ends_with_an_error_event(served, monkeypatch):
+    """A generation that fails after the first chunk (the 200 is sent by then): an `error`
+    event, then [DONE], not a second status line inside the stream."""
+    from gumiho.errors import GumihoError
+
+    url, gen = served
+
+    def failing(ids, **settings):
+        gen.last_result = None  # as a stream that fails leaves it
+
+        def pieces():
+            yield "Hello"
+            raise GumihoError("the KV cache is full")
+        return pieces()
+
+    monkeypatch.setattr(gen, "stream", failing)
+    status, text = post(url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "stream": True}, raw=True)
+    chunks, done = events(text)
+    assert status == 200 and done and "HTTP/1" not in text
+    assert chunks[1]["choices"][0]["delta"]["content"] == "Hello"
+    assert chunks[-1] == {"error": {"message": "the KV cache is full",
+                                    "type": "invalid_request_error"}}
+
+
 def test_ctrl_c_during_a_generation_stops_the_worker():
     """Ctrl-C on the worker's thread (the server's main thread) while it runs a request:
     the worker stops with it, as `gumiho serve` then stops, and the request's thread hears
