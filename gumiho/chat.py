@@ -156,8 +156,7 @@ def answer_line(method: str, result: GenerationResult) -> str:
     stopped = " (stopped)" if result.stopped_by == "closed" else \
         " (cut at --max-new-tokens)" if result.stopped_by == "max_new_tokens" else ""
     reused = f", {result.reused_tokens} prompt tokens reused" if result.reused_tokens else ""
-    return (f"[{method}] {result.new_tokens} tokens in {result.cycles} cycles, tau "
-            f"{result.tau:.2f}, {result.tokens_per_s:.1f} tokens/s{reused}{stopped}")
+    return f"[{method}] {result.summary()}{reused}{stopped}"
 
 
 def turns(lines: Iterable[str]) -> Iterator[str]:

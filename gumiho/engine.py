@@ -199,6 +199,11 @@ class GenerationResult:
     def tau_official(self) -> float:
         return self.new_tokens / max(self.cycles - 1, 1)
 
+    def summary(self) -> str:
+        """tokens, cycles, tau and tokens/s in a line (`gumiho generate`, `gumiho chat`)."""
+        return (f"{self.new_tokens} tokens in {self.cycles} cycles, tau {self.tau:.2f}, "
+                f"{self.tokens_per_s:.1f} tokens/s")
+
     def accepted_by_depth(self) -> list[int]:
         """How many verify cycles (the prefill's left out) accepted a draft at depth k + 1,
         for each k: the acceptance at depth k + 1 is that over `cycles - 1`."""

@@ -511,8 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result.to_json()))
     else:
-        print(f"\n\n[{args.method}] {result.new_tokens} tokens in {result.cycles} cycles, "
-              f"tau {result.tau:.2f}, {result.tokens_per_s:.1f} tokens/s", file=sys.stderr)
+        print(f"\n\n[{args.method}] {result.summary()}", file=sys.stderr)
     return 0
 
 

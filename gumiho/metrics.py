@@ -12,6 +12,7 @@ out) = 1 + accepted / cycles; the acceptance at position k = accepted_per_pos{k}
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
 from gumiho.engine import GenerationResult
@@ -35,33 +36,31 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.cycles = 0  # verify cycles (the prefill, which drafts nothing, left out)
-        self.accepted = 0  # draft tokens accepted: each cycle's tokens but its bonus token
         self.accepted_at: list[int] = []  # cycles that accepted a draft at position k
         self.finished: Counter[str] = Counter()  # requests by finish reason
         self.refused_by: Counter[int] = Counter()  # requests refused, by HTTP status
-        self.prefix_queries = 0  # prompt tokens of every answer
-        self.prefix_hits = 0  # of them, reused from the cache (reuse_prefix)
+        self.prefix_hits = 0  # prompt tokens reused from the cache (reuse_prefix)
         self.latency_s = 0.0
         self.first_token_s = 0.0
         self.requests = 0
 
-    def record(self, prompt_tokens: int, results: list[GenerationResult],
-               seconds: float, first_token_s: float) -> None:
-        """One request's answers (n of them), done `seconds` after it arrived, its first
-        token `first_token_s` after it arrived (the queue's wait and the prefill)."""
+    def record(self, prompt_tokens: int, results: list[GenerationResult], arrived: float,
+               began: float) -> None:
+        """One request's answers (n of them), done now; it `arrived` and its first answer
+        `began` (left the queue) at those `time.perf_counter()` readings: its first token
+        came after the wait and the first answer's prefill cycle."""
+        now = time.perf_counter()
         with self.lock:
             self.requests += 1
-            self.latency_s += seconds
-            self.first_token_s += first_token_s
+            self.latency_s += now - arrived
+            self.first_token_s += began - arrived + (results[0].cycle_s or [0.0])[0]
             for result in results:
                 self.prompt_tokens += prompt_tokens
-                self.prefix_queries += prompt_tokens
                 self.prefix_hits += result.reused_tokens
                 self.generation_tokens += result.new_tokens
                 self.finished[REASON.get(result.stopped_by, "stop")] += 1
                 self.cycles += max(result.cycles - 1, 0)  # the prefill's left out
                 self.accepted_at = added(self.accepted_at, result.accepted_by_depth())
-                self.accepted = sum(self.accepted_at)
 
     def refused(self, status: int) -> None:
         with self.lock:
@@ -85,7 +84,7 @@ class Metrics:
             metric("generation_tokens_total", "counter", "Tokens generated.",
                    [("", self.generation_tokens)])
             metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the "
-                   "cache (every answer's).", [("", self.prefix_queries)])
+                   "cache (every answer's).", [("", self.prompt_tokens)])
             metric("prefix_cache_hits_total", "counter", "Prompt tokens whose entries were "
                    "reused (--reuse-prefix).", [("", self.prefix_hits)])
             metric("request_success_total", "counter", "Answers finished, by reason.",
@@ -105,8 +104,9 @@ class Metrics:
                           f"gumiho:time_to_first_token_seconds_count {self.requests}"])
             metric("spec_decode_num_drafts_total", "counter", "Verify cycles (each verifies "
                    "one draft tree; the prefill not counted).", [("", self.cycles)])
+            # each accepted draft counts once, at its position
             metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens "
-                   "accepted.", [("", self.accepted)])
+                   "accepted.", [("", sum(self.accepted_at))])
             metric("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Cycles that "
                    "accepted a draft token at this position (0: the first).",
                    [(f'{{position="{k}"}}', n) for k, n in enumerate(self.accepted_at)])

@@ -17,7 +17,7 @@ tie a greedy answer can differ from the one without reuse. Speculative decoding 
 lossless against plain decoding with the same reuse (the verify is unchanged), which the
 tests check. Off by default (`generate`, the evaluation and the demo measure fresh
 prompts); `gumiho chat` turns it on. The idea is vLLM's automatic prefix caching and
-SGLang's radix cache, here for one sequence.
+SGLang's radix cache, here for a few whole sequences.
 """
 
 from __future__ import annotations

@@ -117,6 +117,11 @@ def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
     return settings
 
 
+def seeded(settings: dict, i: int) -> dict:
+    """The settings of a request's answer i: its seed is the request's + i."""
+    return {**settings, "seed": (settings["seed"] + i) % 2**63}
+
+
 def choices(body: dict) -> int:
     """The request's `n`: how many answers (each sampled with seed, seed + 1, ...)."""
     n = body.get("n")
@@ -235,19 +240,17 @@ class Server:
 
     def answer(self, body: dict, chat: bool) -> dict:
         """A whole (not streamed) completion."""
-        start = time.perf_counter()
+        arrived = time.perf_counter()
         settings, ids = self.request(body, chat)
         results, began = [], []
 
-        def generate(seeded):
+        def generate(i: int):
             began.append(time.perf_counter())  # off the queue
-            return self.gen.generate(ids, **seeded)
+            return self.gen.generate(ids, **seeded(settings, i))
         for i in range(choices(body)):
-            seeded = {**settings, "seed": (settings["seed"] + i) % 2**63}
             # a turn each: another request may come between two answers
-            results.append(self.worker.call(lambda s=seeded: generate(s)))
-        self.metrics.record(len(ids), results, time.perf_counter() - start,
-                            began[0] - start + results[0].cycle_s[0])
+            results.append(self.worker.call(lambda i=i: generate(i)))
+        self.metrics.record(len(ids), results, arrived, began[0])
         answers = []
         for i, result in enumerate(results):
             choice = {"index": i, "finish_reason": FINISH[result.stopped_by]}
@@ -264,13 +267,14 @@ class Server:
     def chunks(self, body: dict, chat: bool) -> Iterator[dict]:
         """A streamed completion's chunks (checked before the first is made): its `n`
         answers one after another, each chunk naming its answer's index."""
-        start = time.perf_counter()
+        arrived = time.perf_counter()
         settings, ids = self.request(body, chat)
         usage = (body.get("stream_options") or {}).get("include_usage")
         n = choices(body)
-        return self.worker.iterate(lambda: self._chunks(ids, settings, chat, usage, start, n))
+        return self.worker.iterate(lambda: self._chunks(ids, settings, chat, usage, arrived,
+                                                        n))
 
-    def _chunks(self, ids, settings, chat, usage, start, n) -> Iterator[dict]:
+    def _chunks(self, ids, settings, chat, usage, arrived, n) -> Iterator[dict]:
         head = self.head(chat, chunk=True)
 
         def chunk(i: int, text: str | None, finish: str | None, role: bool = False) -> dict:
@@ -287,9 +291,7 @@ class Server:
         logprobs = bool(settings.get("logprobs"))  # then a chunk a cycle, with its tokens'
         try:
             for i in range(n):
-                pieces = self.gen.stream(ids, **{**settings,
-                                                 "seed": (settings["seed"] + i) % 2**63},
-                                         cycles=logprobs)
+                pieces = self.gen.stream(ids, **seeded(settings, i), cycles=logprobs)
                 try:
                     if chat:
                         yield chunk(i, "", None, role=True)
@@ -316,8 +318,7 @@ class Server:
                 yield end
         finally:
             if results:
-                first = began - start + (results[0].cycle_s[0] if results[0].cycle_s else 0.0)
-                self.metrics.record(len(ids), results, time.perf_counter() - start, first)
+                self.metrics.record(len(ids), results, arrived, began)
         if usage:
             yield {**head, "choices": [], "usage": self.usage(ids, *results)}
 
