@@ -77,7 +77,10 @@ class DrafterConfig:
             num_attention_heads=heads,
             num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
             head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
-            vocab_size=t.vocab_size, rms_norm_eps=t.rms_norm_eps,
+            vocab_size=t.vocab_size,
+            rms_norm_eps=getattr(t, "rms_norm_eps", None) or getattr(t, "layer_norm_eps", None)
+            or 1e-6,  # the drafter's norms are RMSNorms whatever the target's are (Cohere's
+            # are LayerNorms)
             max_position_embeddings=t.max_position_embeddings, rope_parameters=rope,
             hidden_act=getattr(t, "hidden_act", None) or getattr(t, "hidden_activation", None)
             or "silu",

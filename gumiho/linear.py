@@ -125,10 +125,36 @@ def uses_onednn(hidden: Tensor, weight: Tensor) -> bool:
             and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)))
 
 
-def softcap(logits: Tensor, cap: float | None) -> Tensor:
-    """A final logit softcap, cap * tanh(logits / cap), as some families apply it (Gemma 2);
-    the logits unchanged without one."""
-    return torch.tanh(logits / cap) * cap if cap else logits
+@dataclass(frozen=True)
+class LogitForm:
+    """What a family's forward does to its lm_head's output, read from its config: a scale
+    (Granite divides by `logits_scaling`, Cohere multiplies by `logit_scale`), then a final
+    softcap cap * tanh(x / cap) (Gemma 2 and 3: `final_logit_softcapping`). Every logit we
+    compute, the target's, the drafters' and the training targets', goes through it, so
+    probabilities, greedy picks and losses are the model's own."""
+
+    scale: float = 1.0
+    cap: float | None = None
+
+    @classmethod
+    def of(cls, config) -> LogitForm:
+        text = config.get_text_config()
+        scale = float(getattr(text, "logit_scale", None) or 1.0) \
+            / float(getattr(text, "logits_scaling", None) or 1.0)
+        return cls(scale, getattr(text, "final_logit_softcapping", None) or None)
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and not self.cap
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        return torch.tanh(logits / self.cap) * self.cap if self.cap else logits
+
+    def slope(self, formed: Tensor) -> Tensor | float:
+        """d(formed)/d(lm_head's output), from the formed logits: scale (1 - (z / cap)^2)."""
+        return self.scale * (1 - (formed / self.cap) ** 2) if self.cap else self.scale
 
 
 def vocab_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None = None,

@@ -3,9 +3,12 @@
 The target is always a stock `AutoModelForCausalLM`: we never vendor its modeling code.
 Tree verification drives it through 4D attention masks (one per kind of layer, see
 kv_cache.py), explicit position ids and a preallocated cache. Whatever the model family does
-around its decoder stack we reproduce from its config, never from its name: a final logit
-softcap (`final_logit_softcapping`) is applied to every logit we compute, and a scaled token
-embedding is what a drafter copies (`input_embeddings`).
+around its decoder stack we reproduce from its config, never from its name: a logit scale
+(`logits_scaling`, `logit_scale`) and a final softcap (`final_logit_softcapping`) are applied
+to every logit we compute (`LogitForm`), and a scaled token embedding is what a drafter
+copies (`input_embeddings`). Loading checks the first by comparing our logits with the
+model's own forward on a few tokens, so a family that does something else there is refused
+rather than sampled wrongly.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from gumiho.errors import GumihoError
 from gumiho.fused import FusedDecoder
 from gumiho.kv_cache import attention_kinds
 from gumiho.linear import (
+    LogitForm,
     PackedHead,
     pack_linears,
     pack_weight,
-    softcap,
     unpack_linears,
     vocab_linear,
 )
@@ -44,13 +47,13 @@ ATTENTION_CHOICES = ("sdpa", "eager", SDPA_INVARIANT)
 MASKED_ATTENTION = (*ATTENTION_CHOICES, SDPA_GQA)
 
 
-class SoftcappedHead(torch.nn.Module):
-    """lm_head followed by the final logit softcap cap * tanh(logits / cap), as the model's
-    own forward applies it (so p, greedy picks and training targets are the model's)."""
+class FormedHead(torch.nn.Module):
+    """lm_head followed by the family's LogitForm (scale, softcap), as the model's own
+    forward applies it (so p, greedy picks and training targets are the model's)."""
 
-    def __init__(self, head: torch.nn.Module, cap: float):
+    def __init__(self, head: torch.nn.Module, form: LogitForm):
         super().__init__()
-        self.head, self.cap = head, cap
+        self.head, self.form = head, form
 
     @property
     def weight(self) -> Tensor:
@@ -61,7 +64,7 @@ class SoftcappedHead(torch.nn.Module):
         return getattr(self.head, "bias", None)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return softcap(self.head(hidden), self.cap)
+        return self.form(self.head(hidden))
 
 
 @dataclass
@@ -97,10 +100,13 @@ class Target:
 
     @cached_property
     def lm_head(self) -> torch.nn.Module:
-        """hidden (..., H) -> logits (..., V), the final softcap included when there is one."""
+        """hidden (..., H) -> logits (..., V), the family's LogitForm included."""
         head = self.model.get_output_embeddings()
-        cap = getattr(self.config.get_text_config(), "final_logit_softcapping", None)
-        return SoftcappedHead(head, cap) if cap else head
+        return head if self.logit_form.identity else FormedHead(head, self.logit_form)
+
+    @cached_property
+    def logit_form(self) -> LogitForm:
+        return LogitForm.of(self.config)
 
     @property
     def embed_tokens(self) -> torch.nn.Module:
@@ -186,13 +192,12 @@ class Target:
         return unpack_linears(self.model)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """lm_head(hidden) in float32, the softcap included; a plain linear head goes
+        """lm_head(hidden) in float32, the LogitForm included; a plain linear head goes
         through `vocab_linear` (fast at every row count on the CPU, linear.py)."""
         head = self.model.get_output_embeddings()
         logits = vocab_linear(hidden, head.weight, head.bias, self._packed_head) \
             if type(head) is torch.nn.Linear else head(hidden)
-        cap = getattr(self.config.get_text_config(), "final_logit_softcapping", None)
-        return softcap(logits, cap).float()
+        return self.logit_form(logits).float()
 
     @torch.no_grad()  # not inference_mode: online training keeps them for backward
     def features(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -420,4 +425,25 @@ def wrap_target(model: torch.nn.Module, tokenizer=None, name: str = "model") -> 
         end = turn_end_token(tokenizer)
         if end is not None:
             stops.add(vocab[end])
-    return Target(model=model, tokenizer=tokenizer, name=name, stop_token_ids=frozenset(stops))
+    target = Target(model=model, tokenizer=tokenizer, name=name,
+                    stop_token_ids=frozenset(stops))
+    check_logit_form(target)
+    return target
+
+
+@torch.inference_mode()
+def check_logit_form(target: Target) -> None:
+    """Refuse a target whose own forward does to its logits what `LogitForm` does not (a
+    family with another transform after its lm_head): our logits would be off, greedy picks
+    could survive a positive scale unnoticed while sampling and log-probabilities would not.
+    Compares the two on four tokens (one small forward each)."""
+    ids = torch.arange(1, 5, device=target.device)[None] % target.config.get_text_config(
+        ).vocab_size
+    theirs = target.model(input_ids=ids, use_cache=False).logits[0].float()
+    ours = target.lm_head(target.features(ids)[0]).float()
+    error, size = (ours - theirs).abs().max().item(), theirs.abs().max().item()
+    if not error <= 0.05 * size + 1e-3:  # rounding is ~1% of the largest logit in bf16
+        raise GumihoError(
+            f"target {target.name}: its forward's logits are not its lm_head's output under "
+            f"{target.logit_form} (largest difference {error:.3g}, logits up to {size:.3g}): "
+            "its family transforms its logits in a way this package does not reproduce")

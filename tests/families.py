@@ -1,4 +1,4 @@
-"""Tiny random-weight targets of six model families, saved as local Hugging Face dirs.
+"""Tiny random-weight targets of eight model families, saved as local Hugging Face dirs.
 
 Each has 2-3 layers of width 64 and SmolLM2's real tokenizer (vocabulary 49,152), so the
 whole package path (load_target, templates, data generation) runs on it. The sliding-window
@@ -12,8 +12,10 @@ import copy
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    CohereConfig,
     Gemma2Config,
     Gemma3TextConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -59,10 +61,19 @@ def family_configs(vocab: int) -> dict:
                              "sliding_attention": {"rope_type": "default",
                                                    "rope_theta": 1e4}},
             **COMMON), GEMMA_TEMPLATE),
+        # Logits divided by `logits_scaling` after the lm_head, scaled embeddings, residuals
+        # and attention scores.
+        "granite": (GraniteConfig(vocab_size=vocab, num_hidden_layers=2, logits_scaling=4.0,
+                                  embedding_multiplier=6.0, residual_multiplier=0.5,
+                                  attention_multiplier=0.2, tie_word_embeddings=True,
+                                  **COMMON), None),
+        # Logits multiplied by `logit_scale`, LayerNorm, attention and MLP side by side.
+        "cohere": (CohereConfig(vocab_size=vocab, num_hidden_layers=2, logit_scale=0.25,
+                                bos_token_id=1, eos_token_id=2, **COMMON), None),
     }
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "granite", "cohere")
 
 
 def save_family(path, family: str, tokenizer, seed: int = 0) -> str:

@@ -1,6 +1,8 @@
 """Every supported family as a target: tiny random Llama, Qwen2 (mixed sliding/full layers),
 Qwen3 (q/k norms, head_dim != H / heads), Mistral (sliding window), Gemma 2 (logit and
-attention softcapping, scaled embeddings) and Gemma 3 (mixed sliding/full, head_dim 48).
+attention softcapping, scaled embeddings), Gemma 3 (mixed sliding/full, head_dim 48),
+Granite (logits divided by `logits_scaling`, scaled embeddings and residuals) and Cohere
+(logits times `logit_scale`, LayerNorm, parallel attention and MLP).
 
 Contexts here are longer than the 16-token windows, so sliding layers must hide old tokens
 relative to each tree node's own position, exactly as sequential decoding does.
@@ -273,3 +275,23 @@ def test_layers_other_than_attention_are_refused():
     config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(GumihoError, match="linear_attention layers"):
         KVCache(config, 8, torch.device("cpu"), torch.float32)
+
+
+def test_a_logit_transform_we_do_not_know_is_refused(family_targets, monkeypatch):
+    """Granite's and Cohere's scales are read from their configs (the tree test above checks
+    the logits); a family whose forward changes its logits some other way is refused at
+    load, not sampled from wrongly."""
+    assert family_targets["granite"].logit_form.scale == 0.25
+    assert family_targets["cohere"].logit_form.scale == 0.25
+    model = family_targets["llama"].model
+    wrap_target(model, name="llama")  # its own forward passes
+    forward = type(model).forward
+
+    def doubled(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+    monkeypatch.setattr(type(model), "forward", doubled)
+    with pytest.raises(GumihoError, match="transforms its logits"):
+        wrap_target(model, name="llama-doubled")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gumiho import softce
+from gumiho.linear import LogitForm
 from gumiho.modeling import DraftHead
 from gumiho.train.loss import (
     head_rows,
@@ -240,7 +241,7 @@ def test_the_loss_ab_script_runs_its_loss_only_mode(capsys):
     assert softce.kernel is kernel
 
 
-def random_head(vocab: int, hidden: int, seed: int, softcap: float | None = None,
+def random_head(vocab: int, hidden: int, seed: int, form: LogitForm | None = None,
                 bias: bool = False, dtype: torch.dtype = torch.float32) -> DraftHead:
     g = torch.Generator().manual_seed(seed)
     linear = torch.nn.Linear(hidden, vocab, bias=bias)
@@ -248,21 +249,23 @@ def random_head(vocab: int, hidden: int, seed: int, softcap: float | None = None
         linear.weight.copy_(randn(g, vocab, hidden) * hidden ** -0.5)
         if bias:
             linear.bias.copy_(randn(g, vocab))
-    return DraftHead(linear.to(DEVICE, dtype), softcap=softcap)
+    return DraftHead(linear.to(DEVICE, dtype), form=form)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 5, None])
 @pytest.mark.parametrize("indexed", [False, True])
-@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("form", [LogitForm(), LogitForm(cap=3.0), LogitForm(0.25, 3.0)],
+                         ids=["plain", "softcap", "scale+softcap"])
 def test_the_head_inside_the_loss_is_the_product_then_the_loss(precision, rows, indexed,
-                                                               softcap, path):
+                                                               form, path):
     """head_soft_cross_entropy(h, head, ...) against soft_cross_entropy(head(h), ...) with the
     gradient through the product, in float32 and under bf16 autocast (the trainer's two
-    precisions), in pieces of any size, with a softcap (Gemma's) and the logits' argmax."""
+    precisions), in pieces of any size, with a softcap (Gemma's) and a scale before it
+    (Granite's, Cohere's), and the logits' argmax."""
     g = torch.Generator().manual_seed(11 + (rows or 0))
     m, hidden, vocab = 23, 48, 700
-    head = random_head(vocab, hidden, 2, softcap, bias=indexed)
+    head = random_head(vocab, hidden, 2, form, bias=indexed)
     h = randn(g, m, hidden).to(DEVICE)
     probs = torch.softmax(randn(g, m + 9 if indexed else m, vocab) * 2, -1
                           ).to(DEVICE)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from gumiho import rowgemm
-from gumiho.linear import available_memory, pack_weight, softcap, vocab_linear
+from gumiho.linear import LogitForm, available_memory, pack_weight, vocab_linear
 
 
 def draft_vocabulary(counts: Tensor, size: int, always: list[int] | tuple[int, ...] = ()
@@ -90,7 +90,7 @@ class DraftHead:
     """
 
     def __init__(self, lm_head: nn.Module, draft_ids: Tensor | None = None,
-                 softcap: float | None = None, drafting: bool = False):
+                 form: LogitForm | None = None, drafting: bool = False):
         weight = lm_head.weight.detach()
         bias = getattr(lm_head, "bias", None)
         self.ids = self.lookup = None
@@ -103,7 +103,7 @@ class DraftHead:
                                      device=ids.device)  # target id -> draft id, -1 outside
             self.lookup[ids] = torch.arange(ids.shape[0], device=ids.device)
         self.weight, self.bias = weight, None if bias is None else bias.detach()
-        self.softcap = softcap  # final logit soft-capping, if the target has it
+        self.form = form or LogitForm()  # the target's logit scale and softcap, if any
         self.packed = pack_weight(weight)  # bf16 on the CPU (linear.py), else None
         # a drafter's float32 head on a CPU: its logits from a 16-bit copy (half the bytes
         # of a product that reading the weight bounds; proposals, which the target checks),
@@ -127,9 +127,9 @@ class DraftHead:
         a gradient flows through does (not from the packed bf16 copy, nor from a drafting
         head's 16-bit one)."""
         if packed and self.short is not None and self.short.takes(hidden):
-            return softcap(self.short(hidden), self.softcap)
-        return softcap(vocab_linear(hidden.to(self.weight.dtype), self.weight, self.bias,
-                                    self.packed if packed else None), self.softcap)
+            return self.form(self.short(hidden))
+        return self.form(vocab_linear(hidden.to(self.weight.dtype), self.weight, self.bias,
+                                      self.packed if packed else None))
 
     def to_target(self, indices: Tensor) -> Tensor:
         return indices if self.ids is None else self.ids[indices]
@@ -145,5 +145,4 @@ class DraftHead:
     def for_model(cls, target, module: nn.Module, drafting: bool = False) -> DraftHead:
         """The head of drafter network `module` (its d2t buffer, if any) on `target`;
         `drafting`: for a generation's proposals (a float32 CPU head computes from 16 bits)."""
-        softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
-        return cls(target.lm_head, draft_ids_of(module), softcap, drafting)
+        return cls(target.lm_head, draft_ids_of(module), target.logit_form, drafting)

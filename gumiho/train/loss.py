@@ -206,8 +206,8 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
                                     piece)
             if not needs:
                 continue
-            if head.softcap:  # z = c tanh(x / c): dz/dx = 1 - (z / c)^2
-                piece.copy_(piece.float() * (1 - (logits.float() / head.softcap) ** 2))
+            if not head.form.identity:  # through the scale and softcap: dz/dx
+                piece.copy_(piece.float() * head.form.slope(logits.float()))
             if weight is None:
                 weight = head.weight.to(piece.dtype)
             grad_hidden[start : start + rows] = piece @ weight
