@@ -72,7 +72,7 @@ class Metrics:
 
         def metric(name: str, kind: str, about: str, values: list[tuple[str, float]]):
             lines.extend([f"# HELP gumiho:{name} {about}", f"# TYPE gumiho:{name} {kind}"])
-            lines.extend(f"gumiho:{name}{labels} {value:g}" for labels, value in values)
+            lines.extend(f"gumiho:{name}{labels} {number(value)}" for labels, value in values)
 
         with self.lock:
             metric("num_requests_running", "gauge", "Requests generating now.",
@@ -95,12 +95,12 @@ class Metrics:
             lines.extend(["# HELP gumiho:e2e_request_latency_seconds Time from a request's "
                           "arrival to its last token.",
                           "# TYPE gumiho:e2e_request_latency_seconds summary",
-                          f"gumiho:e2e_request_latency_seconds_sum {self.latency_s:g}",
+                          f"gumiho:e2e_request_latency_seconds_sum {number(self.latency_s)}",
                           f"gumiho:e2e_request_latency_seconds_count {self.requests}",
                           "# HELP gumiho:time_to_first_token_seconds Time from a request's "
                           "arrival to its first token (its wait and its prefill).",
                           "# TYPE gumiho:time_to_first_token_seconds summary",
-                          f"gumiho:time_to_first_token_seconds_sum {self.first_token_s:g}",
+                          f"gumiho:time_to_first_token_seconds_sum {number(self.first_token_s)}",
                           f"gumiho:time_to_first_token_seconds_count {self.requests}"])
             metric("spec_decode_num_drafts_total", "counter", "Verify cycles (each verifies "
                    "one draft tree; the prefill not counted).", [("", self.cycles)])
@@ -111,3 +111,9 @@ class Metrics:
                    "accepted a draft token at this position (0: the first).",
                    [(f'{{position="{k}"}}', n) for k, n in enumerate(self.accepted_at)])
         return "\n".join(lines) + "\n"
+
+
+def number(value: float) -> str:
+    """A sample's value written exactly (`:g` keeps six digits: a counter past a million
+    would stop moving in small steps)."""
+    return str(value) if isinstance(value, int) else repr(float(value))

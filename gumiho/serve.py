@@ -21,8 +21,8 @@ One generation runs at a time (the target's caches belong to one), on the main t
 (`Worker`): requests wait their turn, while `/health` and `/v1/models` answer at once.
 `n` answers are sampled one after another with seeds `seed`, `seed + 1`, ... (a request
 without a seed gets a random one, so it samples afresh each time, as OpenAI's). Not
-served: `best_of` above 1, `echo`, `suffix` and tools; each is refused with a 400 that
-says so. A stream with `logprobs` sends a chunk a cycle, holding that cycle's tokens'.
+served: `best_of` above 1, `echo`, `suffix`, tools and a `response_format` other than
+text; each is refused with a 400 that says so. A stream with `logprobs` sends a chunk a cycle, holding that cycle's tokens'.
 Python's standard library serves it (no web framework to install).
 """
 
@@ -42,6 +42,7 @@ import uuid
 from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 from gumiho.engine import check_in_vocabulary, context_length
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
@@ -63,8 +64,8 @@ RENAMED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
            "stop_token_ids": "stop_token_ids", "stop": "stop",
            "no_repeat_ngram_size": "no_repeat_ngram_size"}
 UNSERVED = {"echo": "echo", "suffix": "suffix", "tools": "tools", "functions": "functions",
-            "response_format": "response_format", "guided_json": "guided decoding",
-            "guided_regex": "guided decoding", "guided_choice": "guided decoding"}
+            "guided_json": "guided decoding", "guided_regex": "guided decoding",
+            "guided_choice": "guided decoding"}
 
 
 class RequestError(Exception):
@@ -81,6 +82,21 @@ def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
     for field, what in UNSERVED.items():
         if body.get(field) not in (None, False, "", [], {}):
             raise RequestError(HTTPStatus.BAD_REQUEST, f"{what} is not supported here")
+    form = body.get("response_format")
+    if form not in (None, {}) and form != {"type": "text"}:  # text: the default, a no-op
+        raise RequestError(HTTPStatus.BAD_REQUEST, "response_format other than "
+                           "{'type': 'text'} is not supported here")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"seed must be an integer, got {seed!r}")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "stream_options must be an object, "
+                               f"got {options!r}")
+        if not body.get("stream"):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "stream_options is only for a "
+                               "request with stream: true")
     if body.get("best_of", 1) not in (1, None):
         raise RequestError(HTTPStatus.BAD_REQUEST, f"best_of must be 1 here, got "
                            f"{body['best_of']!r}")
@@ -90,7 +106,9 @@ def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
     settings.setdefault("seed", secrets.randbelow(2**62))
     if settings.get("stop") is None:
         settings.pop("stop", None)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit = body.get("max_completion_tokens")  # present but null: max_tokens holds
+    if limit is None:
+        limit = body.get("max_tokens")
     settings["max_new_tokens"] = default_max_tokens if limit is None else limit
     bias = body.get("logit_bias")
     if bias is not None:
@@ -104,6 +122,8 @@ def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
                                f"(integers), got {list(bias)!r}") from None
     logprobs = body.get("logprobs")
     if chat:  # logprobs: true/false, top_logprobs: 0-20
+        if body.get("top_logprobs") and not logprobs:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs: true")
         if logprobs:
             settings["logprobs"] = True
             settings["top_logprobs"] = body.get("top_logprobs") or 0
@@ -269,7 +289,7 @@ class Server:
         answers one after another, each chunk naming its answer's index."""
         arrived = time.perf_counter()
         settings, ids = self.request(body, chat)
-        usage = (body.get("stream_options") or {}).get("include_usage")
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
         n = choices(body)
         return self.worker.iterate(lambda: self._chunks(ids, settings, chat, usage, arrived,
                                                         n))
@@ -282,10 +302,12 @@ class Server:
                 delta = {"role": "assistant"} if role else {}
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": i, "delta": delta, "finish_reason": finish}
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
-                choice = {"index": i, "text": text or "", "finish_reason": finish}
-            return {**head, "choices": [choice]}
+                choice = {"index": i, "text": text or "", "logprobs": None,
+                          "finish_reason": finish}
+            # with include_usage every chunk has the field, null until the last (OpenAI's)
+            return {**head, "choices": [choice], **({"usage": None} if usage else {})}
 
         results, began = [], time.perf_counter()  # off the queue
         logprobs = bool(settings.get("logprobs"))  # then a chunk a cycle, with its tokens'
@@ -386,16 +408,17 @@ class Handler(BaseHTTPRequestHandler):
         return False
 
     def do_GET(self):  # noqa: N802 (http.server's name)
-        if not self.authorized(self.path.rstrip("/")):
+        path = urlsplit(self.path).path.rstrip("/")  # a query string is ignored
+        if not self.authorized(path):
             return
-        if self.path.rstrip("/") == "/health":
+        if path == "/health":
             self.send_json(HTTPStatus.OK, {"status": "ok"})
-        elif self.path.rstrip("/") == "/version":
+        elif path == "/version":
             self.send_json(HTTPStatus.OK, {"version": __version__,
                                            "code": code_version(short=True)})
-        elif self.path.rstrip("/") == "/v1/models":
+        elif path == "/v1/models":
             self.send_json(HTTPStatus.OK, self.server.gumiho.models())
-        elif self.path.rstrip("/") == "/metrics":
+        elif path == "/metrics":
             data = self.server.gumiho.metrics_text().encode()
             self.send_response(HTTPStatus.OK)
             self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
@@ -405,8 +428,32 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self.send_error_json(HTTPStatus.NOT_FOUND, f"no such path: {self.path}")
 
+    def read_body(self) -> bytes:
+        """The request's body, read whole before any reply (a client still sending it
+        would hear a refusal as a broken pipe)."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise RequestError(HTTPStatus.LENGTH_REQUIRED, "send the body with a "
+                               "Content-Length (chunked bodies are not read)")
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if length < 0:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "Content-Length must be a whole "
+                               f"number of bytes, got {self.headers.get('Content-Length')!r}")
+        if length > MAX_BODY:
+            self.close_connection = True  # the body stays unread
+            raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is "
+                               f"{length} bytes; at most {MAX_BODY} are read")
+        return self.rfile.read(length)
+
     def do_POST(self):  # noqa: N802
-        path = self.path.rstrip("/")
+        path = urlsplit(self.path).path.rstrip("/")
+        try:
+            raw = self.read_body()
+        except RequestError as exc:
+            self.send_error_json(exc.status, str(exc))
+            return
         if not self.authorized(path):
             return
         if path not in ("/v1/chat/completions", "/v1/completions", "/tokenize",
@@ -415,11 +462,11 @@ class Handler(BaseHTTPRequestHandler):
             return
         chat = path == "/v1/chat/completions"
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY:
-                raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is "
-                                   f"{length} bytes; at most {MAX_BODY} are read")
-            body = json.loads(self.rfile.read(length) or b"null")
+            try:
+                body = json.loads(raw or b"null")
+            except RecursionError:
+                raise RequestError(HTTPStatus.BAD_REQUEST, "invalid JSON: it nests too "
+                                   "deeply") from None
             if not isinstance(body, dict):
                 raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
             if path in ("/tokenize", "/detokenize"):
@@ -430,6 +477,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.stream(self.server.gumiho.chunks(body, chat))
             else:
                 self.send_json(HTTPStatus.OK, self.server.gumiho.answer(body, chat))
+        except (BrokenPipeError, ConnectionResetError):  # nobody to tell
+            log.info("client left before its answer was sent")
         except RequestError as exc:
             self.send_error_json(exc.status, str(exc))
         except Stopped as exc:  # Ctrl-C on the server: not a bug

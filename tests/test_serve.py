@@ -188,6 +188,19 @@ def test_n_answers_are_sampled_with_seed_seed_plus_one_and_so_on(served, monkeyp
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "context"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt"),
     ("/v1/embeddings", {"input": "hi"}, 404, "no such path"),
+    pytest.param("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, 400,
+                 "nests too deeply", id="deep-json"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "stream": True, "stream_options": "x"}, 400, "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "stream_options": {"include_usage": True}}, 400, "stream: true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": "7"},
+     400, "seed must be an integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, 400, "logprobs: true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
 ])
 def test_bad_requests_are_refused_with_a_reason(served, path, body, status, says):
     url, _ = served
@@ -207,6 +220,96 @@ def test_a_body_past_the_limit_is_refused_unread(served):
     response = conn.getresponse()
     assert response.status == 413 and b"at most" in response.read()
     conn.close()
+
+
+def test_what_openai_clients_send_by_default_is_taken(served):
+    """Fields a client library sends unset or at their defaults: max_completion_tokens
+    null (max_tokens holds), response_format text, a query string on the path; a stream
+    with include_usage has `usage: null` on every chunk before the last, and each choice
+    `logprobs: null` where none were asked for."""
+    url, _ = served
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "max_completion_tokens": None, "temperature": 0,
+            "response_format": {"type": "text"}}
+    status, out = post(url + "/v1/chat/completions?api-version=1", body)
+    assert status == 200 and out["usage"]["completion_tokens"] == 3, out
+    with urllib.request.urlopen(url + "/v1/models?limit=1") as response:
+        assert response.status == 200
+    status, text = post(url + "/v1/completions", {
+        "prompt": "One, two,", "max_tokens": 3, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}}, raw=True)
+    chunks, done = events(text)
+    assert status == 200 and done
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]
+    assert all(c["choices"][0]["logprobs"] is None for c in chunks[:-1])
+
+
+def raw_request(url, head: bytes, body: bytes = b"") -> tuple[int, dict]:
+    """Send a hand-written request over a socket: (status, parsed JSON body)."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head + b"\r\n\r\n" + body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    status_line, _, rest = reply.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def test_a_body_is_read_before_any_refusal(served):
+    """A refused request's body is read first, so a client still sending it hears the
+    refusal, not a broken pipe; a body without a usable Content-Length is refused with a
+    reason."""
+    url, _ = served
+    big = json.dumps({"input": "x" * 4_000_000}).encode()
+    status, out = raw_request(url, b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n"
+                              b"Content-Length: %d" % len(big), big)
+    assert status == 404 and "no such path" in out["error"]["message"]
+    status, out = raw_request(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                              b"Content-Length: -1")
+    assert status == 400 and "Content-Length" in out["error"]["message"]
+    status, out = raw_request(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                              b"Transfer-Encoding: chunked", b"0\r\n\r\n")
+    assert status == 411 and "Content-Length" in out["error"]["message"]
+
+
+def test_a_client_leaving_before_a_whole_answer_is_no_refusal(served, caplog):
+    """A non-streamed request whose client hangs up while it generates: one log line,
+    no 500 counted, and the next request is answered."""
+    import logging
+    import socket
+
+    caplog.set_level(logging.INFO, logger="gumiho")
+    url, _ = served
+    _, before = scrape(url)
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 40,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.3)  # then gone (a reset) while it generates
+    status, out = post(url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0})
+    assert status == 200
+    assert "client left before its answer was sent" in caplog.text
+    assert "request failed" not in caplog.text
+    _, after = scrape(url)
+    refused = {k: v for k, v in after.items() if "refused" in k}
+    assert refused == {k: v for k, v in before.items() if "refused" in k}
+
+
+def test_metric_values_are_written_exactly():
+    from gumiho.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.generation_tokens, metrics.latency_s = 1_234_567, 123_456.789
+    _, values = scrape_text(metrics.text(0, 0))
+    assert values["gumiho:generation_tokens_total"] == 1_234_567
+    assert values["gumiho:e2e_request_latency_seconds_sum"] == 123_456.789
 
 
 def test_models_and_health(served):
@@ -241,7 +344,10 @@ def scrape(url):
     """GET /metrics: its text and {name with labels: value}."""
     with urllib.request.urlopen(url + "/metrics") as response:
         assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        text = response.read().decode()
+        return scrape_text(response.read().decode())
+
+
+def scrape_text(text):
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
