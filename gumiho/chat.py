@@ -3,7 +3,8 @@ speculative loop makes it, with its tau and tokens/s.
 
 Medusa shipped a chat command line and EAGLE a web page for trying a drafter by hand; this is
 ours. With no flags it runs what `gumiho demo` runs (SmolLM2 and its shipped Gumiho drafter
-at the demo preset; on a CPU with AMX bf16, exact); every flag of `gumiho generate` applies.
+at the demo preset; on a CPU with AMX bf16, exact); every flag of `gumiho generate` applies
+but --prompt, --json and the logprobs.
 Each turn sends the whole conversation through the target's chat template, as an API client
 does, reusing the cache's entries for the history (prefix.py); when it outgrows the context,
 the oldest turns are left out (and a note says so). --show-cycles colours each cycle's text
@@ -29,6 +30,7 @@ from gumiho.errors import ArgumentParser, GumihoError, cli_errors, one_line, pos
 from gumiho.generate import check_messages
 from gumiho.metrics import added
 from gumiho.paths import write_atomically
+from gumiho.target import check_unicode
 
 log = logging.getLogger("gumiho")
 
@@ -89,6 +91,7 @@ class ChatSession:
         self.settings = {"max_new_tokens": 256, "reuse_prefix": True, **settings}
         self.totals = Totals()
         self.dropped = 0  # turns left out of the last answer's prompt to fit the context
+        self.last: GenerationResult | None = None  # the last answer's, if it has one
         self.reset()
 
     def reset(self) -> None:
@@ -99,7 +102,12 @@ class ChatSession:
         all); what happened, in a line."""
         data = json.dumps({"messages": self.messages}, ensure_ascii=False, indent=1)
         try:
-            write_atomically(Path(path), lambda tmp: tmp.write_text(data + "\n"))
+            data.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (undecodable bytes typed): escaped
+            data = json.dumps({"messages": self.messages}, indent=1)
+        try:
+            write_atomically(Path(path), lambda tmp: tmp.write_text(data + "\n",
+                                                                    encoding="utf-8"))
         except OSError as exc:
             raise GumihoError(f"cannot write {path}: {exc.strerror or exc}") from None
         return f"(the conversation, {len(self.messages)} messages, saved to {path})"
@@ -107,31 +115,42 @@ class ChatSession:
     def load(self, path: str) -> str:
         """Go on with the conversation `save` wrote to `path` (or any {"messages": [{"role",
         "content"}, ...]}); a file that is not one changes nothing."""
+        if Path(path).exists() and not Path(path).is_file():  # a FIFO, /dev/zero: no end
+            raise GumihoError(f"cannot read {path}: not a file")
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
         except OSError as exc:
             raise GumihoError(f"cannot read {path}: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise GumihoError(f"{path} is not JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
+            raise GumihoError(f"{path} is not JSON in UTF-8: {one_line(exc)}") from None
         messages = data.get("messages") if isinstance(data, dict) else None
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise GumihoError(f"{path} holds no conversation: expected "
                               '{"messages": [{"role": ..., "content": ...}, ...]}')
         check_messages(messages)
+        try:
+            for m in messages:
+                check_unicode(m["content"])
+        except GumihoError as exc:
+            raise GumihoError(f"{path}: {exc}") from None
         self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         return f"(a conversation of {len(messages)} messages loaded from {path})"
 
     def fitted(self, messages: list[dict]) -> list[dict]:
-        """`messages` without their oldest turns (a user message and its answer), as many as
-        prompt + max_new_tokens needs to fit the target's context; the system message and
-        the new turn stay. One turn alone too long is `stream`'s error to report."""
+        """`messages` without their oldest turns (a user message and what came after it
+        up to the next one), as many as prompt + max_new_tokens needs to fit the target's
+        context; a system message first and the new turn stay. One turn alone too long is
+        `stream`'s error to report."""
         limit = context_length(self.gen.target)
         room = None if limit is None else limit - self.settings["max_new_tokens"]
-        head = 1 if self.system else 0
+        head = 1 if messages[0]["role"] == "system" else 0  # (a loaded one's too)
         self.dropped = 0
         while (room is not None and len(messages) - head > 1
                and len(self.gen.prompt_ids(messages)) > room):
-            messages = messages[:head] + messages[head + 2:]
+            end = head + 1
+            while end < len(messages) - 1 and messages[end]["role"] != "user":
+                end += 1
+            messages = messages[:head] + messages[end:]
             self.dropped += 1
         return messages
 
@@ -139,17 +158,21 @@ class ChatSession:
         """Text pieces of the answer to the user's `text` (with `cycles`, `stream`'s Cycles).
         The turn and its answer join the conversation once the answer ends or is stopped
         early (closing this iterator), not when generating fails (a bad setting, a prompt
-        past the context: raised at the first piece)."""
+        past the context: raised at the first piece; nor when another generation on the
+        same target superseded it). `last` is then this answer's result, else None."""
+        self.last = None
         asked = self.fitted(self.messages + [{"role": "user", "content": text}])
         pieces = self.gen.stream(asked, **self.settings, cycles=cycles)
+        owner = self.gen.target.stream_owner  # this stream's; a newer call replaces it
         try:
             yield from pieces
         finally:
             pieces.close()
             result = self.gen.last_result
-            if result is not None:
+            if result is not None and self.gen.target.stream_owner is owner:
                 self.messages = asked + [{"role": "assistant", "content": result.text}]
                 self.totals.add(result)
+                self.last = result
 
 
 def answer_line(method: str, result: GenerationResult) -> str:
@@ -159,16 +182,24 @@ def answer_line(method: str, result: GenerationResult) -> str:
     return f"[{method}] {result.summary()}{reused}{stopped}"
 
 
+class Block(str):
+    """A turn typed as a block of lines: its text as it came (indentation kept), never a
+    command."""
+
+
 def turns(lines: Iterable[str]) -> Iterator[str]:
     """The user's turns in the lines typed or piped: a line is a turn, but a line ending in
     a backslash goes on to the next, and a line of three double quotes opens a block of
-    lines (pasted text, code) that the next such line closes, one turn."""
+    lines (pasted text, code) that the next such line closes, one turn (a `Block`)."""
     held: list[str] = []
     block = False
     for line in lines:
         line = line.rstrip("\r\n")
         if line.strip() == BLOCK:
             if block:
+                yield Block("\n".join(held))
+                held = []
+            elif held:  # a backslash line before the block: a turn of its own
                 yield "\n".join(held)
                 held = []
             block = not block
@@ -180,7 +211,7 @@ def turns(lines: Iterable[str]) -> Iterator[str]:
             yield "\n".join(held + [line])
             held = []
     if held:
-        yield "\n".join(held)
+        yield Block("\n".join(held)) if block else "\n".join(held)
 
 
 def converse(session: ChatSession, lines: Iterable[str], out: TextIO, info: TextIO,
@@ -189,6 +220,10 @@ def converse(session: ChatSession, lines: Iterable[str], out: TextIO, info: Text
     `out` (with `show_cycles` each cycle's text in the other colour), each answer's
     statistics, notes and errors to `info`. Ends at /exit or when `lines` do."""
     for text in turns(lines):
+        if isinstance(text, Block):  # pasted text: as it is, even if it starts with a /
+            if text.strip():
+                answer(session, text.strip("\n"), out, info, method, show_cycles)
+            continue
         text = text.strip()
         if not text:
             continue
@@ -220,27 +255,31 @@ def answer(session: ChatSession, text: str, out: TextIO, info: TextIO, method: s
            show_cycles: bool = False) -> None:
     """Stream one answer; Ctrl-C stops it (kept as far as it came), a bad turn is one
     `error:` line and leaves the conversation as it was."""
+    shown = 0  # pieces shown: the next takes the other colour
     try:
         pieces = session.reply(text, cycles=show_cycles)
         try:
-            shown = 0  # pieces shown: the next takes the other colour
             for piece in pieces:
                 if show_cycles and piece.text:
-                    piece, shown = f"{SHADES[shown % 2]}{piece.text}{RESET}", shown + 1
+                    piece = f"{SHADES[shown % 2]}{piece.text}{RESET}"
                 elif show_cycles:
                     continue  # held back: its text comes with a later cycle's
                 print(piece, end="", file=out, flush=True)
+                shown += 1
         except KeyboardInterrupt:
             pieces.close()
     except GumihoError as exc:
+        if shown:
+            print(file=out, flush=True)
         print(f"error: {one_line(exc)}", file=info, flush=True)
         return
     print(file=out, flush=True)
+    if session.last is None:  # (Ctrl-C before it began)
+        return
     if session.dropped:
         print(f"(the {session.dropped} oldest turn{'s' if session.dropped > 1 else ''} "
               "left out to fit the context)", file=info, flush=True)
-    if session.gen.last_result is not None:
-        print(answer_line(method, session.gen.last_result), file=info, flush=True)
+    print(answer_line(method, session.last), file=info, flush=True)
 
 
 def typed_lines(prompt: str) -> Iterator[str]:
@@ -255,7 +294,7 @@ def typed_lines(prompt: str) -> Iterator[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gumiho.flags import add_generator_args, add_sampling_args
+    from gumiho.flags import add_answer_args, add_generator_args, add_sampling_args
 
     parser = ArgumentParser(prog="gumiho chat", description=__doc__.split("\n")[0])
     add_generator_args(parser)
@@ -271,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prefill each turn's whole conversation afresh (default: reuse "
                         "the cache's entries for the history the last turn left)")
     add_sampling_args(parser)
+    add_answer_args(parser)
     return parser
 
 
@@ -293,7 +333,7 @@ def chat_defaults(args: argparse.Namespace) -> None:
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
     from gumiho.demo import exact_bf16_default
-    from gumiho.flags import sampling_settings
+    from gumiho.flags import answer_settings, sampling_settings
     from gumiho.generate import check_context_room, load_from_args
 
     args = build_parser().parse_args(argv)
@@ -303,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     exact_bf16_default(args)
     gen = load_from_args(args, args.temperature)
     session = ChatSession(gen, args.system, max_new_tokens=args.max_new_tokens,
-                          reuse_prefix=not args.no_reuse_prefix, **sampling_settings(args))
+                          reuse_prefix=not args.no_reuse_prefix, **sampling_settings(args),
+                          **answer_settings(args))
     gen.generate([{"role": "user", "content": "Hi"}], 4, **sampling_settings(args))  # warm-up
     interactive = sys.stdin.isatty()
     print(f"(chatting with {args.target}, --method {args.method}; {HELP})", file=sys.stderr,

@@ -556,6 +556,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
             if config.logprobs:  # row n_i of the path predicted its token i + 1
                 logprobs.add(raw[result.nodes], emitted)
         if config.reuse_prefix:  # the root and the accepted drafts: the committed entries
+            prefix.spoiled |= tree.spliced_attend is not None  # (official FTA: fta.py)
             prefix.add([last] + result.tokens[:-1], features[result.nodes])
             last = result.tokens[-1]
         if on_cycle is not None:

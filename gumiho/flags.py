@@ -9,6 +9,7 @@ import re
 
 from gumiho.config import DEMO_EXTEND, DEMO_FLOOR, DEMO_LOOKUP, FTA_MODES, PRESETS
 from gumiho.errors import (
+    logit_bias_arg,
     nonnegative_float,
     nonnegative_int,
     nucleus_arg,
@@ -160,6 +161,33 @@ def sampling_settings(args: argparse.Namespace) -> dict:
             "repetition_penalty": args.repetition_penalty,
             "presence_penalty": args.presence_penalty,
             "frequency_penalty": args.frequency_penalty, "ignore_eos": args.ignore_eos}
+
+
+def add_answer_args(parser: argparse.ArgumentParser) -> None:
+    """--stop, --stop-token-id, --min-tokens, --logit-bias and --no-repeat-ngram-size
+    (`answer_settings` reads them back)."""
+    parser.add_argument("--stop", action="append", type=stop_arg, default=[],
+                        metavar="TEXT", help="end the answer at this text (left out of it; "
+                        "repeat for several; \\n and \\t are a newline and a tab)")
+    parser.add_argument("--stop-token-id", action="append", type=nonnegative_int,
+                        default=[], metavar="ID", help="end the answer at this token id too "
+                        "(kept in it; repeat for several)")
+    parser.add_argument("--min-tokens", type=nonnegative_int, default=0,
+                        help="no token that ends the answer before it holds this many "
+                        "(0 = none, default)")
+    parser.add_argument("--logit-bias", action="append", type=logit_bias_arg, default=[],
+                        metavar="ID=BIAS", help="add BIAS (-100 to 100) to token ID's logit "
+                        "at every position (-100 bans it; repeat for several)")
+    parser.add_argument("--no-repeat-ngram-size", type=nonnegative_int, default=0,
+                        metavar="N", help="no N-gram of the text (prompt included) twice, as "
+                        "transformers' no_repeat_ngram_size (0 = off, default)")
+
+
+def answer_settings(args: argparse.Namespace) -> dict:
+    """`generate`/`stream`'s keyword arguments from `add_answer_args`' flags."""
+    return {"stop": args.stop, "stop_token_ids": args.stop_token_id,
+            "min_tokens": args.min_tokens, "logit_bias": args.logit_bias,
+            "no_repeat_ngram_size": args.no_repeat_ngram_size}
 
 
 def tree_options(args: argparse.Namespace) -> dict:

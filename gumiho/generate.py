@@ -43,15 +43,15 @@ from gumiho.errors import (
     GumihoError,
     check_positive_int,
     cli_errors,
-    logit_bias_arg,
     nonnegative_int,
     positive_int,
 )
 from gumiho.flags import (
+    add_answer_args,
     add_generator_args,
     add_sampling_args,
+    answer_settings,
     sampling_settings,
-    stop_arg,
     tree_options,
 )
 from gumiho.graphs import resolve_engine
@@ -467,23 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", required=True, help="one user turn")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     add_sampling_args(parser)
-    parser.add_argument("--stop", action="append", type=stop_arg, default=[],
-                        metavar="TEXT", help="end the answer at this text (left out of it; "
-                        "repeat for several; \\n and \\t are a newline and a tab)")
-    parser.add_argument("--stop-token-id", action="append", type=nonnegative_int,
-                        default=[], metavar="ID", help="end the answer at this token id too "
-                        "(kept in it; repeat for several)")
-    parser.add_argument("--min-tokens", type=nonnegative_int, default=0,
-                        help="no token that ends the answer before it holds this many "
-                        "(0 = none, default)")
-    parser.add_argument("--logit-bias", action="append", type=logit_bias_arg, default=[],
-                        metavar="ID=BIAS", help="add BIAS (-100 to 100) to token ID's logit "
-                        "at every position (-100 bans it; repeat for several)")
+    add_answer_args(parser)
     parser.add_argument("--logprobs", action="store_true",
                         help="with --json: each token's log-probability under the target")
-    parser.add_argument("--no-repeat-ngram-size", type=nonnegative_int, default=0,
-                        metavar="N", help="no N-gram of the text (prompt included) twice, as "
-                        "transformers' no_repeat_ngram_size (0 = off, default)")
     parser.add_argument("--top-logprobs", type=nonnegative_int, default=0, metavar="K",
                         help="with --json: also the K likeliest tokens' log-probabilities "
                         "at each position (0-20)")
@@ -500,10 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     check_context_room(args.target, args.max_new_tokens)
     gen = load_from_args(args, args.temperature)
     pieces = gen.stream(args.prompt, args.max_new_tokens, **sampling_settings(args),
-                        stop=args.stop, logprobs=args.logprobs,
-                        stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,
-                        logit_bias=args.logit_bias, top_logprobs=args.top_logprobs,
-                        no_repeat_ngram_size=args.no_repeat_ngram_size)
+                        **answer_settings(args), logprobs=args.logprobs,
+                        top_logprobs=args.top_logprobs)
     for piece in pieces:
         if not args.json:
             print(piece, end="", flush=True)

@@ -38,6 +38,7 @@ class Prefix:
     cache: KVCache
     tokens: list[int]
     features: list[Tensor] = field(default_factory=list)
+    spoiled: bool = False  # entries committed that a prefill of their tokens would not make
 
     def add(self, tokens: list[int], features: Tensor) -> None:
         """Entries a cycle committed: their tokens and features (len(tokens), H)."""
@@ -45,9 +46,12 @@ class Prefix:
         self.features.append(features)
 
     def usable(self) -> bool:
-        """Whether the cache holds exactly these tokens (a generation stopped inside a
-        cycle, between the cache's commit and `add`, leaves it unusable)."""
-        return self.cache.length == len(self.tokens) == sum(f.shape[0] for f in self.features)
+        """Whether the cache holds exactly these tokens, as a prefill of them makes them
+        (a generation stopped inside a cycle, between the cache's commit and `add`, leaves
+        it unusable; so does a cycle of the official FTA that spliced, whose nodes attended
+        to more than their ancestors)."""
+        return not self.spoiled and self.cache.length == len(self.tokens) == sum(
+            f.shape[0] for f in self.features)
 
 
 def shared_length(cached: list[int], prompt: list[int]) -> int:

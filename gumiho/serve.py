@@ -22,8 +22,9 @@ One generation runs at a time (the target's caches belong to one), on the main t
 `n` answers are sampled one after another with seeds `seed`, `seed + 1`, ... (a request
 without a seed gets a random one, so it samples afresh each time, as OpenAI's). Not
 served: `best_of` above 1, `echo`, `suffix`, tools and a `response_format` other than
-text; each is refused with a 400 that says so. A stream with `logprobs` sends a chunk a cycle, holding that cycle's tokens'.
-Python's standard library serves it (no web framework to install).
+text; each is refused with a 400 that says so. A stream with `logprobs` sends a chunk a
+cycle, holding that cycle's tokens'. Python's standard library serves it (no web framework
+to install).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from urllib.parse import urlsplit
 from gumiho.engine import check_in_vocabulary, context_length
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
 from gumiho.metrics import Metrics
+from gumiho.target import check_unicode
 from gumiho.version import __version__, code_version
 from gumiho.worker import Stopped, Worker
 
@@ -207,6 +209,7 @@ class Server:
             if isinstance(prompt, str):
                 if not prompt:
                     raise RequestError(HTTPStatus.BAD_REQUEST, "empty prompt")
+                check_unicode(prompt)
                 prompt = self.gen.target.tokenizer(prompt).input_ids  # raw: no template
         return self.gen.prompt_ids(prompt)
 

@@ -215,6 +215,8 @@ class Target:
             messages = [{"role": "user", "content": messages}]
         if not messages or not any(m.get("content", "").strip() for m in messages):
             raise GumihoError("empty prompt: give some text to answer")
+        for m in messages:
+            check_unicode(m.get("content", ""))
         if self.tokenizer is None:
             raise GumihoError(f"target {self.name} has no tokenizer: pass token ids instead")
         if getattr(self.tokenizer, "chat_template", None):
@@ -229,6 +231,16 @@ class Target:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+
+
+def check_unicode(text: str) -> None:
+    """Text a tokenizer can take: no lone surrogate (what undecodable bytes, or a JSON
+    escape such as \\udce9, turn into), which tokenizers refuse with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise GumihoError(f"the prompt is not valid Unicode text: {exc.reason} at character "
+                          f"{exc.start} ({text[exc.start]!a})") from None
 
 
 def choose_device_dtype(

@@ -12,6 +12,7 @@ import torch
 
 from gumiho import chat
 from gumiho.chat import ChatSession, converse
+from gumiho.errors import GumihoError
 
 SHIPPED = "gumiho/assets/smollm2/gumiho"
 
@@ -119,6 +120,83 @@ def test_save_and_load_a_conversation(gen, tmp_path):
     assert session.messages == kept
     _, info = talk(session, f"/save {tmp_path / 'no' / 'dir.json'}")
     assert info.startswith("error: cannot write")
+
+
+def test_files_that_hold_no_conversation_are_one_error_line(gen, tmp_path):
+    """Deep JSON, text that is not Unicode, a FIFO: one error line each, nothing changed;
+    a conversation with undecodable text typed into it is still saved (escaped)."""
+    import os
+
+    session = ChatSession(gen, max_new_tokens=4)
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "lone.json").write_text('{"messages": [{"role": "user", '
+                                        '"content": "caf\\udce9"}]}')
+    os.mkfifo(tmp_path / "fifo")
+    for name, says in (("deep.json", "is not JSON"), ("lone.json", "not valid Unicode"),
+                       ("fifo", "not a file")):
+        _, info = talk(session, f"/load {tmp_path / name}")
+        assert info.startswith("error: ") and says in info and info.count("\n") == 1, info
+    assert session.messages == []
+    session.messages = [{"role": "user", "content": "caf\udce9"}]
+    _, info = talk(session, f"/save {tmp_path / 'kept.json'}")
+    assert "saved" in info
+    assert json.loads((tmp_path / "kept.json").read_text())["messages"] == session.messages
+
+
+def test_a_block_is_a_turn_even_when_it_looks_like_a_command(gen, tmp_path):
+    """Pasted text between two lines of \"\"\" is asked as it is: a first line that reads
+    like a command is not run, and its indentation stays."""
+    session = ChatSession(gen, max_new_tokens=4, reuse_prefix=False)
+    _, info = talk(session, '"""', f"/save {tmp_path / 'x.json'}", "  is this a command?",
+                   '"""', '"""', "    indented()", '"""')
+    assert not (tmp_path / "x.json").exists() and "saved" not in info
+    asked = [m["content"] for m in session.messages if m["role"] == "user"]
+    assert asked == [f"/save {tmp_path / 'x.json'}\n  is this a command?", "    indented()"]
+
+
+def test_the_oldest_turns_go_whole_whatever_the_loaded_conversation_holds(gen, monkeypatch):
+    """A loaded conversation's own system message stays (the session has none), and one
+    without a system message under a session with one loses whole turns, never a user
+    message without its answer."""
+    session = ChatSession(gen, max_new_tokens=8)
+    talked = [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "Name a fruit."},
+              {"role": "assistant", "content": "Apple."},
+              {"role": "user", "content": "Name a vegetable."},
+              {"role": "assistant", "content": "Carrot."}]
+    turn = {"role": "user", "content": "Name a tree."}
+    for messages, system in ((talked, None), (talked[1:], "Be brief.")):
+        session.system = system
+        session.messages = list(messages)
+        keep = messages[:1] + messages[3:] if system is None else messages[2:]
+        room = len(gen.prompt_ids(keep + [turn]))
+        monkeypatch.setattr(chat, "context_length", lambda target, room=room: room + 8)
+        assert session.fitted(session.messages + [turn]) == keep + [turn]
+        assert session.dropped == 1
+
+
+def test_a_superseded_answer_is_not_kept(gen):
+    """Another generation on the same target ends a chat's answer: the conversation and
+    the totals do not take that generation's result as the answer's."""
+    session = ChatSession(gen, max_new_tokens=8, reuse_prefix=False)
+    pieces = session.reply("Name a fruit.")
+    next(pieces)
+    gen.generate("Give a title.", 3)
+    with pytest.raises(GumihoError, match="superseded"):
+        list(pieces)
+    assert session.messages == [] and session.totals.turns == 0 and session.last is None
+
+
+def test_ctrl_c_before_an_answer_begins_prints_no_statistics(gen, monkeypatch):
+    session = ChatSession(gen, max_new_tokens=4)
+    talk(session, "Say hi.")
+
+    def interrupted(self, messages):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(chat.ChatSession, "fitted", interrupted)
+    out, info = talk(session, "Say it again.")
+    assert info == "" and out == "\n" and len(session.messages) == 2
 
 
 def test_turns_of_several_lines():
@@ -250,3 +328,19 @@ def test_defaults():
     args = chat.build_parser().parse_args(["--method", "lookup", "--target", "/some/model"])
     chat.chat_defaults(args)
     assert args.preset is None and args.draft is None
+
+
+def test_generates_answer_flags_reach_every_answer(gen):
+    """--stop, --stop-token-id, --min-tokens, --logit-bias and --no-repeat-ngram-size, as
+    `gumiho generate` takes them, are every answer's settings."""
+    from gumiho.flags import answer_settings
+
+    args = chat.build_parser().parse_args(["--stop", "\\n", "--logit-bias", "5=-100",
+                                           "--min-tokens", "2", "--no-repeat-ngram-size", "3"])
+    settings = answer_settings(args)
+    assert settings == {"stop": ["\n"], "stop_token_ids": [], "min_tokens": 2,
+                        "logit_bias": [(5, -100.0)], "no_repeat_ngram_size": 3}
+    session = ChatSession(gen, max_new_tokens=24, reuse_prefix=False, stop=". ")
+    talk(session, "Tell me two facts about the sea.")
+    assert ". " not in session.messages[-1]["content"]
+    assert gen.last_result.stopped_by in ("stop_string", "stop_token")

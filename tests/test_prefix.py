@@ -209,3 +209,16 @@ def test_reuse_is_a_bool():
 
     with pytest.raises(TypeError, match="reuse_prefix must be True or False"):
         GenerateConfig(reuse_prefix="yes")
+
+
+def test_the_official_fta_leaves_nothing_to_reuse(smollm2):
+    """The official FTA's splice makes leaves attend to more than their ancestors (fta.py):
+    entries a prefill would not make, so a sequence that spliced is not reused."""
+    gen = SpeculativeGenerator.load(smollm2, "gumiho", SHIPPED, fta="official")
+    ids = gen.prompt_ids(PROMPT)
+    gen.generate(ids, 1)  # (the runner made)
+    gen.target.runners["eager"].prefixes.clear()  # (earlier tests' sequences)
+    out = gen.generate(ids, 24, reuse_prefix=True)
+    assert not gen.target.runners["eager"].prefixes.latest.usable()
+    again = gen.generate(ids + out.token_ids, 4, reuse_prefix=True)
+    assert again.reused_tokens == 0
