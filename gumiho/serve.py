@@ -41,13 +41,21 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from gumiho.engine import check_in_vocabulary, context_length
+from gumiho.engine import (
+    GenerateConfig,
+    check_in_vocabulary,
+    check_prompt,
+    check_token_ids,
+    context_length,
+)
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
 from gumiho.metrics import Metrics
+from gumiho.stops import check_stops
 from gumiho.target import check_unicode
 from gumiho.version import __version__, code_version
 from gumiho.worker import Stopped, Worker
@@ -139,6 +147,15 @@ def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
     return settings
 
 
+@contextmanager
+def bad_request():
+    """A ValueError or TypeError raised by checking a request: a 400 saying why."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        raise RequestError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+
+
 def seeded(settings: dict, i: int) -> dict:
     """The settings of a request's answer i: its seed is the request's + i."""
     return {**settings, "seed": (settings["seed"] + i) % 2**63}
@@ -217,7 +234,8 @@ class Server:
         """vLLM's /tokenize: a prompt's ids as a completion (`prompt`) or a chat
         (`messages`, the template applied) would see them."""
         self.check_model(body)
-        ids = self.prompt(body, chat="messages" in body)
+        with bad_request():
+            ids = self.prompt(body, chat="messages" in body)
         return {"count": len(ids), "max_model_len": context_length(self.gen.target),
                 "tokens": ids}
 
@@ -248,11 +266,19 @@ class Server:
         return usage
 
     def request(self, body: dict, chat: bool) -> tuple[dict, list[int]]:
-        """A request's `generate` settings and prompt ids, checked."""
+        """A request's `generate` settings and prompt ids, checked here as `generate` would
+        check them: what it refuses is the request's fault (a 400), so a ValueError or
+        TypeError raised later, while generating, is the server's (a 500, logged)."""
         self.check_model(body)
         settings = settings_from(body, self.max_tokens, chat)
         settings["reuse_prefix"] = self.reuse_prefix
-        return settings, self.prompt(body, chat)
+        with bad_request():
+            ids = self.prompt(body, chat)
+            config = GenerateConfig(**settings)
+            check_stops(config.stop)
+            check_prompt(self.gen.target, ids, config.max_new_tokens)
+            check_token_ids(self.gen.target, config)
+        return settings, ids
 
     def head(self, chat: bool, chunk: bool = False) -> dict:
         """A response's id, object, time and model."""
@@ -467,9 +493,10 @@ class Handler(BaseHTTPRequestHandler):
         try:
             try:
                 body = json.loads(raw or b"null")
-            except RecursionError:
+            except (ValueError, RecursionError) as exc:  # (a JSONDecodeError is a ValueError)
                 raise RequestError(HTTPStatus.BAD_REQUEST, "invalid JSON: it nests too "
-                                   "deeply") from None
+                                   "deeply" if isinstance(exc, RecursionError)
+                                   else f"invalid JSON: {exc}") from None
             if not isinstance(body, dict):
                 raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
             if path in ("/tokenize", "/detokenize"):
@@ -487,10 +514,8 @@ class Handler(BaseHTTPRequestHandler):
         except Stopped as exc:  # Ctrl-C on the server: not a bug
             log.info("%s", exc)
             self.send_error_json(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
-        except (ValueError, TypeError, GumihoError) as exc:  # bad JSON, bad settings
-            message = f"invalid JSON: {exc}" if isinstance(exc, json.JSONDecodeError) \
-                else str(exc)
-            self.send_error_json(HTTPStatus.BAD_REQUEST, message)
+        except GumihoError as exc:  # a prompt past the context, found while generating
+            self.send_error_json(HTTPStatus.BAD_REQUEST, str(exc))
         except Exception as exc:  # a bug: the client hears of it, the server goes on
             log.exception("request failed")
             self.send_error_json(HTTPStatus.INTERNAL_SERVER_ERROR,

@@ -302,6 +302,23 @@ def test_a_client_leaving_before_a_whole_answer_is_no_refusal(served, caplog):
     assert refused == {k: v for k, v in before.items() if "refused" in k}
 
 
+def test_a_bug_while_generating_is_a_500_not_the_clients_fault(served, monkeypatch, caplog):
+    """A request is checked before it generates, so a ValueError from inside a generation
+    is the server's (a 500, its traceback logged), not a 400 blaming the request."""
+    url, gen = served
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug deep inside")
+
+    monkeypatch.setattr(gen, "generate", broken)
+    status, out = post(url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert status == 500 and out["error"]["message"] == "ValueError: a bug deep inside"
+    assert "request failed" in caplog.text
+    status, out = post(url + "/v1/completions", {"prompt": [1, "x"], "max_tokens": 2})
+    assert status == 400 and "token ids" in out["error"]["message"], out
+
+
 def test_metric_values_are_written_exactly():
     from gumiho.metrics import Metrics
 
