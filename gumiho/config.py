@@ -59,6 +59,22 @@ class DrafterConfig:
             raise ValueError(f"rms_norm_eps must be a positive number, got {eps!r}")
         if not isinstance(self.rope_parameters, dict) or not isinstance(self.hidden_act, str):
             raise TypeError("rope_parameters must be an object and hidden_act a string")
+        from transformers.activations import ACT2FN
+
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not an activation "
+                             "transformers knows")
+        if method_spec(self.method).serial and self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers must be at least 1 for {self.method}, got "
+                             f"{self.num_hidden_layers}")
+        size = self.draft_vocab_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= \
+                self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be an int from 0 to vocab_size "
+                             f"({self.vocab_size}), got {size!r}")
+        if not isinstance(self.medusa_own_lm_head, bool):
+            raise TypeError(f"medusa_own_lm_head must be true or false, got "
+                            f"{self.medusa_own_lm_head!r}")
 
     @classmethod
     def for_target(cls, target_config, method: str = "gumiho", **overrides) -> DrafterConfig:
@@ -351,6 +367,30 @@ class TrainConfig:
     # on a GPU, fp32 on a CPU (the default before the flag existed, so old runs resume)
     precision: str | None = None
 
+    def check_flags_that_do_nothing(self) -> None:
+        """Refuse a setting away from its default where this run would not read it."""
+        spec = method_spec(self.method)
+        unread = []
+        if not self.online:  # stored samples are as the allocation made them
+            unread += [("--conversations", "conversations"),
+                       ("--num-conversations", "num_conversations"),
+                       ("--skip-conversations", "skip_conversations"),
+                       ("--max-len", "max_len"), ("--template", "template")]
+        if not spec.parallel_heads:
+            unread += [("--mlp-detach", "mlp_detach"), ("--mlp-ploss-weight", "mlp_ploss_weight"),
+                       ("--mlp-ploss-after-epochs", "mlp_ploss_after_epochs")]
+        if not spec.serial:  # Medusa's heads read the clean features, with one loss
+            unread += [("--ploss-weight", "ploss_weight"), ("--noise", "noise"),
+                       ("--noise-on", "noise_on")]
+        defaults = {f.name: f.default for f in fields(self)}
+        for flag, name in unread:
+            if getattr(self, name) != defaults[name]:
+                why = "it is for --online training (samples from --data are as the " \
+                    "allocation made them)" if not self.online and name in (
+                        "conversations", "num_conversations", "skip_conversations",
+                        "max_len", "template") else f"{self.method} drafters do not use it"
+                raise GumihoError(f"{flag}: {why}; leave it out")
+
     def __post_init__(self):
         if self.method not in DRAFTER_METHODS:
             raise GumihoError(f"--method {self.method}: use {', '.join(DRAFTER_METHODS[:-1])} "
@@ -386,6 +426,7 @@ class TrainConfig:
         if self.serial2_weight > 0 and not method_spec(self.method).parallel_heads:
             raise GumihoError(f"--serial2-weight: {self.method} drafters train one serial "
                               "step; only gumiho's loss has a serial step 2 to score")
+        self.check_flags_that_do_nothing()
         if self.precision not in (None, "bf16", "fp32"):
             raise GumihoError(f"--precision {self.precision}: use bf16 or fp32")
         if self.noise_on not in (None, "cpu", "device"):

@@ -372,7 +372,8 @@ campaign() {  # the three drafters on the whole training split, in the backgroun
   # (SELF=1: on the target's own answers that `selfdistill` made, evaluated on its own
   # held-out answers; EVAL_DATA=DIR: evaluated on DIR, e.g. $LEASE_ROOT/data/self_heldout512)
   need SmolLM2; need ShareGPT
-  local held=$LEASE_ROOT/data/heldout512 m data="--online --num-conversations ${CONVERSATIONS:-17671}"
+  local held=$LEASE_ROOT/data/heldout512 m
+  local data="--online --num-conversations ${CONVERSATIONS:-17671} --max-len ${MAX_LEN:-1024}"
   if [[ ${SELF:-0} == 1 ]]; then
     local dirs
     dirs=$(self_dirs | tr '\n' ' ')
@@ -398,10 +399,12 @@ campaign() {  # the three drafters on the whole training split, in the backgroun
       extra+=" --init-from $(realpath "$INIT/$m")"
     fi
     [[ -n ${MAX_STEPS:-} ]] && extra+=" --max-steps $MAX_STEPS"
-    extra+=" ${TRAIN_ARGS:-}"  # e.g. TRAIN_ARGS="--mlp-ploss-weight 0.1" RUN_SUFFIX=_mlpw
+    # e.g. TRAIN_ARGS="--mlp-ploss-weight 0.1" RUN_SUFFIX=_mlpw: gumiho's runs only (the
+    # others refuse its MLP flags); TRAIN_ARGS_ALL for every method's
+    [[ $m == gumiho ]] && extra+=" ${TRAIN_ARGS:-}"
+    extra+=" ${TRAIN_ARGS_ALL:-}"
     # Resumes from its last save when run again (same flags).
-    setsid nohup python3 -m gumiho.train $data \
-      --max-len "${MAX_LEN:-1024}" --method "$m" \
+    setsid nohup python3 -m gumiho.train $data --method "$m" \
       --output-dir "$LEASE_ROOT/runs/$run" --epochs "${EPOCHS:-3}" --batch-size "${BATCH:-8}" \
       --grad-accum "${ACCUM:-4}" --lr "${LR:-5e-4}" --warmup-steps "${WARMUP:-50}" \
       --draft-vocab "${DRAFT_VOCAB:-8192}" --ploss-fraction "${PLOSS_FRACTION:-1.0}" \

@@ -305,6 +305,137 @@ def test_a_finished_run_run_again_keeps_its_summary_and_weights(tiny_target_dir,
     assert (tmp_path / "model.safetensors").stat().st_mtime_ns == weights
 
 
+def test_log_every_leaves_the_trained_weights_alone(tiny_target_dir, tiny_data_dir, tmp_path):
+    """Terms that are only logged (serial step 2's accuracy, the MLP heads before their
+    ploss) run on logging steps alone: their ploss sample must not shift the others'."""
+    data = (tiny_target_dir, tiny_data_dir)
+    for every in ("1", "100"):
+        assert main(train_args(data, tmp_path / every, "--mlp-ploss-after-epochs", "1",
+                               "--log-every", every)) == 0
+    often, rarely = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("1", "100"))
+    for key in often:
+        torch.testing.assert_close(often[key], rarely[key], atol=0, rtol=0)
+
+
+class Killed(BaseException):
+    """A kill at a chosen moment (raised past the trainer's handlers)."""
+
+
+def kill_at(monkeypatch, name: str, call: int):
+    """Make trainer.`name` die on its `call`-th call."""
+    real, calls = getattr(trainer, name), []
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise Killed
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, name, dying)
+
+
+def test_a_kill_while_exporting_loses_nothing(tiny_target_dir, tiny_data_dir, tmp_path,
+                                              monkeypatch):
+    """A kill inside the last export (after the state once was saved first, so a rerun
+    found a finished run without weights or summary): the rerun ends the run, its weights
+    an uninterrupted run's, its summary written; the epoch's checkpoint is there too."""
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path / "whole")) == 0
+    for call in (1, 2):  # the epoch's export (step 3), the last one (step 4)
+        out = tmp_path / f"cut{call}"
+        with monkeypatch.context() as patch:
+            kill_at(patch, "save_drafter", call)
+            with pytest.raises(Killed):
+                main(train_args(data, out))
+        assert main(train_args(data, out)) == 0
+        whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
+        cut = load_file(str(out / "model.safetensors"))
+        for key in whole:
+            torch.testing.assert_close(cut[key], whole[key], atol=0, rtol=0)
+        assert (out / "train_summary.json").is_file()
+        assert (out / "checkpoint-epoch1" / "model.safetensors").is_file()
+
+
+def test_steps_logged_before_the_first_save_are_logged_once(tiny_target_dir, tiny_data_dir,
+                                                            tmp_path, monkeypatch):
+    data = (tiny_target_dir, tiny_data_dir)
+    with monkeypatch.context() as patch:
+        kill_at(patch, "save_run_state", 1)  # at the epoch's end, step 3
+        with pytest.raises(Killed):
+            main(train_args(data, tmp_path))
+    assert main(train_args(data, tmp_path)) == 0
+    steps = [json.loads(line)["step"] for line in (tmp_path / "train_log.jsonl").open()]
+    assert steps == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("damage", ["optimizer.bin", "model.safetensors", "scheduler.pt",
+                                    "progress.json"])
+def test_a_damaged_saved_state_is_one_line(tiny_target_dir, tiny_data_dir, tmp_path, capsys,
+                                           damage):
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path, "--stop-after-steps", "1", "--save-every",
+                           "1")) == 0
+    path = tmp_path / "state" / damage
+    with path.open("r+b") as f:
+        f.truncate(max(path.stat().st_size // 2, 1))
+    capsys.readouterr()
+    assert main(train_args(data, tmp_path)) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "is damaged" in err[-1], err
+    assert "internal error" not in err[-1]
+
+
+def test_medusa_with_a_ploss_sample_logs_what_it_has(tiny_target_dir, tiny_data_dir,
+                                                     tmp_path):
+    """A micro-batch whose sample leaves a head no position logs no accuracy for it: the
+    step's mean is over the micro-batches that have one (was a KeyError)."""
+    data = (tiny_target_dir, tiny_data_dir)
+    args = train_args(data, tmp_path, "--ploss-fraction", "0.01")
+    args[args.index("--method") + 1] = "medusa"
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (tmp_path / "train_log.jsonl").open()]
+    assert len(rows) == 4 and all("loss" in r for r in rows)
+    # some steps' samples held no position for a head: it is missing there, not zero
+    assert any("acc_medusa1" not in r for r in rows) and any("acc_medusa1" in r for r in rows)
+
+
+@pytest.mark.parametrize("method, flags, says", [
+    ("gumiho", ["--max-len", "16"], "--max-len: it is for --online"),
+    ("gumiho", ["--template", "vicuna"], "--template: it is for --online"),
+    ("eagle2", ["--mlp-detach"], "--mlp-detach: eagle2 drafters do not use it"),
+    ("eagle2", ["--mlp-ploss-weight", "5"], "--mlp-ploss-weight"),
+    ("medusa", ["--noise", "0.5"], "--noise: medusa drafters do not use it"),
+    ("gumiho", ["--eval-every", "2"], "--eval-data"),
+])
+def test_flags_that_would_do_nothing_are_refused(tiny_target_dir, tiny_data_dir, tmp_path,
+                                                 capsys, method, flags, says):
+    args = train_args((tiny_target_dir, tiny_data_dir), tmp_path / "run", *flags,
+                      "--dry-run")
+    args[args.index("--method") + 1] = method
+    assert main(args) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_logged_learning_rate_is_the_one_each_step_used(tiny_target_dir, tiny_data_dir,
+                                                            tmp_path):
+    data = (tiny_target_dir, tiny_data_dir)
+    assert main(train_args(data, tmp_path, "--lr", "1e-3")) == 0  # warm-up 2, 4 steps
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "train_log.jsonl").open()]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
+
+
+def test_reading_data_leaves_a_shard_being_written_alone(tiny_data_dir, tmp_path):
+    """Training reads a data dir while its allocation may still write a shard there: the
+    reader names the missing shard and touches no temp file (the allocation's own)."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data_dir, data)
+    (data / "shard_00001.pt").rename(data / "shard_00001.pt.tmp")
+    with pytest.raises(GumihoError, match="1 shards missing"):
+        load_samples(data)
+    assert (data / "shard_00001.pt.tmp").is_file()
+
+
 @pytest.mark.host  # the CPU's bf16 autocast; on a GPU bf16 is the default path anyway
 def test_bf16_precision_trains_resumes_exactly_and_decodes_like_plain(
         tiny, tiny_target_dir, tiny_data_dir, tmp_path):
@@ -972,6 +1103,11 @@ def test_input_noise_is_drawn_where_its_generator_lives(tiny, tiny_data_dir):
     assert on_device[0].abs().max() <= 0.1 * 512 / 5 and on_device[0].std() > 0
     on_host = add_noise(features, valid, 0.2, torch.Generator().manual_seed(7))
     assert torch.equal(on_host, on_device[0]) == (DEVICE.type == "cpu")
+    # each sample's scale is 512 / its own length, as the released per-sample transform's
+    valid[1, 2:] = False  # sample 1: 2 tokens, padded to 5
+    noised = add_noise(features, valid, 0.2, torch.Generator(device=DEVICE).manual_seed(7))
+    assert noised[1, 2:].abs().max() == 0
+    assert 0.1 * 512 / 5 < noised[1, :2].abs().max() <= 0.1 * 512 / 2
     # through batch_loss: a training step with each setting runs, same seed same loss
     _, samples = load_samples(tiny_data_dir)
     batch = collate(samples[:2])

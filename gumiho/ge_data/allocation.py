@@ -44,6 +44,7 @@ from gumiho.ge_data.shards import (
     read_manifest,
     shard_path,
     shard_problem,
+    sweep_temp_files,
     write_manifest,
 )
 from gumiho.paths import check_writable_dir
@@ -304,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     write_manifest(outdir, manifest)
     remake_damaged(outdir, manifest["num_shards"])
+    sweep_temp_files(outdir)
     todo = missing_shards(outdir, manifest["num_shards"])
     print(f"{manifest['end'] - manifest['start']} conversations in "
           f"{manifest['num_shards']} shards ({len(todo)} to make); needs about "

@@ -168,9 +168,16 @@ def count_samples(outdir: Path, count: int) -> int:
 
 
 def missing_shards(outdir: Path, count: int) -> list[int]:
-    for tmp in outdir.glob("shard_*.pt.tmp"):  # half-written by an interrupted run
-        tmp.unlink()
+    """The shards not finished yet (a reader's question: it touches nothing)."""
     return [i for i in range(count) if not shard_path(outdir, i).exists()]
+
+
+def sweep_temp_files(outdir: Path) -> None:
+    """Remove shards half-written by an interrupted allocation: the allocation's own
+    step before it writes them again (a reader, such as training, must not: another
+    process may be writing one now)."""
+    for tmp in outdir.glob("shard_*.pt.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 def load_samples(data_dir: str | Path, mmap: bool = False) -> tuple[dict, list[dict]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, fields
@@ -28,7 +29,7 @@ from gumiho.config import TrainConfig
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int
 from gumiho.methods import DRAFTER_METHODS
 from gumiho.modeling import DraftHead
-from gumiho.paths import file_sha256
+from gumiho.paths import file_sha256, write_atomically
 from gumiho.target import choose_device_dtype, load_target
 from gumiho.train.accel import (
     check_process_group,
@@ -163,13 +164,17 @@ def main(argv: list[str] | None = None) -> int:
         raise GumihoError("--stop-after-steps must be at least 1")
     if args.log_every < 1:
         raise GumihoError("--log-every must be at least 1")
+    if args.eval_every < 0 or args.save_every < 0:
+        raise GumihoError("--eval-every and --save-every must be at least 0")
+    if (args.eval_every or args.eval_each_epoch) and not args.eval_data:
+        raise GumihoError("--eval-every and --eval-each-epoch evaluate on --eval-data: give "
+                          "held-out data dirs (python -m gumiho.ge_data.allocation "
+                          "--split held_out)")
     config, out = train_config(args), Path(args.output_dir)
     check_inputs(config, out, args.eval_data or [])
     if args.dry_run:
         print(f"ok: {config.method} drafter for {config.target} into {out}")
         return 0
-    if args.eval_every < 0 or args.save_every < 0:
-        raise GumihoError("--eval-every and --save-every must be at least 0")
     try:
         result = train(config, out, args.stop_after_steps, args.eval_data or [],
                        args.eval_each_epoch, args.log_every, args.eval_every, args.save_every)
@@ -234,12 +239,18 @@ def run_settings(config: TrainConfig, procs: int | None = None) -> dict:
 
 def check_run_dir(out: Path) -> None:
     """A run writes only into a new or empty folder, or its own: one with a saved state
-    (state, or state.old / state.tmp mid-save) or only a log written before the first save.
-    A model dir or an exported drafter there would be overwritten."""
+    (state, or state.old / state.tmp mid-save), or a log and what a run cut off at its
+    first save had written by then (its export comes before its state). A model dir or an
+    exported drafter there would be overwritten."""
     if not out.is_dir():
         return
     entries = {p.name for p in out.iterdir()}
     if entries & {"state", "state.old", "state.tmp"} or entries <= {LOG}:
+        return
+    exported = {LOG, "model.safetensors", "model.safetensors.tmp", "config.json",
+                "config.json.tmp", "train_summary.json"}
+    if LOG in entries and all(e in exported or re.fullmatch(r"checkpoint-epoch\d+", e)
+                              for e in entries):
         return
     shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
     raise GumihoError(f"--output-dir {out} holds files but no training run ({shown}): give "
@@ -340,6 +351,7 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
             if not accelerator.sync_gradients:
                 continue
             logs, step_logs = global_mean(accelerator, step_logs), []
+            lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()
             state.step += 1
             bar.update(1)
@@ -349,7 +361,7 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
                     logs["grad_norm"] = float(grad_norm)
                 bar.set_postfix({k: f"{v:.3f}" for k, v in logs.items() if k != "lr"})
                 append_log(out, {"step": state.step, "epoch": state.epoch,
-                                 "lr": scheduler.get_last_lr()[0], **logs})
+                                 "lr": lr, **logs})
             if eval_samples and eval_every and state.step % eval_every == 0:
                 log_evaluation(accelerator, model, target, head, eval_samples, config, state,
                                out)
@@ -367,7 +379,6 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
                 accelerator.print(f"epoch {state.epoch} held-out accuracy: "
                                   + ", ".join(f"{k[4:]} {v:.3f}" for k, v in acc.items()))
     wall = time.perf_counter() - start
-    save(accelerator, model, scheduler, state, out, settings, config, None)
     bar.close()
     summary = {"steps": state.step, "epochs": state.epoch, "train_samples": len(samples),
                "wall_s": wall, "train_tokens_per_s": tokens * procs / max(wall, 1e-9)}
@@ -375,9 +386,9 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
         summary["held_out_accuracy"] = evaluate(accelerator.unwrap_model(model), target, head,
                                                 eval_samples, config.method, state.epoch,
                                                 config.batch_size)
-    if accelerator.is_main_process:
-        (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        accelerator.print(json.dumps(summary))
+    # the weights and the summary before the state that says the run got this far
+    save(accelerator, model, scheduler, state, out, settings, config, None, summary)
+    accelerator.print(json.dumps(summary))
     return 0
 
 
@@ -422,15 +433,21 @@ def step_micro_batch(accelerator, model, target, head, optimizer, params, batch,
 
 
 def save(accelerator, model, scheduler, state: RunState, out: Path, settings: dict,
-         config: TrainConfig, name: str | None) -> None:
-    """Training state (atomically, for resume) and an official-format export: OUT/name or
-    OUT itself."""
-    save_run_state(accelerator, out, state, settings, scheduler)
+         config: TrainConfig, name: str | None, summary: dict | None = None) -> None:
+    """An official-format export (OUT/name or OUT itself; with `summary`, then
+    OUT/train_summary.json), then the training state, atomically, for resume. In that
+    order: a kill between them leaves the export ahead of the state, and the resumed run
+    comes to this save again and writes the same files; a state saved is never ahead of
+    its export (a finished state, which a rerun leaves alone, always has its weights)."""
     if accelerator.is_main_process:
         extra = {"training": settings, "trained_steps": state.step}
         save_drafter(accelerator.unwrap_model(model), out / name if name else out,
                      dtype=EXPORT_DTYPE[config.export_dtype], extra_config=extra)
+        if summary is not None:
+            write_atomically(out / "train_summary.json",
+                             lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
     wait_for_everyone(accelerator)
+    save_run_state(accelerator, out, state, settings, scheduler)
 
 
 if __name__ == "__main__":

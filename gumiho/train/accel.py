@@ -104,10 +104,17 @@ def configure_deepspeed(accelerator, config: TrainConfig) -> None:
 
 
 def global_mean(accelerator, logs: list[dict[str, float]]) -> dict[str, float]:
-    """Each logged term averaged over the optimizer step's micro-batches on every process:
+    """Each logged term averaged over the optimizer step's micro-batches on every process
+    that logged it (a micro-batch with no position for a head logs no accuracy for it):
     what one process with the whole global batch logs."""
-    keys = sorted(logs[0])
-    local = torch.tensor([sum(log[k] for log in logs) for k in keys] + [len(logs)],
-                         dtype=torch.float64, device=accelerator.device)
+    keys = sorted({k for log in logs for k in log})
+    if accelerator.num_processes > 1:  # every process reduces the same terms
+        from accelerate.utils import gather_object
+
+        keys = sorted({k for found in gather_object([keys]) for k in found})
+    sums = [sum(log[k] for log in logs if k in log) for k in keys]
+    counts = [sum(k in log for log in logs) for k in keys]
+    local = torch.tensor(sums + counts, dtype=torch.float64, device=accelerator.device)
     total = accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
-    return {k: float(v / total[-1]) for k, v in zip(keys, total[:-1], strict=True)}
+    n = len(keys)
+    return {k: float(total[i] / total[n + i]) for i, k in enumerate(keys) if total[n + i] > 0}

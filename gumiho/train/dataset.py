@@ -236,12 +236,15 @@ def collate(samples: list[dict]) -> dict[str, Tensor]:
 def add_noise(features: Tensor, valid: Tensor, scale: float,
               generator: torch.Generator | None = None) -> Tensor:
     """The released recipe's input noise: (U - 0.5) * scale * 512 / L on real positions,
-    drawn by `generator` on its device (None: the CPU's default generator). A CPU generator
+    L each sample's own length (the released code adds it to one sample at a time; the
+    padded batch's length gave a short sample beside a long one less), drawn by
+    `generator` on its device (None: the CPU's default generator). A CPU generator
     gives the same noise on every device, but on a GPU its draw is host work (9.4M numbers
     for a batch of 32 x 512 at SmolLM2's width, tens of ms, then a copy); one on the
     features' device draws it there (`--noise-on`)."""
-    length = features.shape[1]
+    lengths = valid.sum(1).clamp(min=1).to(features.dtype)  # (B,)
     device = generator.device if generator is not None else torch.device("cpu")
     noise = torch.rand(features.shape, generator=generator, device=device)
     noise = noise.to(features.device) - 0.5
-    return features + noise.to(features.dtype) * scale * 512 / length * valid[..., None]
+    return features + noise.to(features.dtype) * (scale * 512 / lengths)[:, None, None] \
+        * valid[..., None]

@@ -292,6 +292,17 @@ def feature_losses(out: Tensor, features: Tensor, shift: int, targets: TargetDis
     return result
 
 
+def term_generators(generator: torch.Generator | None, p_fraction: float):
+    """shift -> the generator of the ploss sample of the term that scores f_{t+shift}, each
+    seeded from one draw of the batch's `generator`: a term's sample does not depend on
+    which other terms ran (terms that are only logged run on logging steps alone), so
+    `--log-every` leaves the trained weights as they are."""
+    if p_fraction >= 1.0:
+        return lambda shift: generator  # (no sample is drawn)
+    base = int(torch.randint(2**62, (1,), generator=generator))
+    return lambda shift: torch.Generator().manual_seed((base + 7919 * shift) % 2**62)
+
+
 def serial_loss(outputs: dict, features: Tensor, loss_mask: Tensor, head: DraftHead,
                 epoch: int, lm_head=None, weights: LossWeights = REFERENCE_WEIGHTS,
                 p_fraction: float = 1.0, generator: torch.Generator | None = None
@@ -300,8 +311,9 @@ def serial_loss(outputs: dict, features: Tensor, loss_mask: Tensor, head: DraftH
     lm_head: the target's full head, given when accuracies are to be logged."""
     targets = TargetDistributions(features, loss_mask.bool(), head, lm_head)
     log_acc = lm_head is not None
+    sample = term_generators(generator, p_fraction)
     first = feature_losses(outputs["out1"], features, 1, targets, head,
-                           not weights.heads_only, log_acc, p_fraction, generator)
+                           not weights.heads_only, log_acc, p_fraction, sample(1))
     # heads only: the serial step's losses are logged (vloss; ploss reads 0), not trained
     total = first["v"] * 0 if weights.heads_only else \
         weights.v * first["v"] + weights.p * first["p"]
@@ -309,19 +321,19 @@ def serial_loss(outputs: dict, features: Tensor, loss_mask: Tensor, head: DraftH
     accs = {"acc_serial1": first["acc"]}
     if "out2" in outputs and weights.serial2 > 0:
         second = feature_losses(outputs["out2"], features, 2, targets, head, True, log_acc,
-                                p_fraction, generator)
+                                p_fraction, sample(2))
         total = total + weights.serial2 * (weights.v * second["v"] + weights.p * second["p"])
         logs.update(vloss2=float(second["v"].detach()), ploss2=float(second["p"].detach()))
         accs["acc_serial2"] = second["acc"]
     elif "out2" in outputs and log_acc:  # step 2 is not in the reference loss; logged only
         accs["acc_serial2"] = feature_losses(outputs["out2"].detach(), features, 2, targets,
-                                             head, False, True, p_fraction, generator)["acc"]
+                                             head, False, True, p_fraction, sample(2))["acc"]
     if "mlp" in outputs:
         mlp = outputs["mlp"]  # (B, T, N, H), head i at row t targets f_{t+3+i}
         p_weight = weights.mlp_p if epoch >= weights.mlp_p_from_epoch else 0.0
         for i in range(mlp.shape[2]):
             part = feature_losses(mlp[:, :, i], features, 3 + i, targets, head, p_weight > 0,
-                                  log_acc, p_fraction, generator)
+                                  log_acc, p_fraction, sample(3 + i))
             w = weights.mlp_decay ** (i + 1)
             total = total + weights.mlp_v * w * part["v"] + p_weight * w * part["p"]
             accs[f"acc_mlp{i + 1}"] = part["acc"]

@@ -51,7 +51,10 @@ def check_run_settings(out: Path, settings: dict, defaults: dict | None = None) 
     found = state_dir(out)
     if found is None:
         return {}
-    saved = json.loads((found / PROGRESS).read_text())
+    try:
+        saved = json.loads((found / PROGRESS).read_text())
+    except (OSError, ValueError) as exc:
+        raise damaged(found, PROGRESS, exc) from None
     old = saved.get("settings", {})
     defaults = defaults or {}
     for key, value in settings.items():
@@ -76,16 +79,33 @@ def load_run_state(accelerator, out: Path, settings: dict, scheduler,
     """Resume from OUT's saved state (checking its settings), or start at step 0. A setting
     the saved run does not record (it predates the flag) counts as its `defaults` value."""
     found = state_dir(out)
-    if found is None:
+    if found is None:  # steps logged before a first save are done again
+        if accelerator.is_main_process:
+            trim_log(out / LOG, 0)
         return RunState()
     saved = check_run_settings(out, settings, defaults)
-    accelerator.load_state(str(found))
-    scheduler.load_state_dict(torch.load(found / "scheduler.pt", weights_only=True))
-    state = RunState(**saved["progress"])
+    try:
+        accelerator.load_state(str(found))
+    except Exception as exc:  # noqa: BLE001 - a truncated file, in accelerate's words
+        raise damaged(found, "its model, optimizer or RNG files", exc) from None
+    try:
+        scheduler.load_state_dict(torch.load(found / "scheduler.pt", weights_only=True))
+        state = RunState(**saved["progress"])
+    except Exception as exc:  # noqa: BLE001
+        raise damaged(found, "scheduler.pt or progress.json", exc) from None
     if accelerator.is_main_process:
         trim_log(out / LOG, state.step)
     accelerator.print(f"resuming from step {state.step} (epoch {state.epoch})")
     return state
+
+
+def damaged(found: Path, what: str, exc: BaseException) -> GumihoError:
+    """One line for a saved state that cannot be read back (a disk's fault: saves are
+    atomic)."""
+    detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return GumihoError(f"{found} is damaged ({what}: {type(exc).__name__}"
+                       f"{': ' + detail if detail else ''}): move it away to start the run "
+                       "again from step 0, or give another --output-dir")
 
 
 def trim_log(path: Path, step: int) -> None:
