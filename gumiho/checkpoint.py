@@ -91,13 +91,22 @@ def from_official(state: dict[str, Tensor], config: DrafterConfig) -> dict[str, 
     if not mlp:
         return out
     heads, layers = config.num_mlp_heads, config.num_mlp_layers
+    if heads == 0:
+        raise GumihoError(f"unexpected key {_mlp_name(config, next(iter(mlp)))} in checkpoint "
+                          "(its config.json says num_mlp_heads 0)")
 
     def stack(j, kind):
         try:
-            return torch.stack([mlp.pop((i, j, kind)) for i in range(heads)])
+            parts = [mlp.pop((i, j, kind)) for i in range(heads)]
         except KeyError as missing:
             raise GumihoError(f"checkpoint lacks key {_mlp_name(config, missing.args[0])}") \
                 from None
+        for i, part in enumerate(parts):
+            if part.shape != parts[0].shape:
+                raise GumihoError(f"checkpoint key {_mlp_name(config, (i, j, kind))} has shape "
+                                  f"{list(part.shape)}, but head 0's has "
+                                  f"{list(parts[0].shape)}")
+        return torch.stack(parts)
 
     if not spec.serial:
         out["w"] = torch.stack([stack(j, "weight") for j in range(layers)], 1)
@@ -115,7 +124,10 @@ def from_official(state: dict[str, Tensor], config: DrafterConfig) -> dict[str, 
 
 def _mlp_name(config: DrafterConfig, key: tuple) -> str:
     i, j, kind = key
-    return f"{method_spec(config.method).head_keys}.{i}.{j}.linear.{kind}"
+    prefix = method_spec(config.method).head_keys
+    if j == "lm_head":  # the original Medusa's own projection, after its blocks
+        return f"{prefix}.{i}.{config.num_mlp_layers}.weight"
+    return f"{prefix}.{i}.{j}.linear.{kind}"
 
 
 def save_drafter(model: nn.Module, out_dir: str | Path, include_embed: bool = False,
@@ -132,9 +144,8 @@ def save_drafter(model: nn.Module, out_dir: str | Path, include_embed: bool = Fa
              .contiguous().cpu() for k, v in state.items()}
     write_atomically(out / "model.safetensors",
                      lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
-    config = model.config
-    (out / "config.json").write_text(json.dumps({**config.to_json(), **(extra_config or {})},
-                                                indent=2) + "\n")
+    text = json.dumps({**model.config.to_json(), **(extra_config or {})}, indent=2) + "\n"
+    write_atomically(out / "config.json", lambda tmp: tmp.write_text(text))
     return out
 
 
@@ -236,11 +247,17 @@ def read_state(path: Path) -> dict[str, Tensor]:
     try:
         if file.suffix == ".safetensors":
             from safetensors.torch import load_file
-            return load_file(str(file))
-        return torch.load(file, map_location="cpu", weights_only=True)
+            state = load_file(str(file))
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any decode failure means a broken file
         raise GumihoError(f"cannot read {file}: {type(exc).__name__} (is it complete?)") \
             from None
+    if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
+        raise GumihoError(f"{file} is not a state dict (names -> tensors): save "
+                          "model.state_dict() itself, not a dict or list around it")
+    return state
 
 
 def infer_config(state: dict[str, Tensor], target_config, method: str | None,
@@ -300,6 +317,9 @@ def load_drafter_model(path: str | Path, target, method: str | None = None,
     state = read_state(path)
     saved = saved_config(path)
     fc = state.get("fc.weight", state.get("medusa_head.0.0.linear.weight"))
+    if fc is not None and fc.dim() != 2:
+        raise GumihoError(f"drafter {path}: its first projection has shape {list(fc.shape)}, "
+                          "not a matrix's")
     if fc is not None and fc.shape[0] != target.hidden_size:
         raise GumihoError(f"drafter {path} is for hidden size {fc.shape[0]}, but target "
                           f"{target.name} has {target.hidden_size}: use a drafter trained "
@@ -316,7 +336,40 @@ def load_drafter_model(path: str | Path, target, method: str | None = None,
             f"drafter {path} is for hidden size {config.hidden_size} / vocab "
             f"{config.vocab_size}, but target {target.name} has {target.hidden_size} / "
             f"{vocab}: use a drafter trained for this target")
-    return drafter_network(config, target, from_official(state, config), dtype=dtype)
+    check_draft_vocabulary(state, vocab, path)
+    try:
+        return drafter_network(config, target, from_official(state, config), dtype=dtype)
+    except KeyError as exc:  # a config field the layers' constructors look up, e.g. RoPE's
+        raise GumihoError(f"drafter {path}: its config.json lacks {exc} for its "
+                          f"{config.rope_parameters.get('rope_type', '')} settings") from None
+
+
+def check_draft_vocabulary(state: dict[str, Tensor], vocab: int, path) -> None:
+    """A reduced draft vocabulary's buffers (EAGLE-3's convention): d2t integer offsets
+    whose target ids, draft id + offset, are distinct ids of the vocabulary, and t2d the
+    bool mask that is True exactly at those ids. One line otherwise (a bad id would fail
+    deep inside generation)."""
+    d2t, t2d = state.get("d2t"), state.get("t2d")
+    if d2t is None and t2d is None:
+        return
+    if d2t is None or t2d is None:
+        raise GumihoError(f"drafter {path}: has {'t2d' if d2t is None else 'd2t'} without "
+                          f"{'d2t' if d2t is None else 't2d'} (a draft vocabulary needs both)")
+    if d2t.dim() != 1 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise GumihoError(f"drafter {path}: d2t must be 1-D integer offsets, got "
+                          f"{d2t.dtype} of shape {list(d2t.shape)}")
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab,):
+        raise GumihoError(f"drafter {path}: t2d must be a bool mask over the target's "
+                          f"{vocab} tokens, got {t2d.dtype} of shape {list(t2d.shape)}")
+    ids = torch.arange(d2t.shape[0]) + d2t.long().cpu()
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab
+                     or ids.unique().shape[0] != ids.shape[0]):
+        raise GumihoError(f"drafter {path}: d2t's target ids (draft id + offset) must be "
+                          f"distinct ids inside 0..{vocab - 1}")
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[ids] = True
+    if not torch.equal(mask, t2d.cpu()):
+        raise GumihoError(f"drafter {path}: t2d is not True exactly at d2t's target ids")
 
 
 def drafter_network(config: DrafterConfig, target, state: dict[str, Tensor] | None = None,

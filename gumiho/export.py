@@ -253,6 +253,10 @@ def write_eagle(model: nn.Module, target, out: Path, dtype: torch.dtype, engine:
     return notes
 
 
+# every file an export may write: --overwrite removes them all first
+EXPORTED_FILES = ("model.safetensors", "pytorch_model.bin", "config.json", "hot_token_map.pt")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gumiho.train.start import add_vocabulary_args
 
@@ -267,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="default: the dtype the checkpoint was saved in")
     p.add_argument("--overwrite", action="store_true",
-                   help="write into a non-empty --out (its files of the same names are replaced)")
+                   help="write into a non-empty --out (an earlier export's files there are "
+                   "removed first)")
     add_vocabulary_args(p, "the network")
     return p
 
@@ -287,10 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     check_writable_dir(out, "--out")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise GumihoError(f"--out {out} is not empty: give a new directory (or --overwrite)")
+    from gumiho.checkpoint import check_drafter_dir, weights_file
     from gumiho.train.start import vocabulary_samples
 
+    weights_file(check_drafter_dir(args.draft))  # before the target's load
     target = load_target(trained_target(args.draft, args.target), device="cpu",
                          dtype="float32")
+    if args.overwrite:  # an earlier export's files would be read before the new ones
+        for name in EXPORTED_FILES:
+            (out / name).unlink(missing_ok=True)
     samples = None if args.draft_vocab is None else vocabulary_samples(target, args)
     notes = export(args.draft, target, args.out, args.format, args.method,
                    DTYPES.get(args.dtype), args.draft_vocab, samples)

@@ -112,6 +112,73 @@ def test_bad_checkpoint_names_the_first_offending_key(tmp_path, smollm2, case, m
     assert "\n" not in str(err.value)
 
 
+def shipped_copy(tmp_path, method="gumiho"):
+    """A copy of a shipped drafter dir, to damage: (dir, its state)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(f"gumiho/assets/smollm2/{method}", tmp_path / method)
+    return tmp_path / method, load_file(str(tmp_path / method / "model.safetensors"))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s.__setitem__("mlp.3.1.linear.weight", torch.zeros(3)),
+     "mlp.3.1.linear.weight has shape [3], but head 0's has [576, 576]"),
+    (lambda s: s["d2t"].__setitem__(-1, 10**6), "d2t's target ids"),
+    (lambda s: s.__setitem__("d2t", s["d2t"].float() + 0.7), "d2t must be 1-D integer"),
+    (lambda s: s.__setitem__("t2d", s["t2d"].float()), "t2d must be a bool mask"),
+    (lambda s: s["t2d"].__setitem__(1, not bool(s["t2d"][1])), "t2d is not True exactly"),
+    (lambda s: s.pop("t2d"), "has d2t without t2d"),
+    (lambda s: s.__setitem__("fc.weight", torch.tensor(1.0)), "not a matrix"),
+])
+def test_a_damaged_head_or_vocabulary_is_one_line(tmp_path, smollm2, damage, message):
+    """Unequal heads, draft-vocabulary buffers that do not map into the vocabulary (a bad
+    id failed deep inside generation): one line naming what is wrong."""
+    path, state = shipped_copy(tmp_path)
+    damage(state)
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(GumihoError) as err:
+        load_drafter_model(path, smollm2)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("draft_vocab_size", "8192", "draft_vocab_size must be an int"),
+    ("draft_vocab_size", -1, "draft_vocab_size must be an int"),
+    ("num_hidden_layers", 0, "num_hidden_layers must be at least 1"),
+    ("hidden_act", "foo", "hidden_act 'foo'"),
+    ("num_mlp_heads", 0, "num_mlp_heads 0"),
+])
+def test_a_hand_edited_config_is_one_line(tmp_path, smollm2, field, value, message):
+    path, _ = shipped_copy(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config[field] = value
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(GumihoError) as err:
+        load_drafter_model(path, smollm2)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_file_that_is_not_a_state_dict_is_one_line(tmp_path, smollm2):
+    path, state = shipped_copy(tmp_path)
+    (path / "model.safetensors").unlink()
+    for wrapped in ({"state_dict": state}, [1, 2], {"fc.weight": 3}):
+        torch.save(wrapped, path / "pytorch_model.bin")
+        with pytest.raises(GumihoError, match="is not a state dict"):
+            load_drafter_model(path, smollm2)
+
+
+def test_a_missing_medusa_lm_head_is_named_by_its_key(tmp_path, smollm2):
+    path, _ = shipped_copy(tmp_path, "medusa")
+    config = json.loads((path / "config.json").read_text())
+    config["medusa_own_lm_head"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    layers = config["num_mlp_layers"]
+    with pytest.raises(GumihoError, match=rf"lacks key medusa_head\.0\.{layers}\.weight$"):
+        load_drafter_model(path, smollm2)
+
+
 def test_drafter_for_another_target_is_refused(tmp_path, smollm2):
     write_official(tmp_path, official_keys(64, 97, 128, 32))
     with pytest.raises(GumihoError, match="hidden size 64"):

@@ -322,3 +322,21 @@ def test_a_new_draft_vocabulary_is_counted_over_the_drafters_own_training(tiny_t
     assert seen == [(("mine.jsonl", 8, 128, "vicuna"), {"skip": 4}),
                     (("mine.jsonl", 20, 128, "chatml"), {"skip": 4}),
                     (("sharegpt", 17671, 512, None), {"skip": 0})]
+
+
+def test_overwrite_removes_an_earlier_exports_files(tiny_target_dir, tmp_path):
+    """Re-exporting a reduced-vocabulary drafter as `released` over a default export (the
+    README's advice for vLLM's Gumiho model): the old model.safetensors, which loaders read
+    first, goes, so the folder loads as what was written last."""
+    from gumiho.target import load_target
+
+    target = load_target(tiny_target_dir, device="cpu", dtype="float32")
+    model = perturbed_drafter(target, "gumiho", draft_ids=torch.arange(0, 900, 3))
+    save_drafter(model, tmp_path / "draft")
+    out = tmp_path / "out"
+    common = ["--draft", str(tmp_path / "draft"), "--out", str(out), "--target",
+              tiny_target_dir]
+    assert main(common) == 0 and (out / "model.safetensors").is_file()
+    assert main([*common, "--format", "released", "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "pytorch_model.bin"]
+    assert load_drafter_model(out, target).d2t is None

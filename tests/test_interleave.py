@@ -110,3 +110,13 @@ def test_a_shared_target_keeps_its_own_device(smollm2):
         SpeculativeGenerator.load(smollm2, "ar", device="cpu")
     gen = SpeculativeGenerator.load(smollm2, "ar")
     assert gen.target is smollm2
+
+
+def test_an_abbreviated_shared_flag_inside_a_run_is_refused(tmp_path, tiny_target_dir, capsys):
+    """argparse would read --max-new as --max-new-tokens for that run alone, past the
+    "give it once" check: runs of different settings answering "the same" questions."""
+    argv = [*common(tiny_target_dir), "--run", f"--method ar --answer-file {tmp_path}/a.jsonl",
+            "--run", f"--method lookup --max-new 64 --answer-file {tmp_path}/b.jsonl"]
+    with pytest.raises(SystemExit) as exit_:
+        interleave.parse_runs(argv)
+    assert exit_.value.code == 2 and "--max-new" in capsys.readouterr().err

@@ -71,6 +71,7 @@ def test_other_settings_are_refused_unless_overwrite(tmp_path, tiny_target_dir, 
     before = path.read_bytes()
     for extra, setting in ((["--temperature", "0.7"], "temperature="),
                            (["--seed", "3"], "seed="),
+                           (["--chat-template", "vicuna"], "chat_template="),
                            (["--method", "medusa", "--draft", "random"], "method=")):
         assert gen_answers.main(answer_args(tiny_target_dir, path, 2, *extra)) == 2
         assert setting in capsys.readouterr().err

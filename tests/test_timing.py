@@ -142,3 +142,14 @@ def test_step_anatomy_splits_a_step_and_counts_a_proposal(capsys):
         if rowgemm.kernel() is not None:
             assert products > 0 and attention > 0
     assert "torch operations each" in out
+
+
+def test_the_projection_takes_the_runs_tokens_per_verify_cycle(tiny_target_dir, capsys):
+    """Without --tau the projection multiplies the per-verify-cycle times by the tokens a
+    verify cycle made, not by tau, which counts the prefill as a cycle of one token."""
+    assert timing.main(["--target", tiny_target_dir, "--widths", "1", "--methods", "gumiho",
+                        "--draft", "random", "--repeats", "1", "--context", "16", "--json",
+                        "--max-new-tokens", "12", "--total-tokens", "4"]) == 0
+    cycle = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cycles"]["gumiho"]
+    assert cycle["projected"]["tau"] == cycle["tokens_per_verify"]
+    assert cycle["tokens_per_verify"] >= cycle["tau"]

@@ -23,10 +23,11 @@ TURN_KEYS = ("new_tokens", "cycles", "wall_s", "accept_lengths")
 RECORD_START = b'{"question_id": '
 RESUME_KEYS = ("target", "method", "draft", "draft_sha256", "bench", "temperature",
                "sample_top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-               "frequency_penalty", "ignore_eos", "max_new_tokens", "seed", "tree", "engine")
+               "frequency_penalty", "ignore_eos", "max_new_tokens", "seed", "tree", "engine",
+               "chat_template")
 # Settings recorded since a later version: a record without one (older code's) is not
 # compared on it, so its file still resumes and still pools in a report.
-LATER_KEYS = ("draft_sha256",)
+LATER_KEYS = ("draft_sha256", "chat_template")
 # Settings recorded since a later version whose absence means a value: answers from before
 # the sampling cut, the penalties and ignore_eos existed were made without them.
 DEFAULTS = {"sample_top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,

@@ -12,6 +12,7 @@ untouched (`--overwrite` starts an answer file over).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -65,6 +66,14 @@ def environment(gen: SpeculativeGenerator) -> dict:
             "attention": gen.target.config._attn_implementation,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "git_commit": code_version(), "threads": torch.get_num_threads()}
+
+
+def template_label(template: str | None) -> str | None:
+    """--chat-template as answers record it: a name as it is, a Jinja string by its digest
+    (the prompts differ with it, so answers under two do not share a file or a row)."""
+    if template is None or len(template) <= 40:
+        return template
+    return "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
 
 
 def drafter_sha256(draft: str | None) -> str | None:
@@ -180,7 +189,7 @@ class AnswerWriter:
 # checked before the slow load (the tree and device after it)
 RESUME_IDENTITY = ("target", "method", "draft", "draft_sha256", "bench", "temperature",
                    "sample_top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "ignore_eos", "max_new_tokens", "seed")
+                   "frequency_penalty", "ignore_eos", "max_new_tokens", "seed", "chat_template")
 
 
 class Job:
@@ -194,6 +203,7 @@ class Job:
         self.found = existing_answers(self.path, args.overwrite)
         self.identity = {k: getattr(args, k, None) for k in RESUME_IDENTITY}
         self.identity["draft_sha256"] = drafter_sha256(args.draft)
+        self.identity["chat_template"] = template_label(args.chat_template)
         check_resume(self.path, self.found, self.identity, keys=RESUME_IDENTITY)
         done = {rec["question_id"] for rec in self.found.records} if self.found else set()
         self.todo = [q for q in self.questions if q["question_id"] not in done]

@@ -51,6 +51,7 @@ def parse_runs(argv: list[str] | None) -> list:
     ns, common = p.parse_known_args(argv)
     parser = build_parser()
     parser.prog = p.prog
+    parser.allow_abbrev = False  # an abbreviated shared flag would pass the check below
     runs = []
     for text in ns.run:
         try:

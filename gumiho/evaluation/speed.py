@@ -41,7 +41,8 @@ MAX_POSITIONS = 8
 SLOW_ANSWER = 0.5
 RESAMPLES = 2000  # bootstrap draws for a speedup's interval (seeded: reports reproduce)
 # Answers pooled into one row must come from one kind of run.
-GROUP_KEYS = ("target", "draft", "draft_sha256", "max_new_tokens", "seed", "tree", "engine")
+GROUP_KEYS = ("target", "draft", "draft_sha256", "max_new_tokens", "seed", "tree", "engine",
+              "chat_template")
 
 
 def sampling_key(settings: dict) -> float | str:
@@ -317,7 +318,7 @@ def paired_row(key: tuple, answers: dict, base: dict, baseline: str, notes: list
                      f"{baseline} answer to pair with)")
     row = stats([answers[q] for q in shared or answers])
     unfair = shared and run_mismatch(answers[shared[0]], base[shared[0]],
-                                     ("target", "engine", "max_new_tokens"),
+                                     ("target", "engine", "max_new_tokens", "chat_template"),
                                      (f"for {label}", f"for {baseline}"))
     if unfair:
         notes.append(f"{label} and {baseline} on {bench} ran differently ({unfair}): no "

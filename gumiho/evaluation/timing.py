@@ -144,6 +144,9 @@ def cycle_breakdown(target: Target, method: str, draft: str, engine: str, contex
             "tree": vars(tree), "per_cycle_s": phases,
             "cycle_s": cycle, "plain_step_s": plain_step,
             "cycle_over_plain_step": cycle / plain_step, "tau": fast.tau,
+            # what the projection wants: tokens per verify cycle, the prefill's left out as
+            # its cycle's time is (`tau` counts the prefill as a cycle of one token)
+            "tokens_per_verify": (fast.new_tokens - 1) / cycles,
             "unprofiled": {"cycle_s": wall_cycle, "plain_step_s": wall_plain,
                            "cycle_over_plain_step": wall_cycle / wall_plain},
             "host_syncs_per_cycle": host_syncs_per_cycle(target, drafter, ids, engine,
@@ -236,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft", default="random",
                         help="drafter dir for a single --methods entry (default: random)")
     parser.add_argument("--tau", type=nonnegative_float, default=None,
-                        help="tau for the projected speedup (default: the run's own)")
+                        help="tau for the projected speedup, tokens per verify cycle "
+                        "(default: the run's own, its prefill's token and cycle left out)")
     parser.add_argument("--context", type=positive_int, default=128,
                         help="committed tokens in cache")
     parser.add_argument("--repeats", type=positive_int, default=10)
@@ -318,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         cycle = cycle_breakdown(target, method, args.draft, engine, args.context,
                                 args.max_new_tokens, args.draft_vocab, args.kernels,
                                 plain_counts, **per_method[method])
-        tau = args.tau if args.tau is not None else cycle["tau"]
+        tau = args.tau if args.tau is not None else cycle["tokens_per_verify"]
         wall = cycle["unprofiled"]
         cycle["projected"] = {"tau": tau, "speedup": projected_speedup(
             tau, wall["plain_step_s"], wall["cycle_s"])}
