@@ -340,8 +340,8 @@ def load_drafter_model(path: str | Path, target, method: str | None = None,
     try:
         return drafter_network(config, target, from_official(state, config), dtype=dtype)
     except KeyError as exc:  # a config field the layers' constructors look up, e.g. RoPE's
-        raise GumihoError(f"drafter {path}: its config.json lacks {exc} for its "
-                          f"{config.rope_parameters.get('rope_type', '')} settings") from None
+        raise GumihoError(f"drafter {path}: its config.json does not describe its layers "
+                          f"({exc.args[0] if exc.args else exc})") from None
 
 
 def check_draft_vocabulary(state: dict[str, Tensor], vocab: int, path) -> None:
