@@ -434,6 +434,13 @@ def answer_stops(target: Target, config: GenerateConfig) -> frozenset[int]:
     return own | frozenset(config.stop_token_ids)
 
 
+def min_tokens_stops(target: Target, config: GenerateConfig) -> frozenset[int]:
+    """The tokens `min_tokens` keeps out of an answer shorter than it: the target's stop
+    tokens and `stop_token_ids`, under `ignore_eos` too (as vLLM's min_tokens: a
+    fixed-length answer, ignore_eos with min_tokens = max_tokens, holds no end marker)."""
+    return frozenset(target.stop_token_ids) | frozenset(config.stop_token_ids)
+
+
 def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> None:
     """Refuse, before any forward, what would fail deep inside torch or silently run past
     the target's context: empty prompts, token ids outside the vocabulary, and prompt +
@@ -466,7 +473,6 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
     `answer`, if given, the prompt tokens a reused prefix spared (`reused_tokens`)."""
     check_prompt(target, prompt_ids, config.max_new_tokens)
     check_token_ids(target, config)
-    stop_ids = answer_stops(target, config)
     timer = timer or PhaseTimer(target.device, enabled=False)
     generator = torch.Generator(device=target.device).manual_seed(config.seed)
     input_ids = torch.tensor([prompt_ids], device=target.device)
@@ -491,7 +497,8 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
         raw = logits
         penalty = penalties(config.repetition_penalty, config.presence_penalty,
                             config.frequency_penalty, logits.shape[-1], input_ids[0],
-                            config.min_tokens, stop_ids, dict(config.logit_bias),
+                            config.min_tokens, min_tokens_stops(target, config),
+                            dict(config.logit_bias),
                             config.no_repeat_ngram_size)
         if penalty is not None:
             logits = penalty.last(logits)

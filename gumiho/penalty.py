@@ -269,7 +269,8 @@ class NoRepeatNGram:
         n = self.size
         if len(self.sequence) + len(path) + 1 < n:
             return set()
-        tail = self.sequence[len(self.sequence) - n + 1:] if n > 1 else []
+        # (a sequence shorter than n - 1 is whole: a negative start would cut its front)
+        tail = self.sequence[max(len(self.sequence) - n + 1, 0):] if n > 1 else []
         whole = tail + path  # the committed n - 1 tokens are all a new n-gram can reach
         prefix = tuple(whole[len(whole) - n + 1:])
         out = set(self.followers.get(prefix, ()))

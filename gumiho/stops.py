@@ -11,12 +11,15 @@ The text stops before the stop string, which is not part of the answer (OpenAI's
 vLLM's convention; the token ids still hold the tokens that spelled it).
 
 Only the answer is searched, not the prompt. Each cycle decodes a short window: the last
-`2 * longest + 8` tokens before the cycle's new ones (every token spells at least one
-character, or an empty special token, so a string of n characters spans at most n
-tokens) and the new ones; only where the window holds a stop string are its prefixes
-decoded to find the token that completed it. On the 2-core Xeon (2026-12-01, SmolLM2's
-tokenizer, 3 tokens a cycle) that cost 13 us a cycle for "\\n\\n" and 17 us for two
-strings of up to 7 characters, against a 22 ms plain step.
+`2 * longest + 8` tokens before the cycle's new ones, the longest stop string measured in
+UTF-8 bytes (a token spells at least one byte, so a string of n bytes spans at most n
+tokens; in characters it did not hold: an emoji is 3 of SmolLM2's byte-level tokens, and
+plain decoding missed such a stop that a cycle of several tokens found; empty special
+tokens, under `ignore_eos`, are not counted), and the new ones; only where the window
+holds a stop string are its prefixes decoded to find the token that completed it. On the
+2-core Xeon (2026-12-01, SmolLM2's tokenizer, 3 tokens a cycle) that cost 13 us a cycle
+for "\\n\\n" and 17 us for two strings of up to 7 characters, against a 22 ms plain
+step.
 """
 
 from __future__ import annotations
@@ -57,7 +60,9 @@ class StopStrings:
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]):
         self.decode, self.stops = decode, stops
-        self.reach = 2 * max(map(len, stops)) + 8  # tokens of context before a cycle's
+        # tokens of context before a cycle's: a token spells at least one byte (a character
+        # can take several tokens: an emoji is 3 of SmolLM2's), so twice a stop's bytes
+        self.reach = 2 * max(len(s.encode()) for s in stops) + 8
         self.tokens: list[int] = []
 
     def through(self, new: list[int]) -> int | None:

@@ -327,6 +327,33 @@ def test_each_tree_row_bans_repeated_ngrams_over_its_own_sequence(size):
     assert torch.equal(part.last(logits[:1]), processor(sequence[None], logits[:1].clone()))
 
 
+@pytest.mark.host
+def test_banned_ngrams_after_a_sequence_shorter_than_n_are_transformers():
+    """A committed sequence shorter than n - 1 (a short raw prompt) and a path below it:
+    the tokens banned are transformers' over the whole sequence (a negative slice start
+    once cut the sequence's front off, letting a repeated n-gram through a draft)."""
+    from transformers import NoRepeatNGramLogitsProcessor
+
+    from gumiho.penalty import NoRepeatNGram
+
+    assert NoRepeatNGram(4, torch.tensor([0, 0])).banned([1, 1, 0, 0, 1]) == {1}
+    rng = torch.Generator().manual_seed(3)
+    checked = 0
+    for _ in range(3000):
+        size = int(torch.randint(2, 6, (1,), generator=rng))
+        committed = torch.randint(3, (int(torch.randint(1, 4, (1,), generator=rng)),),
+                                  generator=rng)
+        path = torch.randint(3, (int(torch.randint(0, 7, (1,), generator=rng)),),
+                             generator=rng).tolist()
+        part = NoRepeatNGram(size, committed)
+        sequence = torch.cat([committed, torch.tensor(path, dtype=torch.long)])
+        want = NoRepeatNGramLogitsProcessor(size)(sequence[None], torch.zeros(1, 3))
+        assert part.banned(path) == set(torch.isinf(want[0]).nonzero().flatten().tolist()), \
+            (size, committed.tolist(), path)
+        checked += bool(torch.isinf(want).any())
+    assert checked > 300
+
+
 def test_greedy_with_no_repeat_ngrams_is_transformers_generate(smollm2, reference):
     """transformers' greedy answer with no_repeat_ngram_size 3 (the reference answer repeats
     "A paperclip is used to"), token for token, for plain decoding, lookup, the shipped

@@ -68,7 +68,11 @@ def hf_greedy(target, ids, eos, max_new_tokens, **kwargs):
 def test_stop_ids_ignore_eos_and_min_tokens_are_transformers_generate(smollm2, france):
     """Plain decoding, prompt lookup, the shipped Gumiho drafter and an oracle drafter
     proposing the whole answer (whose cycles run through the masked stop token and past
-    the minimum) each give transformers' greedy answer for each setting."""
+    the minimum) each give transformers' greedy answer for each setting (with ignore_eos,
+    min_tokens masking the target's stop tokens as vLLM's does: transformers' processor
+    given them while generation ends at other ids)."""
+    from transformers import LogitsProcessorList, MinNewTokensLengthLogitsProcessor
+
     from gumiho import SpeculativeGenerator
 
     ids, stops = france, set(smollm2.stop_token_ids)
@@ -80,8 +84,14 @@ def test_stop_ids_ignore_eos_and_min_tokens_are_transformers_generate(smollm2, f
         ({"min_tokens": 8}, (stops, {"min_new_tokens": 8}), "stop_token"),
         ({"ignore_eos": True}, ({never}, {}), "max_new_tokens"),
         ({"stop_token_ids": [period]}, (stops | {period}, {}), "stop_token"),
+        # vLLM's min_tokens under ignore_eos: the target's stop tokens are held off too
         ({"ignore_eos": True, "stop_token_ids": [period], "min_tokens": 10},
-         ({period}, {"min_new_tokens": 10}), "stop_token"),
+         ({period}, {"logits_processor": LogitsProcessorList([MinNewTokensLengthLogitsProcessor(
+             len(ids), 10, sorted(stops | {period}), device=str(smollm2.device))])}),
+         "stop_token"),
+        ({"ignore_eos": True, "min_tokens": 20},
+         ({never}, {"logits_processor": LogitsProcessorList([MinNewTokensLengthLogitsProcessor(
+             len(ids), 20, sorted(stops), device=str(smollm2.device))])}), "max_new_tokens"),
     ]
     gens = {"ar": SpeculativeGenerator.load(smollm2, "ar"),
             "lookup": SpeculativeGenerator.load(smollm2, "lookup"),

@@ -42,6 +42,25 @@ def test_the_token_that_completes_a_stop_string_is_the_last_kept():
     assert first.through([0, 1, 2]) == 2  # the earliest token wins, whichever string
 
 
+def test_a_stop_of_characters_several_tokens_long_is_found_a_token_at_a_time(smollm2):
+    """SmolLM2 spells an emoji in 3 byte-level tokens: a stop string of 10 of them spans 30
+    tokens, past a window sized in characters, where plain decoding (a token a cycle) ran
+    on while a cycle of several tokens stopped. Both stop at the token completing it."""
+    from gumiho import SpeculativeGenerator
+
+    ids = smollm2.tokenizer("\U0001f98a\U0001f436\U0001f431" * 4).input_ids
+    stop = "\U0001f436\U0001f431" * 5
+    assert len(smollm2.tokenizer(stop).input_ids) == 30
+    plain = SpeculativeGenerator.load(smollm2, "ar").generate(
+        ids, 48, stop=stop, ignore_eos=True, logit_bias={i: 5.0 for i in set(ids)})
+    assert plain.stopped_by == "stop_string" and stop not in plain.text
+    assert stop in smollm2.decode(plain.token_ids)
+    gumiho = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
+                                       total_tokens=8).generate(
+        ids, 48, stop=stop, ignore_eos=True, logit_bias={i: 5.0 for i in set(ids)})
+    assert gumiho.token_ids == plain.token_ids
+
+
 @pytest.mark.host
 def test_a_stream_never_shows_part_of_a_stop_string():
     """Random pieces of a text holding a stop string: what is shown, joined, is always the
