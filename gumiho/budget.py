@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -57,6 +58,7 @@ from torch import Tensor
 from gumiho import rowamx, rowgemm, rowlayer
 from gumiho.config import TreeConfig
 from gumiho.engine import GenerateConfig, TargetRunner, prefill, run, verify_tree
+from gumiho.errors import GumihoError
 from gumiho.linear import PackedLinear
 from gumiho.methods import method_spec
 from gumiho.paths import cache_dir, write_atomically
@@ -340,7 +342,7 @@ def whole_cycles(target: Target, model, method: str, trees: dict[str, TreeConfig
                    trees.items()}}
     config = GenerateConfig(max_new_tokens=max_new_tokens, engine=engine,
                             temperature=temperature)
-    prompts = [target.chat_ids(prompt) for prompt in CALIBRATION_PROMPTS]
+    prompts = calibration_ids(target)
     for drafter in drafters.values():  # warm-up (and captures)
         run(target, drafter, prompts[0], replace(config, max_new_tokens=8))
     names = list(drafters)
@@ -365,6 +367,17 @@ def whole_cycles(target: Target, model, method: str, trees: dict[str, TreeConfig
     return out
 
 
+def calibration_ids(target: Target) -> list[list[int]]:
+    """The calibration prompts' token ids, through the target's chat template; a target
+    without a tokenizer gets fixed ids of the same lengths' order (its own text would need
+    one)."""
+    if target.tokenizer is None:
+        vocab = target.lm_head.weight.shape[0]
+        return [[(7 * i + 11 * k) % vocab for i in range(32 + 8 * k)]
+                for k in range(len(CALIBRATION_PROMPTS))]
+    return [target.chat_ids(prompt) for prompt in CALIBRATION_PROMPTS]
+
+
 def temperature_key(temperature: float) -> float:
     """The temperature a tree shape is chosen and cached for: to two decimals (0.0:
     greedy)."""
@@ -372,13 +385,18 @@ def temperature_key(temperature: float) -> float:
 
 
 def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engine: str,
-                temperature: float = 0.0) -> Path | None:
+                temperature: float = 0.0, kept: frozenset[str] = frozenset()) -> Path | None:
+    from gumiho.checkpoint import weights_file
+
     if draft == "random":
         return None
     draft_path = Path(draft).resolve()
-    weights = next(iter(sorted(draft_path.glob("*.safetensors")) +
-                        sorted(draft_path.glob("*.bin"))), None)
-    stamp = weights.stat().st_mtime_ns if weights else 0
+    try:
+        weights = weights_file(draft_path)  # the file a load reads
+        stamp = [weights.stat().st_mtime_ns, (draft_path / "config.json").stat().st_mtime_ns
+                 if (draft_path / "config.json").exists() else 0]
+    except (GumihoError, OSError):
+        stamp = 0
     device = target.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     # the first item versions what the costs measure (5: wide verifies' logits via oneDNN;
@@ -392,15 +410,19 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     # target's layers are packed ($GUMIHO_PACK), whether rowgemm (with its AVX-512 blocks)
     # and rowamx built here ($GUMIHO_ROWGEMM, $GUMIHO_ROWGEMM512, $GUMIHO_ROWAMX) and
     # whether fused.py runs the target's decoder ($GUMIHO_FUSED), and rowlayer.c its steps
-    # ($GUMIHO_ROWLAYER), change them
+    # ($GUMIHO_ROWLAYER), change them; so do the threads the kernels run on, the drafter's
+    # 16-bit head ($GUMIHO_DRAFT_HEAD16), the calibration prompts' ids (the chat template)
+    # and which of top_k and pruning the caller fixed (no wider pool then)
     packed = any(type(m) is PackedLinear for m in target.model.modules())
     fused = target._fused
     steps = None if fused is None else "rowlayer" if fused.rows is not None else "fused"
     keyed = temperature_key(temperature)  # greedy keys stay as they were before T > 0
-    key = json.dumps([16, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
+    prompts = hashlib.sha1(json.dumps(calibration_ids(target)).encode()).hexdigest()[:12]
+    key = json.dumps([17, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, rowgemm.identity(), rowamx.identity(),
-                      target.config._attn_implementation]
+                      target.config._attn_implementation, torch.get_num_threads(),
+                      os.environ.get("GUMIHO_DRAFT_HEAD16", "1"), prompts, sorted(kept)]
                      + ([keyed] if keyed else []), default=str)
     return cache_dir() / "auto_tree" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
@@ -413,13 +435,13 @@ def calibrate(target: Target, drafter, engine: str, max_new_tokens: int,
     trees: list[DraftTree] = []
     config = GenerateConfig(max_new_tokens=max_new_tokens, profile=True, engine=engine,
                             temperature=temperature)
-    run(target, drafter, target.chat_ids(CALIBRATION_PROMPTS[0]),
-        replace(config, max_new_tokens=8))  # warm-up (and captures)
+    prompts = calibration_ids(target)
+    run(target, drafter, prompts[0], replace(config, max_new_tokens=8))  # warm-up (captures)
     kept, drafts = [], []
     totals = {"draft": 0.0, "draft_catchup": 0.0, "accept_commit": 0.0}
-    for prompt in CALIBRATION_PROMPTS:
+    for prompt in prompts:
         trees.clear()
-        result = run(target, drafter, target.chat_ids(prompt), config,
+        result = run(target, drafter, prompt, config,
                      on_cycle=lambda tree, emitted: trees.append(tree))
         emitted = result.token_ids[result.accept_lengths[0]:]  # after the prefill's token
         offset = 0
@@ -434,19 +456,24 @@ def calibrate(target: Target, drafter, engine: str, max_new_tokens: int,
 
 def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engine: str,
                 max_new_tokens: int = 64, widths: tuple[int, ...] = CANDIDATE_WIDTHS,
-                temperature: float = 0.0) -> dict:
+                temperature: float = 0.0, kept: frozenset[str] = frozenset()) -> dict:
     """Pick the tree shape for `method`'s drafter `draft` on this device, for decoding at
     `temperature`; returns the report: `tree` (the TreeConfig fields to use), and per shape
-    the expected accept, cycle time and tokens/s."""
+    the expected accept, cycle time and tokens/s. `kept`: the tree options the caller set
+    (a flag given wins: with top_k or pruning among them no wider pool is tried)."""
     from gumiho.drafters import load_drafter
 
     temperature = temperature_key(temperature)  # what the cached choice is for
-    path = _cache_file(target, method, draft, tree, engine, temperature)
+    path = _cache_file(target, method, draft, tree, engine, temperature, kept)
     if path is not None and path.exists():
         try:
-            return json.loads(path.read_text())
-        except (json.JSONDecodeError, KeyError, ValueError):
-            log.warning("ignoring an unreadable cached tree shape %s", path)
+            report = json.loads(path.read_text())
+            chosen_row(report)  # the fields a report has, or KeyError
+            if not isinstance(report["tree"], dict) or "break_even" not in report:
+                raise KeyError("tree")
+            return report
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            log.warning("ignoring an unreadable cached tree shape %s: measuring again", path)
     # Calibrate on the plain dynamic tree: its subtrees are what smaller shapes give.
     reference = replace(without_wrappers(tree), fta="off")
     drafter = load_drafter(method, target, draft, tree=reference, engine=engine)
@@ -467,7 +494,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     flat = verify[own_width] / verify[1]  # the reference's verify, plain steps
     pool = reference  # every shape's tree is drawn from it: the calibration's
     wide = []
-    if flat <= FLAT_VERIFY:
+    if flat <= FLAT_VERIFY and not kept & {"top_k", "pruning"}:
         wide_holds = capacities(drafter.model, method, wide_pool(method, reference), engine)
         wide = wide_shapes(reference, wide_holds)
     if wide:
@@ -482,7 +509,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
         verify = time_widths(target, shapes, engine, temperature)  # all widths in turns
     trees, drafts, fixed = calibrate(target, drafter, engine, max_new_tokens, temperature)
     accept = accept_by_shape(trees, drafts, shapes)
-    ids = target.chat_ids(CALIBRATION_PROMPTS[0]) if target.tokenizer else list(range(8, 40))
+    ids = calibration_ids(target)[0]
     # the shapes' proposals in turns too, the fastest round each
     calls = {shape: draft_step(target, drafter.model, method, shape.tree(pool), engine,
                                ids) for shape in shapes}

@@ -10,6 +10,7 @@ burst of load on a shared machine moves one round, not the result."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -51,11 +52,12 @@ def exact_bf16_here(device: torch.device) -> bool:
 
 
 def exact_bf16_default(args) -> bool:
-    """With --dtype and --attention unset on a CPU with AMX, set them to bfloat16 and the
-    row-invariant attention, as the demo runs (`gumiho demo`, `serve`, `chat`), and say so;
-    True if it did."""
+    """With --dtype ($GUMIHO_DTYPE) and --attention unset on a CPU with AMX, set them to
+    bfloat16 and the row-invariant attention, as the demo runs (`gumiho demo`, `serve`,
+    `chat`), and say so; True if it did."""
     device, _ = choose_device_dtype(args.device, args.dtype)
-    if args.dtype is not None or args.attention is not None or not exact_bf16_here(device):
+    asked = args.dtype or os.environ.get("GUMIHO_DTYPE")  # the user's dtype wins, either way
+    if asked or args.attention is not None or not exact_bf16_here(device):
         return False
     args.dtype, args.attention = "bfloat16", SDPA_INVARIANT
     log.info("this CPU has AMX: bfloat16 with the row-invariant attention, whose output is "

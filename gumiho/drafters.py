@@ -59,7 +59,8 @@ class MedusaDrafter:
         self.name = model.config.method
         n_heads = model.w.shape[0]
         depth = self.draft_depth = min(tree.depth, n_heads)
-        acc = head_accuracy or [0.6, 0.4, 0.3, 0.25, 0.2][:depth]
+        # the released tree's per-head accuracies, the last repeated for more heads
+        acc = head_accuracy or ([0.6, 0.4, 0.3, 0.25] + [0.2] * max(depth - 4, 1))[:depth]
         parents, _, self.ranks = static_tree(tree.total_tokens - 1, depth, acc,
                                              max_rank=draft_size(model, 10))
         # static_tree lists nodes best first, so a smaller budget keeps a prefix

@@ -94,8 +94,9 @@ def report() -> dict:
         },
         "default": {"device": str(device),
                     "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-                    "demo_on_cpu": "bfloat16, sdpa_invariant (exact)" if cpu_exact
-                    else "float32"},
+                    # (a $GUMIHO_DTYPE the user set is the demo's dtype too)
+                    "demo_on_cpu": os.environ.get("GUMIHO_DTYPE") or (
+                        "bfloat16, sdpa_invariant (exact)" if cpu_exact else "float32")},
         "cuda": None,
         "switches": {name: os.environ[name] for name in SWITCHES if name in os.environ},
     }

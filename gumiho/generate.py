@@ -123,7 +123,7 @@ class SpeculativeGenerator:
         self.auto_report: dict | None = None
         # with total_tokens="auto": (method, draft, the unsized tree), and the drafter and
         # report chosen for each temperature asked for (`drafter_for`)
-        self._auto: tuple[str, str, TreeConfig] | None = None
+        self._auto: tuple[str, str, TreeConfig, frozenset[str]] | None = None
         self._sized: dict[float, tuple[Drafter, dict]] = {}
 
     @classmethod
@@ -148,6 +148,7 @@ class SpeculativeGenerator:
         (load_target's `attn_implementation`; "sdpa_invariant" makes bf16 verifies on a CPU
         bit for bit sequential decoding's, attention.py)."""
         check_load_args(target, method, draft, tree_options)
+        GenerateConfig(temperature=temperature)  # a number >= 0, as generate checks it
         user_options, asked_depth = tree_options, tree_options.get("depth")
         asked_tokens = tree_options.get("total_tokens")
         asked_tokens = asked_tokens if isinstance(asked_tokens, int) else None  # not "auto"
@@ -177,8 +178,10 @@ class SpeculativeGenerator:
             attn_implementation=attention)
         tree.check_vocab(loaded.lm_head.weight.shape[0])
         report, unsized = None, tree
+        kept = frozenset(k for k in ("top_k", "pruning") if user_options.get(k) is not None)
         if auto:
-            report = choose_tree(loaded, method, draft, tree, engine, temperature=temperature)
+            report = choose_tree(loaded, method, draft, tree, engine, temperature=temperature,
+                                 kept=kept)
             tree = sized_tree(tree, report)
         drafter = load_drafter(method, loaded, draft, tree=tree, engine=engine)
         if auto and asked_depth is not None and tree.depth < asked_depth:
@@ -188,7 +191,7 @@ class SpeculativeGenerator:
         gen = cls(loaded, drafter, verify_width, engine)
         gen.auto_report = report  # how `auto` chose the tree size, or None
         if auto:
-            gen._auto = method, draft, unsized
+            gen._auto = method, draft, unsized, kept
             gen._sized[temperature_key(temperature)] = drafter, report
         return gen
 
@@ -208,9 +211,9 @@ class SpeculativeGenerator:
             return self.drafter, self.auto_report
         key = temperature_key(temperature)
         if key not in self._sized:
-            method, draft, tree = self._auto
+            method, draft, tree, kept = self._auto
             report = choose_tree(self.target, method, draft, tree, self.engine,
-                                 temperature=key)
+                                 temperature=key, kept=kept)
             drafter = load_drafter(method, self.target, draft, tree=sized_tree(tree, report),
                                    engine=self.engine)
             check_verify_width(self.verify_width, drafter)

@@ -1,5 +1,7 @@
 """`--total-tokens auto`: acceptance by tree size from one calibration run, and the choice."""
 
+import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -209,6 +211,11 @@ def test_auto_tries_trees_past_the_reference_where_a_verify_is_nearly_free(
         assert drafter.max_nodes == 23 and (drafter.beam, drafter.pruning) == (5, 6)
         assert {(w, d) for w, d in sizes if w > 8} == {(12, 3), (16, 3), (12, 4), (16, 4)}
         assert report["pool"] == {"total_tokens": 400, "top_k": 5, "pruning": 6}
+        # a top_k the caller gave wins: no wider pool, its beam and pruning kept
+        kept = budget.choose_tree(target, "gumiho", "random", tree, "eager", max_new_tokens=8,
+                                  widths=(4, 8), kept=frozenset({"top_k"}))
+        assert kept["pool"] == {"total_tokens": 8, "top_k": 3, "pruning": 3}
+        assert (kept["tree"]["top_k"], kept["tree"]["pruning"]) in ((3, 3), (1, 1))
     else:
         assert drafter.max_nodes == 8 and (drafter.beam, drafter.pruning) == (3, 3)
         assert max(w for w, _ in sizes) == 8
@@ -298,7 +305,7 @@ def test_a_generator_sizes_its_tree_for_each_temperature_once(tiny_target_dir, m
 
     asked = []
 
-    def choose(target, method, draft, tree, engine, temperature=0.0):
+    def choose(target, method, draft, tree, engine, temperature=0.0, kept=frozenset()):
         asked.append(temperature)
         size = 5 if temperature else 3
         return {"tree": {"total_tokens": size, "depth": 1, "top_k": 4, "mlp_topk": 1,
@@ -379,6 +386,54 @@ def test_the_cached_choice_is_shared_with_and_without_a_lookup_chain(tiny_target
                                       replace(tree, min_confidence=0.1), "eager")
     assert path != budget._cache_file(target, "gumiho", str(draft),
                                       replace(tree, top_k=3), "eager")
+    # what else moves the costs or the prompts: the threads, the drafter's 16-bit head,
+    # the chat template, and top_k or pruning fixed by the caller (no wider pool then)
+    assert path != budget._cache_file(target, "gumiho", str(draft), tree, "eager",
+                                      kept=frozenset({"top_k"}))
+    monkeypatch.setenv("GUMIHO_DRAFT_HEAD16", "0")
+    assert path != budget._cache_file(target, "gumiho", str(draft), tree, "eager")
+    monkeypatch.delenv("GUMIHO_DRAFT_HEAD16")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    assert path != budget._cache_file(target, "gumiho", str(draft), tree, "eager")
+    monkeypatch.undo()
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
+    vicuna = load_target(tiny_target_dir, chat_template="vicuna")
+    assert path != budget._cache_file(vicuna, "gumiho", str(draft), tree, "eager")
+    assert path == budget._cache_file(target, "gumiho", str(draft), tree, "eager")
+    # a new weights file is a new drafter
+    os.utime(draft / "model.safetensors", ns=(1, 1))
+    assert path != budget._cache_file(target, "gumiho", str(draft), tree, "eager")
+
+
+@pytest.mark.host
+def test_a_target_without_a_tokenizer_calibrates_on_fixed_ids(tiny_target_dir):
+    target = load_target(tiny_target_dir)
+    bare = replace(target, tokenizer=None)
+    ids = budget.calibration_ids(bare)
+    assert len(ids) == len(budget.CALIBRATION_PROMPTS) and all(ids)
+    assert all(0 <= i < target.config.vocab_size for prompt in ids for i in prompt)
+    assert budget.calibration_ids(target)[0] == target.chat_ids(budget.CALIBRATION_PROMPTS[0])
+
+
+def test_an_unreadable_cached_choice_is_measured_again(tiny_target_dir, tmp_path, monkeypatch,
+                                                       caplog):
+    from gumiho.checkpoint import save_drafter
+    from gumiho.drafters import random_drafter_model
+
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
+    target = load_target(tiny_target_dir)
+    save_drafter(random_drafter_model("gumiho", target, 0), tmp_path / "draft")
+    tree = TreeConfig.for_method("gumiho", total_tokens=4, top_k=2, mlp_topk=2, pruning=2,
+                                 depth=2)
+    path = budget._cache_file(target, "gumiho", str(tmp_path / "draft"), tree, "eager")
+    path.parent.mkdir(parents=True)
+    for bad in ("[1]", '{"tree": 3, "shapes": {}}'):
+        path.write_text(bad)
+        report = budget.choose_tree(target, "gumiho", str(tmp_path / "draft"), tree, "eager",
+                                    max_new_tokens=4, widths=(4,))
+        assert report["shapes"] and budget.chosen_row(report)
+        assert "measuring again" in caplog.text
+        assert json.loads(path.read_text())["tree"] == report["tree"]  # cached anew
 
 
 @pytest.mark.host

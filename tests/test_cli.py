@@ -99,8 +99,8 @@ def test_env_says_which_paths_run_here(capsys, monkeypatch):
     assert kernels["rowlayer"] is False
     assert kernels["softce"] == (softce.kernel() is not None)
     assert facts["switches"] == {k: os.environ[k] for k in env.SWITCHES if k in os.environ}
-    assert facts["default"]["demo_on_cpu"].startswith(
-        "bfloat16" if exact_bf16_here(torch.device("cpu")) else "float32")
+    assert facts["default"]["demo_on_cpu"].startswith(os.environ.get("GUMIHO_DTYPE") or (
+        "bfloat16" if exact_bf16_here(torch.device("cpu")) else "float32"))
     assert (facts["cuda"] is None) == (not torch.cuda.is_available())
 
     monkeypatch.setenv("GUMIHO_DEVICE", "tpu")

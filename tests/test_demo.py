@@ -1,5 +1,7 @@
 """`gumiho demo` runs the embedded default with the shipped drafter, losslessly."""
 
+import os
+
 import pytest
 import torch
 
@@ -20,9 +22,12 @@ def test_shipped_drafters_load_and_decode_like_plain(smollm2, method, capsys):
     assert "prompt-lookup chain of up to 10" in out  # the demo's default beside the drafter
     # its confidence floor, for the methods that take one, where it applies: the eager
     # engine (captured steps keep one tree shape, so a GPU's default graphs ignore floors)
-    # (float32 only: on a CPU with AMX the demo runs exact bf16, where they cost speed)
+    # (float32 only: on a CPU with AMX the demo runs exact bf16, where they cost speed,
+    # unless $GUMIHO_DTYPE, which the suite sets, says otherwise)
+    dtype = os.environ.get("GUMIHO_DTYPE") or (
+        "bfloat16" if demo.exact_bf16_here(DEVICE) else "float32")
     floors = method != "medusa" and resolve_engine(None, DEVICE) == "eager" \
-        and not demo.exact_bf16_here(DEVICE)
+        and dtype == "float32"
     assert ("path probability >= 0.1" in out) == floors
     assert ("deeper levels below >= 0.4" in out) == floors
 
@@ -63,6 +68,7 @@ def test_demo_runs_exact_bf16_on_an_amx_cpu(smollm2, capsys, monkeypatch, amx):
     decides) the demo's default is bf16 with the row-invariant attention, and its output is
     still plain decoding's bit for bit; otherwise float32. An explicit --dtype wins."""
     monkeypatch.setattr(demo, "amx_cpu", lambda: amx)
+    monkeypatch.delenv("GUMIHO_DTYPE")  # (the suite's default dtype: a user's would win)
     code = demo.main(["--max-new-tokens", "8", "--total-tokens", "4", "--rounds", "1"])
     out = capsys.readouterr().out
     assert code == 0 and "outputs identical" in out, out
@@ -72,6 +78,12 @@ def test_demo_runs_exact_bf16_on_an_amx_cpu(smollm2, capsys, monkeypatch, amx):
     assert demo.main(["--max-new-tokens", "4", "--total-tokens", "4", "--dtype", "float32",
                       "--rounds", "1"]) == 0
     assert "in float32:" in capsys.readouterr().out
+    # so does $GUMIHO_DTYPE, the default dtype's other spelling (gumiho env says the same)
+    import argparse
+
+    monkeypatch.setenv("GUMIHO_DTYPE", "float32")
+    args = argparse.Namespace(device=None, dtype=None, attention=None)
+    assert not demo.exact_bf16_default(args) and args.dtype is None
 
 
 def test_demo_names_the_tree_auto_chose(smollm2, capsys, monkeypatch):

@@ -123,3 +123,22 @@ def test_sampling_from_the_top_1_is_greedy_decoding(smollm2, reference):
         assert out.token_ids == plain.token_ids, cut
         assert out.tau > 1.2, cut
     assert gen.generate(ids, n, temperature=1.0, seed=0).token_ids != plain.token_ids
+
+
+def test_a_medusa_drafter_with_more_heads_drafts_at_every_depth(smollm2):
+    """A Medusa checkpoint of 7 heads at depth 7 (the released tree's accuracies stop at 5
+    heads: the last is repeated, where it raised IndexError), and its answer is plain
+    decoding's."""
+    from gumiho.checkpoint import drafter_network
+    from gumiho.config import DrafterConfig
+    from gumiho.drafters import MedusaDrafter, PlainDrafter
+
+    config = DrafterConfig.for_target(smollm2.config, "medusa", num_mlp_heads=7)
+    torch.manual_seed(0)
+    drafter = MedusaDrafter(drafter_network(config, smollm2),
+                            TreeConfig.for_method("medusa", depth=7, total_tokens=300))
+    assert drafter.draft_depth == 7 and drafter.max_nodes == 300
+    ids = smollm2.chat_ids(PROMPT)
+    out = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=12))
+    assert out.token_ids == run(smollm2, PlainDrafter(), ids,
+                                GenerateConfig(max_new_tokens=12)).token_ids
