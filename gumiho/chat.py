@@ -106,8 +106,8 @@ class ChatSession:
         except UnicodeEncodeError:  # a lone surrogate (undecodable bytes typed): escaped
             data = json.dumps({"messages": self.messages}, indent=1)
         try:
-            write_atomically(Path(path), lambda tmp: tmp.write_text(data + "\n",
-                                                                    encoding="utf-8"))
+            write_atomically(Path(path).expanduser(),  # (~ is the user's home, as a shell's)
+                             lambda tmp: tmp.write_text(data + "\n", encoding="utf-8"))
         except OSError as exc:
             raise GumihoError(f"cannot write {path}: {exc.strerror or exc}") from None
         return f"(the conversation, {len(self.messages)} messages, saved to {path})"
@@ -115,10 +115,11 @@ class ChatSession:
     def load(self, path: str) -> str:
         """Go on with the conversation `save` wrote to `path` (or any {"messages": [{"role",
         "content"}, ...]}); a file that is not one changes nothing."""
-        if Path(path).exists() and not Path(path).is_file():  # a FIFO, /dev/zero: no end
+        file = Path(path).expanduser()
+        if file.exists() and not file.is_file():  # a FIFO, /dev/zero: no end
             raise GumihoError(f"cannot read {path}: not a file")
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            data = json.loads(file.read_text(encoding="utf-8"))
         except OSError as exc:
             raise GumihoError(f"cannot read {path}: {exc.strerror or exc}") from None
         except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)

@@ -122,7 +122,7 @@ def test_save_and_load_a_conversation(gen, tmp_path):
     assert info.startswith("error: cannot write")
 
 
-def test_files_that_hold_no_conversation_are_one_error_line(gen, tmp_path):
+def test_files_that_hold_no_conversation_are_one_error_line(gen, tmp_path, monkeypatch):
     """Deep JSON, text that is not Unicode, a FIFO: one error line each, nothing changed;
     a conversation with undecodable text typed into it is still saved (escaped)."""
     import os
@@ -141,6 +141,9 @@ def test_files_that_hold_no_conversation_are_one_error_line(gen, tmp_path):
     _, info = talk(session, f"/save {tmp_path / 'kept.json'}")
     assert "saved" in info
     assert json.loads((tmp_path / "kept.json").read_text())["messages"] == session.messages
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ is the home folder, as a shell reads it
+    _, info = talk(session, "/save ~/home.json")
+    assert "saved" in info and (tmp_path / "home.json").is_file()
 
 
 def test_a_block_is_a_turn_even_when_it_looks_like_a_command(gen, tmp_path):
