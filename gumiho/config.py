@@ -197,7 +197,8 @@ def check_engine_options(options: dict, engine: str) -> None:
     asked = [k for k in EAGER_ONLY if options.get(k)]
     if asked and engine != "eager":
         flags = ", ".join("--" + k.replace("_", "-") for k in asked)
-        raise GumihoError(f"{flags} work on the eager engine only (a captured step keeps one "
+        raise GumihoError(f"{flags} work{'s' if len(asked) == 1 else ''} on the eager engine "
+                          "only (a captured step keeps one "
                           f"shape), not --engine {engine}: add --engine eager, or leave "
                           f"{'it' if len(asked) == 1 else 'them'} out")
 

@@ -491,9 +491,14 @@ def main(argv: list[str] | None = None) -> int:
     pieces = gen.stream(args.prompt, args.max_new_tokens, **sampling_settings(args),
                         **answer_settings(args), logprobs=args.logprobs,
                         top_logprobs=args.top_logprobs)
-    for piece in pieces:
+    try:
+        for piece in pieces:
+            if not args.json:
+                print(piece, end="", flush=True)
+    except KeyboardInterrupt:
         if not args.json:
-            print(piece, end="", flush=True)
+            print(flush=True)  # the streamed line ends before the one that says so
+        raise
     result = gen.last_result
     if args.json:
         print(json.dumps(result.to_json()))

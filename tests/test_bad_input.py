@@ -581,7 +581,7 @@ def test_a_newer_stream_supersedes_an_older_one(plain_gen):
      "verify_width must be at least 1"),
     ({"method": "gumiho", "draft": "random", "beam": 3}, TypeError, "unknown tree option"),
     ({"method": "gumiho", "draft": "random", "engine": "static", "min_confidence": 0.5},
-     GumihoError, "^--min-confidence work on the eager engine only .* not --engine static: "
+     GumihoError, "^--min-confidence works on the eager engine only .* not --engine static: "
      "add --engine eager, or leave it out$"),
     ({"method": "eagle2", "draft": "random", "engine": "compile", "draft_gate": 2.0,
       "lookup": 4, "lookup_first": True}, GumihoError,

@@ -145,4 +145,5 @@ def vocabulary_samples(target, args: argparse.Namespace) -> list[dict]:
     return online_samples(target, value("conversations", TrainConfig.conversations),
                           value("num_conversations", 17671), value("max_len", 512),
                           value("template", None),
-                          skip=record.get("skip_conversations", 0) if online else 0)
+                          skip=record.get("skip_conversations", 0) if online else 0,
+                          progress=True)  # (the whole split: a minute or more)
