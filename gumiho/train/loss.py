@@ -299,7 +299,7 @@ def term_generators(generator: torch.Generator | None, p_fraction: float):
     `--log-every` leaves the trained weights as they are."""
     if p_fraction >= 1.0:
         return lambda shift: generator  # (no sample is drawn)
-    base = int(torch.randint(2**62, (1,), generator=generator))
+    base = int(torch.randint(2**62, (1,), generator=generator, device="cpu"))
     return lambda shift: torch.Generator().manual_seed((base + 7919 * shift) % 2**62)
 
 
