@@ -23,6 +23,7 @@ from gumiho.embedded import EMBEDDED
 from gumiho.errors import GumihoError
 from gumiho.methods import MethodSpec, method_spec, spec_from_keys
 from gumiho.modeling import DraftHead, build_draft_model, set_draft_vocabulary
+from gumiho.modeling.vocab import vocab_buffers
 from gumiho.paths import same_place, write_atomically
 
 log = logging.getLogger("gumiho")
@@ -366,9 +367,7 @@ def check_draft_vocabulary(state: dict[str, Tensor], vocab: int, path) -> None:
                      or ids.unique().shape[0] != ids.shape[0]):
         raise GumihoError(f"drafter {path}: d2t's target ids (draft id + offset) must be "
                           f"distinct ids inside 0..{vocab - 1}")
-    mask = torch.zeros(vocab, dtype=torch.bool)
-    mask[ids] = True
-    if not torch.equal(mask, t2d.cpu()):
+    if not torch.equal(vocab_buffers(ids, vocab)[1], t2d.cpu()):
         raise GumihoError(f"drafter {path}: t2d is not True exactly at d2t's target ids")
 
 

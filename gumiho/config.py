@@ -371,26 +371,23 @@ class TrainConfig:
     def check_flags_that_do_nothing(self) -> None:
         """Refuse a setting away from its default where this run would not read it."""
         spec = method_spec(self.method)
-        unread = []
-        if not self.online:  # stored samples are as the allocation made them
-            unread += [("--conversations", "conversations"),
-                       ("--num-conversations", "num_conversations"),
-                       ("--skip-conversations", "skip_conversations"),
-                       ("--max-len", "max_len"), ("--template", "template")]
+        unread = {}  # field -> why this run does not read it
+        if not self.online:
+            unread |= dict.fromkeys(("conversations", "num_conversations",
+                                     "skip_conversations", "max_len", "template"),
+                                    "it is for --online training (samples from --data are "
+                                    "as the allocation made them)")
         if not spec.parallel_heads:
-            unread += [("--mlp-detach", "mlp_detach"), ("--mlp-ploss-weight", "mlp_ploss_weight"),
-                       ("--mlp-ploss-after-epochs", "mlp_ploss_after_epochs")]
+            unread |= dict.fromkeys(("mlp_detach", "mlp_ploss_weight",
+                                     "mlp_ploss_after_epochs"),
+                                    f"{self.method} drafters do not use it")
         if not spec.serial:  # Medusa's heads read the clean features, with one loss
-            unread += [("--ploss-weight", "ploss_weight"), ("--noise", "noise"),
-                       ("--noise-on", "noise_on")]
+            unread |= dict.fromkeys(("ploss_weight", "noise", "noise_on"),
+                                    f"{self.method} drafters do not use it")
         defaults = {f.name: f.default for f in fields(self)}
-        for flag, name in unread:
+        for name, why in unread.items():
             if getattr(self, name) != defaults[name]:
-                why = "it is for --online training (samples from --data are as the " \
-                    "allocation made them)" if not self.online and name in (
-                        "conversations", "num_conversations", "skip_conversations",
-                        "max_len", "template") else f"{self.method} drafters do not use it"
-                raise GumihoError(f"{flag}: {why}; leave it out")
+                raise GumihoError(f"--{name.replace('_', '-')}: {why}; leave it out")
 
     def __post_init__(self):
         if self.method not in DRAFTER_METHODS:

@@ -55,7 +55,6 @@ from gumiho.engine import (
 )
 from gumiho.errors import ArgumentParser, GumihoError, cli_errors, positive_int
 from gumiho.metrics import Metrics
-from gumiho.stops import check_stops
 from gumiho.target import check_unicode
 from gumiho.version import __version__, code_version
 from gumiho.worker import Stopped, Worker
@@ -274,8 +273,7 @@ class Server:
         settings["reuse_prefix"] = self.reuse_prefix
         with bad_request():
             ids = self.prompt(body, chat)
-            config = GenerateConfig(**settings)
-            check_stops(config.stop)
+            config = GenerateConfig(**settings)  # (the stop strings checked there too)
             check_prompt(self.gen.target, ids, config.max_new_tokens)
             check_token_ids(self.gen.target, config)
         return settings, ids
