@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"--max-len {manifest['max_len']}): use a larger --max-len")
     print(f"done in {time.perf_counter() - start:.0f} s: {samples} samples from "
           f"{conversations} conversations ({conversations - samples} skipped: no reply "
-          f"within --max-len or no room to regenerate one) in {outdir}")
+          f"within --max-len, no room to regenerate one, or refused by the chat template) "
+          f"in {outdir}")
     return 0
 
 

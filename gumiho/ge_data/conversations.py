@@ -48,8 +48,8 @@ def salvage_json_array(text: str, notes: list[str] | None = None) -> list[dict]:
 
 
 def read_records(path: Path, notes: list[str] | None = None) -> list:
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # utf-8-sig: a byte-order mark (Windows editors write one) is not the first record's
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
         raise GumihoError(f"{path} is not UTF-8 text: give a JSON or JSONL file of "
                           "ShareGPT-format conversations") from None
@@ -61,7 +61,9 @@ def read_records(path: Path, notes: list[str] | None = None) -> list:
         except GumihoError as exc:
             raise GumihoError(f"{path}: {exc}") from None
     records, bad = [], []
-    for number, line in enumerate(text.splitlines(), 1):
+    # "\n" only: str.splitlines also splits at U+2028, U+0085, ... that JSON strings may hold
+    # unescaped (json.dumps(..., ensure_ascii=False)), which cut a record in two
+    for number, line in enumerate(text.split("\n"), 1):
         if line.strip():
             try:
                 records.append(json.loads(line))

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors, nonnegative_int, one_line
 from gumiho.ge_data.conversations import load_conversations, split
 from gumiho.ge_data.shards import read_manifest, shard_path, write_shard
 from gumiho.target import Target, choose_device_dtype, load_target
@@ -46,9 +46,13 @@ def regenerate(target: Target, conversations: list[dict], template: str | None,
     of a shard's time)."""
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(target.stop_token_ids)
-    prompts = [render(tok, c["messages"][: first_user(c) + 1], True, template)
-               for c in conversations]
-    keep = sorted((i for i, p in enumerate(prompts) if len(p) <= max_len - 32),
+    prompts = {}
+    for i, c in enumerate(conversations):
+        try:
+            prompts[i] = render(tok, c["messages"][: first_user(c) + 1], True, template)
+        except GumihoError as exc:
+            skip_refused(c, exc)
+    keep = sorted((i for i, p in prompts.items() if len(p) <= max_len - 32),
                   key=lambda i: len(prompts[i]))
     advance(len(conversations) - len(keep))
     out = []
@@ -92,16 +96,29 @@ def make_samples(target: Target, conversations: list[dict], manifest: dict,
 
 def make_sample(target: Target, conversation: dict, manifest: dict) -> dict | None:
     """One conversation's ids, features and loss mask; None if nothing is left to learn
-    from (the reply was cut by max_len)."""
-    ids, mask = tokenize_conversation(target.tokenizer, conversation["messages"],
-                                      manifest["max_len"], target.stop_token_ids,
-                                      manifest["template"])
+    from (the reply was cut by max_len) or the chat template refuses the conversation."""
+    try:
+        ids, mask = tokenize_conversation(target.tokenizer, conversation["messages"],
+                                          manifest["max_len"], target.stop_token_ids,
+                                          manifest["template"])
+    except GumihoError as exc:
+        skip_refused(conversation, exc)
+        return None
     if int(mask.sum()) == 0:
         return None
     hidden = target.features(ids[None].to(target.device))[0]
     return {"id": conversation["id"], "input_ids": ids.to(torch.int32),
             "hidden_state": hidden.to(STORE_DTYPE[manifest["dtype"]]).cpu(),
             "loss_mask": mask.to(torch.uint8)}
+
+
+def skip_refused(conversation: dict, exc: GumihoError) -> None:
+    """A conversation the chat template refuses (e.g. Gemma-2's and Mistral's templates
+    raise on a system turn, which 25 of ShareGPT's have) is skipped with a note: failing
+    would stop every rerun at the same conversation. (allocation tried the template on the
+    range's first conversation, so a template that fails on all is refused before.)"""
+    tqdm.write(f"note: conversation {conversation['id']!r} skipped: {one_line(exc)}",
+               file=sys.stderr)
 
 
 def shards_arg(value: str) -> list[int]:
@@ -153,8 +170,10 @@ def make_shards(outdir: Path, manifest: dict, shards: list[int], device: str,
     the target on `device` (a worker process's work; allocation's own for one CPU
     worker). Progress counts conversations (a shard of 100 takes minutes on a CPU)."""
     dtype = manifest.get("compute_dtype") or manifest.get("target_dtype")
+    # with the manifest's template: its end-of-turn token is a stop token, where a
+    # regenerated reply must end (the tokenizer's own template may end turns otherwise)
     target = load_target(manifest.get("target_path") or manifest["target"], device=device,
-                         dtype=dtype)
+                         dtype=dtype, chat_template=manifest["template"])
     conversations = planned_conversations(manifest)
     size = manifest["shard_size"]
     chunks = {i: conversations[i * size : (i + 1) * size] for i in shards}

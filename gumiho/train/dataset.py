@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from gumiho.errors import GumihoError
+from gumiho.errors import GumihoError, one_line
 from gumiho.ge_data.conversations import conversations_path, load_conversations, split
 from gumiho.ge_data.shards import load_samples
 from gumiho.paths import cache_dir, same_place, write_atomically
@@ -88,35 +88,51 @@ def online_samples(target, source: str, count: int, max_len: int,
               f"{count})", file=sys.stderr)
     if threads is None:
         threads = min(TOKENIZE_THREADS, os.cpu_count() or 1)
-    out = []
-    for ids, mask in tqdm(tokenized(target, chosen, max_len, template, threads),
-                          total=len(chosen), desc="tokenize", unit="conv",
-                          disable=not progress):
-        if int(mask.sum()):
+    out, refused = [], []
+    for conv, made in zip(chosen, tqdm(tokenized(target, chosen, max_len, template, threads),
+                                       total=len(chosen), desc="tokenize", unit="conv",
+                                       disable=not progress), strict=True):
+        if isinstance(made, GumihoError):
+            refused.append((conv["id"], made))
+        elif int(made[1].sum()):
+            ids, mask = made
             out.append({"input_ids": ids.to(torch.int32), "loss_mask": mask.to(torch.uint8)})
+    if refused and progress:  # the main process says it, once
+        print(f"note: the chat template refuses {len(refused)} of {len(chosen)} conversations "
+              f"(skipped; the first, {refused[0][0]!r}: {one_line(refused[0][1])})",
+              file=sys.stderr)
+    if len(refused) == len(chosen):  # the template itself, not a few conversations
+        raise refused[0][1]
     if file is not None:
         write_cached_samples(file, out)
     return out
 
 
 def tokenized(target, conversations: list[dict], max_len: int, template: str | None,
-              threads: int) -> Iterator[tuple[Tensor, Tensor]]:
+              threads: int) -> Iterator[tuple[Tensor, Tensor] | GumihoError]:
     """`tokenize_conversation` of each conversation, in order, on `threads` threads, each
-    with its own copy of the tokenizer (its Python side changes state while it encodes).
-    The same samples as one thread: the tokenizer is deterministic. On 2 cores 2 threads
-    are 1.8-2.2x one (the whole split 126 s -> 58 s)."""
+    with its own copy of the tokenizer (its Python side changes state while it encodes),
+    or its error where the chat template refuses that conversation (e.g. Gemma-2's and
+    Mistral's templates raise on a system turn). The same samples as one thread: the
+    tokenizer is deterministic. On 2 cores 2 threads are 1.8-2.2x one (the whole split
+    126 s -> 58 s)."""
+    def with_tokenizer(tokenizer, conv: dict) -> tuple[Tensor, Tensor] | GumihoError:
+        try:
+            return tokenize_conversation(tokenizer, conv["messages"], max_len,
+                                         target.stop_token_ids, template)
+        except GumihoError as exc:
+            return exc
+
     if threads <= 1:
         for conv in conversations:
-            yield tokenize_conversation(target.tokenizer, conv["messages"], max_len,
-                                        target.stop_token_ids, template)
+            yield with_tokenizer(target.tokenizer, conv)
         return
     local = threading.local()
 
-    def one(conv: dict) -> tuple[Tensor, Tensor]:
+    def one(conv: dict) -> tuple[Tensor, Tensor] | GumihoError:
         if not hasattr(local, "tokenizer"):
             local.tokenizer = copy.deepcopy(target.tokenizer)
-        return tokenize_conversation(local.tokenizer, conv["messages"], max_len,
-                                     target.stop_token_ids, template)
+        return with_tokenizer(local.tokenizer, conv)
 
     pool = ThreadPoolExecutor(threads)
     try:
