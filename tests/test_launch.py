@@ -1,6 +1,8 @@
 """gumiho.train.launch (scripts/train.sh's multi-process path): a process that stops on bad
 input is reported as the trainer reports it, one line and its exit status, with no launcher
-traceback; the process count comes from NUM_PROCESSES, the config, or the GPUs."""
+traceback; the process count comes from NUM_PROCESSES, the config, or the GPUs (every
+machine's, for a multi-machine config, which keeps one port); a count that is no positive
+number is one line."""
 
 import os
 import re
@@ -156,3 +158,64 @@ def test_the_failure_reported_is_the_one_that_left_its_line(tmp_path):
     assert root_failure({0: -signal.SIGTERM, 1: 2}, errors) == (1, 2)
     assert root_failure({0: -signal.SIGTERM, 1: -signal.SIGTERM}, errors) == \
         (0, -signal.SIGTERM)
+
+
+def launched(monkeypatch, tmp_path, config: str, gpus: int = 0, argv=()) -> list:
+    """The accelerate launch arguments gumiho.train.launch makes for this config."""
+    import accelerate.commands.launch as accelerate_launch
+    import torch
+
+    from gumiho.train import launch
+
+    seen = []
+    monkeypatch.setattr(accelerate_launch, "launch_command", seen.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.delenv("NUM_PROCESSES", raising=False)
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    status = launch.main(["--config-file", str(path), "--online", *argv])
+    return [status, *seen]
+
+
+MULTI_NODE = ("distributed_type: MULTI_GPU\nnum_machines: 2\nmachine_rank: 1\n"
+              "main_process_ip: 10.0.0.1\n")
+
+
+def test_a_multi_machine_launch_keeps_one_port_and_counts_every_machine(monkeypatch,
+                                                                        tmp_path):
+    """Each machine runs its own launch: a free port picked on each differed, so the others
+    never reached the first; and accelerate's num_processes is all machines' (4 local GPUs
+    on 2 machines started 2 a machine)."""
+    runs = [launched(monkeypatch, tmp_path, MULTI_NODE, gpus=4) for _ in range(2)]
+    for status, args in runs:
+        assert status == 0
+        assert args.main_process_port is None  # accelerate's default, the same everywhere
+        assert args.num_processes == 8
+    status, args = launched(monkeypatch, tmp_path, MULTI_NODE + "num_processes: 16\n", gpus=4)
+    assert (status, args.num_processes, args.main_process_port) == (0, 16, None)
+    # one machine: still a free port of its own, also where the config's port is null
+    for config in ("distributed_type: MULTI_GPU\n",
+                   "distributed_type: MULTI_GPU\nmain_process_port: null\n"):
+        status, args = launched(monkeypatch, tmp_path, config, gpus=2)
+        assert status == 0 and args.num_processes == 2
+        assert isinstance(args.main_process_port, int) and args.main_process_port > 0
+
+
+@pytest.mark.parametrize("setting", ["num_processes: auto", "num_processes: 0",
+                                     "num_processes: true", "num_machines: two"])
+def test_a_config_count_that_is_no_positive_number_is_one_line(monkeypatch, tmp_path,
+                                                                capsys, setting):
+    """`auto` was an internal error (int('auto')), 0 was passed on to accelerate."""
+    status, *started = launched(monkeypatch, tmp_path,
+                                f"distributed_type: MULTI_GPU\n{setting}\n", gpus=2)
+    assert (status, started) == (2, [])
+    key, value = setting.split(": ")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: accelerate config ")
+    assert f"{key} " in lines[0] and "is not a positive integer" in lines[0]
+
+
+def test_a_quoted_process_count_is_taken(monkeypatch, tmp_path):
+    status, args = launched(monkeypatch, tmp_path,
+                            "distributed_type: MULTI_GPU\nnum_processes: '3'\n")
+    assert (status, args.num_processes) == (0, 3)

@@ -9,10 +9,12 @@ with `{rank}`, see `gumiho.errors`), the launcher's own logging is quiet, and th
 failure is reported as the trainer reports it: its one line, its exit status. A process
 that died without a line (killed, out of memory) is named with its signal.
 
-The process count: `NUM_PROCESSES` if set, else the config's `num_processes`, else one per
-local GPU (the shipped multi-GPU configs name none); a config without a count on a machine
-without a GPU is refused, since it would otherwise start one process per core. A config
-that names no `main_process_port` gets a free one, so several launches can share a machine.
+The process count (accelerate's: all machines' together): `NUM_PROCESSES` if set, else the
+config's `num_processes`, else one per local GPU on each of its `num_machines` (the shipped
+multi-GPU configs name none); a config without a count on a machine without a GPU is
+refused, since it would otherwise start one process per core. A one-machine config that
+names no `main_process_port` gets a free one, so several launches can share a machine; a
+multi-machine one keeps accelerate's default (every machine must use the same port).
 `GUMIHO_DEBUG=1` launches plainly, tracebacks and all.
 """
 
@@ -84,12 +86,39 @@ def process_count(config: dict, name: Path, env: dict[str, str], gpus: int) -> i
         return count
     count = config.get("num_processes")
     if count not in (None, -1):
-        return int(count)
+        return config_count(config, "num_processes", name)
     if gpus == 0:
         raise GumihoError(f"accelerate config {name} starts one process per GPU and this "
                           "machine has none: set NUM_PROCESSES=N for N CPU processes, or "
                           "use configs/accelerate_single.yaml")
-    return gpus
+    return gpus * machines(config, name)
+
+
+def config_count(config: dict, key: str, name: Path) -> int:
+    """The config's positive integer `key` (a quoted one too), or one line that names it
+    (`auto`, 0 or `true` once reached accelerate, or ended in a traceback)."""
+    value = config[key]
+    count = value if isinstance(value, int) and not isinstance(value, bool) else \
+        int(value) if isinstance(value, str) and value.strip().isdigit() else 0
+    if count < 1:
+        raise GumihoError(f"accelerate config {name}: {key} {value!r} is not a positive "
+                          "integer")
+    return count
+
+
+def machines(config: dict, name: Path) -> int:
+    """The config's `num_machines` (1 where it names none)."""
+    return 1 if config.get("num_machines") is None else \
+        config_count(config, "num_machines", name)
+
+
+def port_args(config: dict, name: Path) -> list[str]:
+    """A free port for a one-machine launch that names none; a multi-machine launch keeps
+    the config's or accelerate's default: each machine runs its own launch, and a port
+    picked on each would differ, so the others could not reach the first."""
+    if config.get("main_process_port") is not None or machines(config, name) > 1:
+        return []
+    return ["--main_process_port", str(free_port())]
 
 
 def failure_line(rank: int, exitcode: int, errors: str) -> str:
@@ -148,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         raise GumihoError(f"accelerate config {config} not found")
     values = read_config(config)
     count = process_count(values, config, dict(os.environ), torch.cuda.device_count())
-    port = [] if "main_process_port" in values else ["--main_process_port", str(free_port())]
     launch = launch_command_parser().parse_args(
-        ["--config_file", str(config), "--num_processes", str(count), *port,
+        ["--config_file", str(config), "--num_processes", str(count),
+         *port_args(values, config),
          "-m", "gumiho.train", *trainer_args])
     if debug():
         launch_command(launch)
