@@ -61,7 +61,8 @@ def _library() -> tuple[str, list[str], Path] | None:
 def identity() -> str | None:
     """Which build runs here (its name changes with the source), or None: part of what
     measured costs are cached under (budget.py)."""
-    return _library()[2].stem if kernel() is not None else None
+    function = kernel()
+    return function.build if function is not None else None
 
 
 @functools.cache
@@ -72,7 +73,8 @@ def kernel():
 
 
 def _load():
-    lib = kernels.built(_library(), [SOURCE], "bf16 CPU products stay oneDNN's")
+    found = _library()
+    lib = kernels.built(found, [SOURCE], "bf16 CPU products stay oneDNN's")
     if lib is None:
         return None
     if lib.rowamx_init() != 0:  # Linux withholds the tile state (an old kernel)
@@ -84,6 +86,7 @@ def _load():
     if not _works(function):
         log.warning("rowamx gave wrong products here; oneDNN's run instead")
         return None
+    function.build = found[2].stem  # the loaded build's name (the source may change since)
     # rowattention.c's scores and values on the tiles (rowgemm.py hands them over)
     function.tiles = [ctypes.cast(f, ctypes.c_void_p) for f in (lib.rowamx_scores,
                                                                  lib.rowamx_values)]

@@ -136,7 +136,7 @@ def identity() -> str | None:
     function = kernel()
     if function is None:
         return None
-    return _library()[2].stem + ("-amxattention" if function.tiled else "") + \
+    return function.build + ("-amxattention" if function.tiled else "") + \
         ("-avx512" if function.wide else "")
 
 
@@ -162,10 +162,12 @@ def kernel():
 
 
 def _load():
-    library = kernels.built(_library(), SOURCES, "float32 CPU products stay torch's")
+    found = _library()
+    library = kernels.built(found, SOURCES, "float32 CPU products stay torch's")
     if library is None:
         return None
     function, attend = _bind(library)
+    function.build = found[2].stem  # the loaded build's name (the sources may change since)
     if not _works(function, attend):
         log.warning("rowgemm gave wrong products here; torch's run instead")
         return None
@@ -374,15 +376,18 @@ def drafting_copy(weight: Tensor, bias: Tensor | None = None) -> Prepared | None
 
 def attends(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> bool:
     """Whether `attention` runs this call: one dtype (float32, bfloat16 or float16) on the
-    CPU, one sequence, a bool mask, every tensor's last dim contiguous, no gradient wanted,
-    the kernels built here."""
+    CPU, one sequence, a bool mask of one column per key (rowattention.c reads it as
+    (rows, keys) bytes), one head size for queries, keys and values, every tensor's last
+    dim contiguous, no gradient wanted, the kernels built here."""
     tensors = (query, key, value)
     return (mask is not None and mask.dtype == torch.bool and mask.device.type == "cpu"
             and query.dtype in KINDS
             and all(t.device.type == "cpu" and t.dtype == query.dtype and t.dim() == 4
                     and t.shape[0] == 1 and t.stride(-1) == 1 for t in tensors)
             and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0
+            and value.shape == key.shape and key.shape[-1] == query.shape[-1]
             and mask.dim() == 4 and mask.shape[0] == 1 and mask.shape[1] == 1
+            and mask.shape[2] in (1, query.shape[2]) and mask.shape[3] == key.shape[2]
             and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and kernel() is not None)

@@ -221,7 +221,8 @@ class RowLayers:
         stack.cache, stack.capacity = kv.storage.data_ptr(), kv.capacity
         mask = rowgemm.visible_rows(attention_mask, rows)
         positions = position_ids.reshape(-1).contiguous()
-        out = h.reshape(rows, -1).clone()
+        # row-major, as rowlayer.c reads it (a plain clone keeps a permuted view's strides)
+        out = h.reshape(rows, -1).clone(memory_format=torch.contiguous_format)
         status = kernel()(ctypes.byref(stack), out.data_ptr(), rows, positions.data_ptr(),
                           kv.position.data_ptr(), visible, mask.data_ptr())
         if status:

@@ -107,6 +107,9 @@ def loss_and_grad(logits: Tensor, probs: Tensor, index: Tensor | None, grad: Ten
                              f"of shape {tuple(index.shape)}")
         if not (0 <= int(index.min()) and int(index.max()) < probs.shape[0]):
             raise IndexError(f"soft_cross_entropy: an index outside 0..{probs.shape[0] - 1}")
+    elif probs.shape[0] < logits.shape[0]:  # row m's distribution is probs[m]
+        raise ValueError(f"soft_cross_entropy: {logits.shape[0]} rows of logits, "
+                         f"{probs.shape[0]} distributions and no index")
     if grad is not None and (grad.shape != logits.shape or grad.dtype != logits.dtype
                              or grad.device.type != "cpu" or not grad.is_contiguous()):
         raise ValueError("softce: the gradient must be a contiguous CPU tensor of the "
