@@ -201,7 +201,12 @@ def select_tree(root: Tensor, pool: Pool, budget: int, max_depth: int | None = N
     pool's depth bound, if known (see DraftTree.from_parents).
     """
     key = pool.scores - 1e-6 * pool.depths
-    chosen = key.topk(min(budget, key.shape[0])).indices.sort().values  # pool order is topological
+    # In float32 the 1e-6 is rounded away below scores of about -16 (and at the
+    # LOGPROB_FLOOR), so a child can tie its parent; rounding never puts it above. A stable
+    # sort then takes the lower pool index, the parent, first (topk's order among ties is
+    # unspecified: it took children without their parents).
+    order = key.sort(descending=True, stable=True).indices
+    chosen = order[:budget].sort().values  # pool order is topological
     tree = tree_from_pool(root, pool, chosen, max_depth)
     priority = torch.cat([key.new_full((1,), float("inf")), key[chosen]])
     return replace(tree, priority=priority), chosen

@@ -11,7 +11,15 @@ from gumiho.fta import complete_paths, exact_fta_tree, splice_official
 from gumiho.hostsync import LaunchCounter
 from gumiho.kv_cache import KVCache
 from gumiho.sampling import accept_greedy
-from gumiho.tree import DraftTree, Pool, Star, expand_level, select_tree, static_tree
+from gumiho.tree import (
+    LOGPROB_FLOOR,
+    DraftTree,
+    Pool,
+    Star,
+    expand_level,
+    select_tree,
+    static_tree,
+)
 
 
 def random_pool(seed, levels=4, width=6, vocab=50):
@@ -366,3 +374,21 @@ def test_serial_levels_are_refused_where_they_mean_nothing_and_named_in_reports(
     settings = {"method": "gumiho", "draft": "d", "tree": {"serial_levels": 4}}
     assert method_label(settings) == "gumiho (serial levels 4)"
     assert method_label({**settings, "tree": {"serial_levels": 2}}) == "gumiho"
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("budget", range(1, 40))
+def test_select_tree_stays_ancestor_closed_when_scores_tie(budget):
+    """Floored draft log-probs (and, in float32, scores below about -16 whose children are
+    near-certain) tie a node with its children once the per-depth 1e-6 is rounded away:
+    the selection must still take a parent before its child, never a child alone (whose
+    parent index then was -1: a second root)."""
+    n = 20  # root children: one likely, n - 1 floored; each floored one has a sure child
+    pool = Pool(tokens=torch.arange(2 * n) + 5,
+                parents=torch.tensor([-1] * n + list(range(n))),
+                scores=torch.tensor([0.0] + [LOGPROB_FLOOR] * (2 * n - 1)),
+                depths=torch.tensor([1] * n + [2] * n))
+    tree, chosen = select_tree(torch.tensor([1]), pool, budget)
+    picked = set(chosen.tolist())
+    assert all(int(pool.parents[i]) in picked | {-1} for i in picked)
+    assert (tree.parents[1:] >= 0).all() and (tree.depths[1:] >= 1).all()
