@@ -4,10 +4,14 @@ The target tokenizer's own chat template is used; templates for models without o
 Vicuna, the fschat `vicuna_v1.1` format) are written here. Loading a target reads them
 (`--chat-template`, and the token that ends a turn is a stop token), and so does data
 generation. The mask covers each assistant
-reply and the token that ends it, and nothing of the template's glue after that token.
+reply and the token that ends it, and nothing of the template's glue after that token
+(a template that ends turns with no special token, only whitespace: the reply and that
+whitespace).
 """
 
 from __future__ import annotations
+
+from bisect import bisect_left
 
 import torch
 
@@ -29,15 +33,20 @@ TEMPLATES = {"vicuna": VICUNA_TEMPLATE}
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool,
            template: str | None) -> list[int]:
+    text = render_text(tokenizer, messages, add_generation_prompt, template)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool,
+                template: str | None) -> str:
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
             chat_template=TEMPLATES.get(template, template))
     except Exception as exc:  # noqa: BLE001 - Jinja errors of a user's template
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise GumihoError(f"the chat template fails ({type(exc).__name__}: {first}): fix "
                           "--template, or use --template vicuna") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def check_template_writes_messages(tokenizer, template: str) -> None:
@@ -64,9 +73,15 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int,
     Each assistant span is the difference between the conversation rendered up to that
     turn and the same with the generation prompt, cut after the first stop token in it.
     The template's own end-of-turn token counts as a stop token too, so any layout's mask
-    ends where its turns end. Rendering stops at the first turn that reaches `max_len`
+    ends where its turns end. Rendering stops at the first turn that goes past `max_len`
     tokens (each render is tokenised whole, so a long conversation cost its length times
-    its number of turns); the result is the whole conversation's, cut to `max_len`.
+    its number of turns); the result is the whole conversation's, cut to `max_len`. (Past,
+    not up to: the kept tokens are then followed by more text in their render, as in the
+    whole conversation, whose tokens may differ at a render's very end.)
+
+    A template whose renders are prefixes of each other as text but not as tokens (turns
+    that end in plain whitespace: BPE tokenises "\n\n" at the end of a text otherwise than
+    before the next turn) is masked by characters instead: `mask_by_characters`.
     """
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise GumihoError("this tokenizer has no chat template: pass --template vicuna "
@@ -82,11 +97,11 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int,
         start = len(render(tokenizer, messages[:i], True, template))
         if start >= max_len:  # this turn and the rest lie past the cut
             before = render(tokenizer, messages[:i], False, template)
-            ids = before if len(before) >= max_len else None
+            ids = before if len(before) > max_len else None
             break
         through = render(tokenizer, messages[: i + 1], False, template)
         spans.append((start, through))
-        if len(through) >= max_len:
+        if len(through) > max_len:
             ids = through
             break
     if ids is None:
@@ -94,10 +109,49 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int,
     mask = torch.zeros(len(ids), dtype=torch.long)
     for start, through in spans:
         if through != ids[: len(through)] or start > len(through):
-            raise GumihoError("the chat template is not prefix-consistent; cannot mask turns")
+            return mask_by_characters(tokenizer, messages, max_len, stop_token_ids, template)
         stops = [j for j in range(start, len(through)) if ids[j] in stop_token_ids]
         mask[start : (stops[0] + 1 if stops else len(through))] = 1
     return torch.tensor(ids[:max_len]), mask[:max_len]
+
+
+def mask_by_characters(tokenizer, messages: list[dict], max_len: int,
+                       stop_token_ids: frozenset[int], template: str | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tokenize_conversation` for a template prefix-consistent as text only: each reply is
+    the characters from the end of the text rendered with the generation prompt to the end
+    of the text rendered through the turn, and its tokens are those of the whole
+    conversation's tokenisation (cut to `max_len`) that start inside it (fast-tokenizer
+    offsets), cut after the first stop token as there.
+
+    A token straddling a boundary goes with the side it starts on: one starting in the
+    generation prompt is the prompt's (at inference the prompt's own tokens are given), one
+    starting in the reply and running into the template's glue is the reply's (what ends
+    the reply). The whole conversation is rendered once: a render stopped at `max_len`
+    ends in tokens the following text would change.
+    """
+    refused = GumihoError("the chat template is not prefix-consistent; cannot mask turns")
+    if not getattr(tokenizer, "is_fast", False):
+        raise refused  # offsets need a fast (Rust) tokenizer
+    text = render_text(tokenizer, messages, False, template)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"][:max_len]
+    starts = [start for start, _ in encoded["offset_mapping"][:max_len]]  # non-decreasing
+    mask = torch.zeros(len(ids), dtype=torch.long)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render_text(tokenizer, messages[:i], True, template)
+        first = bisect_left(starts, len(prompt))  # the reply's first token
+        if first >= len(ids):  # this turn and the rest lie past the cut
+            break
+        through = render_text(tokenizer, messages[: i + 1], False, template)
+        if not (through.startswith(prompt) and text.startswith(through)):
+            raise refused
+        end = bisect_left(starts, len(through))  # one past the reply's last token
+        stops = [j for j in range(first, end) if ids[j] in stop_token_ids]
+        mask[first : (stops[0] + 1 if stops else end)] = 1
+    return torch.tensor(ids), mask
 
 
 def turn_end_token(tokenizer, template: str | None = None) -> str | None:

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from gumiho import templates
+from gumiho.errors import GumihoError
 from gumiho.ge_data.conversations import normalise, salvage_json_array
-from gumiho.templates import tokenize_conversation, turn_end_token
+from gumiho.templates import mask_by_characters, tokenize_conversation, turn_end_token
 
 from families import GEMMA_TEMPLATE
 
@@ -35,6 +37,15 @@ FAMILIES = {"chatml": (None, []), "llama3": (LLAMA3, ["<|begin_of_text|>",
             "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
             "llama2": (LLAMA2, ["<s>", "</s>"]), "vicuna": ("vicuna", ["<s>", "</s>"]),
             "gemma": (GEMMA_TEMPLATE, ["<bos>", "<start_of_turn>", "<end_of_turn>"])}
+# a `--template` whose turns end in plain whitespace: SmolLM2's BPE makes the "\n\n" that
+# ends a render one token, and two once the next turn follows, so its renders are prefixes
+# of each other as text but not as tokens
+WHITESPACE = ("{% for m in messages %}{% if m['role'] == 'user' %}"
+              "{{ '### Human: ' + m['content'] + '\n\n' }}{% elif m['role'] == 'assistant' %}"
+              "{{ '### Assistant: ' + m['content'] + '\n\n' }}{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '### Assistant:' }}{% endif %}")
+THREE = CHAT + [{"role": "user", "content": "Now 4+4, please."},
+                {"role": "assistant", "content": "8.\n\nThat is all."}]
 STOPS = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "llama2": "</s>", "vicuna": "</s>",
          "gemma": "<end_of_turn>"}
 
@@ -107,6 +118,58 @@ def test_cut_conversation_equals_the_whole_one_cut(smollm2, family):
             ids, mask = tokenize_conversation(tok, conv["messages"], max_len, stops, template)
             assert ids.tolist() == whole_ids[:max_len].tolist()
             assert mask.tolist() == whole_mask[:max_len].tolist()
+
+
+def test_whitespace_template_masks_each_reply(smollm2):
+    """Each reply's tokens are masked, and the whitespace that ends it; nothing of the user
+    turns or of "### Assistant:" is."""
+    tok = smollm2.tokenizer
+    ids, mask = tokenize_conversation(tok, THREE, 4096, smollm2.stop_token_ids, WHITESPACE)
+    assert tok.decode(ids) == tok.apply_chat_template(THREE, tokenize=False,
+                                                      chat_template=WHITESPACE)
+    replies = [m["content"] for m in THREE if m["role"] == "assistant"]
+    assert masked_segments(tok, ids, mask) == [f" {reply}\n\n" for reply in replies]
+
+
+def test_whitespace_template_cut_equals_the_whole_one_cut(smollm2):
+    """Every cut, one inside or at the end of the first reply too (where only one turn is
+    rendered and nothing shows the template inconsistent), is the whole conversation's."""
+    tok, stops = smollm2.tokenizer, smollm2.stop_token_ids
+    whole_ids, whole_mask = tokenize_conversation(tok, THREE, 10**9, stops, WHITESPACE)
+    for max_len in range(1, len(whole_ids) + 1):
+        ids, mask = tokenize_conversation(tok, THREE, max_len, stops, WHITESPACE)
+        assert ids.tolist() == whole_ids[:max_len].tolist(), max_len
+        assert mask.tolist() == whole_mask[:max_len].tolist(), max_len
+
+
+def test_template_inconsistent_as_text_is_refused(smollm2):
+    counting = "{{ messages | length }}" + WHITESPACE  # each render starts otherwise
+    with pytest.raises(GumihoError, match="not prefix-consistent"):
+        tokenize_conversation(smollm2.tokenizer, CHAT, 4096, smollm2.stop_token_ids, counting)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_consistent_templates_keep_the_token_masks(smollm2, family, monkeypatch):
+    """The golden masks come from the token differences, never from characters."""
+    def refuse(*args):
+        raise AssertionError("masked by characters")
+
+    monkeypatch.setattr(templates, "mask_by_characters", refuse)
+    test_loss_mask_matches_golden(smollm2, family)
+
+
+def test_characters_mask_chatml_as_tokens_do(smollm2):
+    """On real ShareGPT conversations under ChatML the character spans give the token
+    spans' ids and masks, cut or not."""
+    from gumiho.ge_data.conversations import load_conversations, split
+
+    tok, stops = smollm2.tokenizer, smollm2.stop_token_ids
+    for conv in split(load_conversations("sharegpt"))[0][:12]:
+        for max_len in (24, 512, 10**9):
+            ids, mask = tokenize_conversation(tok, conv["messages"], max_len, stops)
+            by_chars = mask_by_characters(tok, conv["messages"], max_len, stops, None)
+            assert ids.tolist() == by_chars[0].tolist()
+            assert mask.tolist() == by_chars[1].tolist()
 
 
 def test_salvage_truncated_array():
