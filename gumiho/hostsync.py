@@ -1,9 +1,10 @@
 """Count the host synchronisations a piece of code would make on a GPU, on any device.
 
 On CUDA the host blocks whenever it needs a device value (`.item()`, `int(t)`, `bool(t)`,
-`.tolist()`, shapes that depend on data: `nonzero`, boolean-mask indexing,
-`repeat_interleave` without `output_size`) and whenever Python data is copied to the device
-from pageable memory (`torch.tensor([...], device=...)`, `t.new_tensor([...])`, and
+`.tolist()`, `torch.equal`, `allclose`; shapes that depend on data: `nonzero`,
+boolean-mask indexing, `repeat_interleave` without `output_size`, `unique`, `bincount`) and
+whenever Python data is copied to the device from pageable memory (`torch.tensor(...,
+device=...)` of a list or a single number, `t.new_tensor(...)`, and
 `t[index_tensor] = python_scalar`, whose scalar goes to the device first). CUDA's own sync
 debug mode (`torch.cuda.set_sync_debug_mode`) reports these only on a GPU; `HostSyncCounter`
 finds the same operations from the operator stream, so a CPU test can hold the speculative
@@ -32,11 +33,19 @@ aten = torch.ops.aten
 # Operators whose output shape or value the host must read back.
 _READS = {aten._local_scalar_dense.default: "item()/int()/bool()",
           aten.nonzero.default: "nonzero", aten.masked_select.default: "masked_select",
-          aten.unique_consecutive.default: "unique", aten._unique2.default: "unique"}
+          aten.unique_consecutive.default: "unique", aten._unique2.default: "unique",
+          aten._unique.default: "unique", aten.unique_dim.default: "unique",
+          aten.unique_dim_consecutive.default: "unique", aten.bincount.default: "bincount",
+          # a Python bool: one kernel on a CPU, a read of the device's answer on CUDA
+          aten.equal.default: "equal/allclose", aten.allclose.default: "equal/allclose"}
 _HOST_METHODS = {torch.Tensor.tolist: "tolist()", torch.Tensor.numpy: "numpy()"}
+# Python data made into a tensor on a device: a copy from pageable memory, 0-dim too (a
+# Python scalar in arithmetic, or a CPU scalar tensor, goes as a kernel argument instead)
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.Tensor.new_tensor}
 
 
 _UPLOADING = threading.local()
+_TO_DEVICE = threading.local()  # .active: inside a `_FROM_DATA` call that names a device
 _COUNTING = threading.local()  # .launches: the LaunchCounters entered in this thread
 
 
@@ -70,7 +79,7 @@ class _Dispatch(TorchDispatchMode):
         elif func in (aten.lift_fresh.default, aten.lift_fresh_copy.default):
             if getattr(_UPLOADING, "active", False):
                 pass  # pinned and non-blocking: no sync
-            elif out.dim() > 0:
+            elif out.dim() > 0 or getattr(_TO_DEVICE, "active", False):
                 self.owner.record("tensor from Python data")  # an H2D copy on a GPU
             else:
                 self.python_scalars.add(out)
@@ -91,9 +100,22 @@ class _Function(TorchFunctionMode):
         self.owner = owner
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in _HOST_METHODS:
             self.owner.record(_HOST_METHODS[func])
-        return func(*args, **(kwargs or {}))
+        elif func in _FROM_DATA and _names_device(func, kwargs):
+            before, _TO_DEVICE.active = getattr(_TO_DEVICE, "active", False), True
+            try:
+                return func(*args, **kwargs)
+            finally:
+                _TO_DEVICE.active = before
+        return func(*args, **kwargs)
+
+
+def _names_device(func, kwargs) -> bool:
+    """Whether a `_FROM_DATA` call puts its tensor on a device it names (new_tensor: its
+    tensor's; a device is a keyword argument of the others)."""
+    return func is torch.Tensor.new_tensor or kwargs.get("device") is not None
 
 
 class HostSyncCounter:
@@ -128,9 +150,10 @@ class HostSyncCounter:
 def _caller() -> str:
     """The innermost frame outside torch and this module: the line that asked for it."""
     for frame in reversed(traceback.extract_stack()[:-3]):
-        name = frame.filename
+        name = frame.filename.replace("\\", "/")  # (Windows paths)
         if "/torch/" not in name and not name.endswith("hostsync.py"):
-            return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{frame.lineno}"
+            # its folder and file; `<stdin>`, `<string>` (a REPL, python -c) as they are
+            return f"{'/'.join(name.rsplit('/', 2)[-2:])}:{frame.lineno}"
     return "?"
 
 
