@@ -467,7 +467,7 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     path = _cache_file(target, method, draft, tree, engine, temperature, kept)
     if path is not None and path.exists():
         try:
-            report = json.loads(path.read_text())
+            report = json.loads(path.read_text(encoding="utf-8"))
             chosen_row(report)  # the fields a report has, or KeyError
             if not isinstance(report["tree"], dict) or "break_even" not in report:
                 raise KeyError("tree")
@@ -564,7 +564,8 @@ def choose_tree(target: Target, method: str, draft: str, tree: TreeConfig, engin
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(path, lambda tmp: tmp.write_text(json.dumps(report, indent=1)))
+            write_atomically(path, lambda tmp: tmp.write_text(json.dumps(report, indent=1),
+                                                              encoding="utf-8"))
         except OSError as exc:  # e.g. GUMIHO_CACHE names a file: measure again next time
             log.warning("could not cache the tree size in %s (%s)", path.parent, exc.strerror)
     return report

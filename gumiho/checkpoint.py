@@ -146,7 +146,7 @@ def save_drafter(model: nn.Module, out_dir: str | Path, include_embed: bool = Fa
     write_atomically(out / "model.safetensors",
                      lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     text = json.dumps({**model.config.to_json(), **(extra_config or {})}, indent=2) + "\n"
-    write_atomically(out / "config.json", lambda tmp: tmp.write_text(text))
+    write_atomically(out / "config.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return out
 
 
@@ -155,7 +155,7 @@ def saved_config(path: Path) -> dict | None:
     if not (path / "config.json").exists():
         return None
     try:
-        saved = json.loads((path / "config.json").read_text())
+        saved = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise GumihoError(f"drafter config {path / 'config.json'} is not valid JSON "
                           f"({type(exc).__name__}): fix it, or delete it to derive the "

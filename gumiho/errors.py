@@ -64,7 +64,7 @@ def error_file(pattern: str, rank: int | str = 0) -> Path:
 def left_line(path: Path) -> str | None:
     """The line a worker process left in its error file, or None (it left none: it was
     killed, or ended without an error)."""
-    text = path.read_text().strip() if path.is_file() else ""
+    text = path.read_text(encoding="utf-8").strip() if path.is_file() else ""
     return text.splitlines()[0] if text else None
 
 
@@ -80,7 +80,7 @@ def _report(line: str) -> None:
     _close_bars()
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
-        with error_file(path, os.environ.get("RANK", "0")).open("w") as f:
+        with error_file(path, os.environ.get("RANK", "0")).open("w", encoding="utf-8") as f:
             f.write(line + "\n")
         return
     sys.stdout.flush()

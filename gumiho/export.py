@@ -95,14 +95,15 @@ def keep_training_record(draft: Path, out: Path) -> None:
     it was made; loaders ignore these keys. Its `draft_vocab_size` is the export's own,
     the record's `draft_vocab` the one it trained over."""
     try:
-        saved = json.loads((draft / "config.json").read_text())
+        saved = json.loads((draft / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return  # an official checkpoint without one: nothing to keep
     record = {k: saved[k] for k in TRAINING_RECORD if isinstance(saved, dict) and k in saved}
     if record:
         config = out / "config.json"
-        config.write_text(json.dumps({**json.loads(config.read_text()), **record}, indent=2)
-                          + "\n")
+        saved = json.loads(config.read_text(encoding="utf-8"))
+        config.write_text(json.dumps({**saved, **record}, indent=2) + "\n",
+                          encoding="utf-8")
 
 
 def stored_dtype(path: Path) -> torch.dtype:
@@ -157,7 +158,7 @@ def write_released(model: nn.Module, out: Path, dtype: torch.dtype) -> list[str]
     out.mkdir(parents=True, exist_ok=True)
     torch.save(state, out / "pytorch_model.bin")
     (out / "config.json").write_text(
-        json.dumps(released_config(model.config, dtype), indent=2) + "\n")
+        json.dumps(released_config(model.config, dtype), indent=2) + "\n", encoding="utf-8")
     return full_vocabulary_notes(model.config, "the released code has no draft vocabulary "
                                  "and scores the target's whole vocabulary")
 
@@ -238,7 +239,7 @@ def write_eagle(model: nn.Module, target, out: Path, dtype: torch.dtype, engine:
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(eagle_config(config, dtype, fold), indent=2)
-                                     + "\n")
+                                     + "\n", encoding="utf-8")
     notes = []
     if method_spec(config.method).parallel_heads:
         notes.append(f"the {config.num_mlp_heads} MLP heads are left out: the engine runs the "

@@ -30,7 +30,9 @@ def load_questions(bench: str) -> list[dict]:
     if bench not in BENCHMARKS:
         raise GumihoError(f"unknown benchmark {bench!r}: use one of {', '.join(LABELS)}")
     path = DATA / f"{bench}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # "\n" only: str.splitlines also splits at U+2028 and the like, which a question may hold
+    lines = path.read_text(encoding="utf-8").split("\n")
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def held_out_questions(count: int = 80) -> list[dict]:

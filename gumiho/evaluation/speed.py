@@ -383,8 +383,8 @@ def check_outputs(out: Path) -> None:
     ours = False
     if json_file.exists():
         try:
-            ours = json_file.is_file() and set(json.loads(json_file.read_text())) == {
-                "env", "results"}
+            ours = json_file.is_file() and set(json.loads(
+                json_file.read_text(encoding="utf-8"))) == {"env", "results"}
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
             ours = False
         if not ours:
@@ -432,9 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(rep, first.get("env", {}), first["settings"].get("engine", "eager"),
                     args.versus, args.baseline)
-    out.with_suffix(".md").write_text(text + "".join(f"\nNote: {note}" for note in notes))
+    out.with_suffix(".md").write_text(text + "".join(f"\nNote: {note}" for note in notes),
+                                      encoding="utf-8")
     out.with_suffix(".json").write_text(json.dumps({"env": first.get("env", {}),
-                                                    "results": rep}, indent=2))
+                                                    "results": rep}, indent=2), encoding="utf-8")
     drew = plot(rep, out.with_suffix(".png"))
     print(text)
     for note in notes:

@@ -53,7 +53,7 @@ def read_manifest(outdir: Path) -> dict | None:
     if not path.exists():
         return None
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise GumihoError(f"{path} is not a readable data manifest ({type(exc).__name__}): "
                           "this folder does not hold data made by gumiho.ge_data.allocation "
@@ -97,7 +97,8 @@ def shard_index(path: Path) -> int:
 
 def write_manifest(outdir: Path, manifest: dict) -> None:
     write_atomically(outdir / MANIFEST,
-                     lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
+                     lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n",
+                                                encoding="utf-8"))
 
 
 def check_same_plan(old: dict, new: dict, outdir: Path) -> None:

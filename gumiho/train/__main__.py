@@ -301,7 +301,7 @@ def steps_per_epoch(lengths: list[int], config: TrainConfig, procs: int) -> int:
 
 def append_log(out: Path, row: dict) -> None:
     """One row of OUT/train_log.jsonl (a step's logs or an `eval`)."""
-    with (out / LOG).open("a") as f:
+    with (out / LOG).open("a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
 
 
@@ -445,7 +445,8 @@ def save(accelerator, model, scheduler, state: RunState, out: Path, settings: di
                      dtype=EXPORT_DTYPE[config.export_dtype], extra_config=extra)
         if summary is not None:
             write_atomically(out / "train_summary.json",
-                             lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
+                             lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n",
+                                                        encoding="utf-8"))
     wait_for_everyone(accelerator)
     save_run_state(accelerator, out, state, settings, scheduler)
 

@@ -57,7 +57,7 @@ def read_config(config: Path) -> dict:
     import yaml
 
     try:
-        values = yaml.safe_load(config.read_text()) or {}
+        values = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise GumihoError(f"accelerate config {config}: {one_line(exc)}") from None
     if not isinstance(values, dict):

@@ -25,7 +25,7 @@ def log_rows(run: Path) -> list[dict]:
         raise GumihoError(f"{log} not found: give a training output dir or its "
                           "train_log.jsonl")
     rows = []
-    for number, line in enumerate(log.read_text().splitlines(), 1):
+    for number, line in enumerate(log.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))

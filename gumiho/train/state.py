@@ -52,7 +52,7 @@ def check_run_settings(out: Path, settings: dict, defaults: dict | None = None) 
     if found is None:
         return {}
     try:
-        saved = json.loads((found / PROGRESS).read_text())
+        saved = json.loads((found / PROGRESS).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise damaged(found, PROGRESS, exc) from None
     old = saved.get("settings", {})
@@ -114,14 +114,15 @@ def trim_log(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # killed while writing it
         if row.get("step", 0) <= step:
             kept.append(line)
-    write_atomically(path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept)))
+    write_atomically(path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept),
+                                                      encoding="utf-8"))
 
 
 def wait_for_everyone(accelerator) -> None:
@@ -145,7 +146,7 @@ def save_run_state(accelerator, out: Path, state: RunState, settings: dict, sche
     if accelerator.is_main_process:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / PROGRESS).write_text(json.dumps({"progress": asdict(state),
-                                                "settings": settings}))
+                                                "settings": settings}), encoding="utf-8")
         if _complete(final):
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
