@@ -91,6 +91,7 @@ def report() -> dict:
             "packed_layers": os.environ.get("GUMIHO_PACK", "1") != "0",
             "softce": softce.kernel() is not None,
             "folder": str(cache_dir() / "kernels"),
+            "failed": dict(kernels.FAILURES),  # a build or load that failed: why
         },
         "default": {"device": str(device),
                     "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
@@ -141,6 +142,8 @@ def text(facts: dict) -> str:
         f"fused Llama decoder on the CPU: {_yes(kernels['fused_decoder'])}; packed CPU "
         f"layers: {_yes(kernels['packed_layers'])}",
         f"softce.c (training's soft cross-entropy on the CPU): {_yes(kernels['softce'])}",
+        f"kernel folder: {kernels['folder']}",
+        *(f"  {name} did not build: {why}" for name, why in kernels["failed"].items()),
         f"default device and dtype: {default['device']}"
         + (f", {default['dtype']}" if default["dtype"] else "")
         + f"; `gumiho demo` on the CPU: {default['demo_on_cpu']}",

@@ -84,11 +84,17 @@ def build(compiler: str, flags: list[str], out: Path, sources: list[Path]) -> No
         os.replace(made, out)
 
 
+# library name -> why it did not build or load here (`gumiho env` shows it)
+FAILURES: dict[str, str] = {}
+
+
 def built(found: tuple[str, list[str], Path] | None, sources: list[Path], instead: str
           ) -> ctypes.CDLL | None:
     """The shared library of `sources`, built at `found`'s path with its compiler and flags
     (`library()`'s triple) where it is not there yet, and loaded; None where `found` is None
-    or the build or load fails (logged at info: `instead` says what runs instead)."""
+    or the build or load fails. A failure with a compiler at hand is unexpected (a kernel
+    folder that is not writable, a build past its time limit) and halves the speed, so it
+    is logged as a warning once and kept in FAILURES; `instead` says what runs instead."""
     if found is None:
         return None
     cc, flags, path = found
@@ -97,6 +103,9 @@ def built(found: tuple[str, list[str], Path] | None, sources: list[Path], instea
             build(cc, flags, path, sources)
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
-        log.info("%s not built (%s): %s", path.stem.split("-")[0],
-                 str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc, instead)
+        text = str(exc).strip()
+        why = text.splitlines()[0][:200] if text else type(exc).__name__
+        name = path.stem.split("-")[0]
+        FAILURES[name] = f"{why} (in {path.parent})"
+        log.warning("%s not built (%s): %s", name, FAILURES[name], instead)
         return None

@@ -106,3 +106,26 @@ def test_every_kernel_source_ships_in_the_package():
     sources = sorted(p.name for p in (root / "gumiho").iterdir() if p.suffix in (".c", ".h"))
     assert {"rowgemm.c", "rowlayer.c", "softce.c", "rowkernels.h"} <= set(sources)
     assert [s for s in sources if not any(fnmatch.fnmatch(s, pat) for pat in patterns)] == []
+
+
+@builds_here
+def test_a_failed_build_is_a_warning_and_env_says_why(tmp_path, monkeypatch, caplog):
+    """A kernel folder that cannot be written (here a file stands where it would be) used
+    to be logged at info only: the kernels silently did not run, at half the speed, and
+    `gumiho env` said "no" without a reason."""
+    from gumiho import env
+
+    monkeypatch.setattr(kernels, "FAILURES", {})
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").write_text("not a folder")
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "twice.c"
+    source.write_text(SOURCE)
+    with caplog.at_level("WARNING", logger="gumiho"):
+        assert kernels.built(kernels.library("twice", [source]), [source], "torch's run") \
+            is None
+    assert "twice not built" in caplog.text and "torch's run" in caplog.text
+    assert str(tmp_path / "cache" / "kernels") in kernels.FAILURES["twice"]
+    facts = env.report()
+    assert facts["kernels"]["failed"] == kernels.FAILURES
+    assert f"  twice did not build: {kernels.FAILURES['twice']}" in env.text(facts)
