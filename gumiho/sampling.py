@@ -205,8 +205,8 @@ def cut(probs: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
     likeliest token always stays). Each cut keeps every token at least as likely as
     the last one it needs, so ties at an edge stay together and nothing depends on how a
     sort orders them. Returns the n likeliest tokens' probabilities, zero where cut, and
-    their ids, (N, n) each; every kept token is among them. Unnormalised: `draw` divides
-    by the kept total.
+    their ids, (N, n) each; every kept token above 0 is among them. Unnormalised: `draw`
+    divides by the kept total.
 
     A row's cut depends on that row alone: speculative sampling draws every tree node's
     token from the cut distribution, and the multi-candidate rule (module doc) then emits
@@ -235,8 +235,12 @@ def cut(probs: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
         if min_p > 0.0:
             floor = torch.maximum(floor, min_p * values[:, :1])
         # every kept token is in the window once a token past it falls below the floor (a
-        # top-k cut's own edge, so that its mass above was whole)
-        if n == vocab or bool((values[:, -1:] < (edge if by_k else floor)).all()):
+        # top-k cut's own edge, so that its mass above was whole), or once the window ends
+        # in a token of probability 0: all that can be drawn is in it (a low temperature
+        # leaves fewer than k tokens above 0, and a top-k edge of 0 would grow the window
+        # to the whole vocabulary: 10x the time)
+        tail = values[:, -1:]
+        if n == vocab or bool(((tail < (edge if by_k else floor)) | (tail == 0)).all()):
             return torch.where(values >= floor, values, 0.0), indices
         n = min(n * 8, vocab)
 

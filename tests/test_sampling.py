@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gumiho.engine import GenerateConfig, run
-from gumiho.sampling import accept_sampling, draw, truncated
+from gumiho.sampling import accept_sampling, cut, draw, truncated
 from gumiho.tree import DraftTree
 
 from conftest import tiny_llama
@@ -284,3 +284,27 @@ def test_equal_sibling_tokens_do_not_bias_sampling():
         if emitted[0] == 2:
             second[emitted[1]] += 1
     assert not chi_square_rejects(second, torch.softmax(logits[1], -1))
+
+
+@pytest.mark.host
+def test_a_top_k_larger_than_the_tokens_left_above_zero_keeps_a_small_window():
+    """At a low temperature a peaked row leaves fewer than k tokens of probability above 0
+    (float32 softmax underflows), so the top-k edge is 0. The CPU's window stops growing
+    once it ends in a 0 (every drawable token is in it): it grew to the whole 49,152-token
+    vocabulary (5 rounds, the last a full sort: 10x a cycle's cut) before. What it keeps
+    is still what a full sort keeps."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 49152, generator=g) * 2
+    logits[:, :10] += 15.0  # ten likely tokens; the rest underflow at T = 0.1
+    probs = torch.softmax(logits / 0.1, -1)
+    assert ((probs > 0).sum(-1) < 50).all()
+    for top_k, top_p, min_p in [(50, 1.0, 0.0), (50, 0.9, 0.0), (50, 1.0, 0.01)]:
+        values, _ = cut(probs, top_k, top_p, min_p)
+        assert values.shape[1] < 49152, (top_k, top_p, min_p)
+        got = truncated(probs, top_k, top_p, min_p)
+        # top-k alone keeps every token above 0 (fewer than k); the reference's nucleus
+        # loop drops float64-negligible ones even at top_p 1.0, so it checks the others
+        want = probs > 0 if top_p == 1.0 and not min_p else \
+            cut_by_sorting(probs, top_k, top_p, min_p) > 0
+        assert torch.equal(got > 0, want)
+        assert torch.equal(got[got > 0], probs[got > 0])
