@@ -534,7 +534,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
                                                runner.step_for(width))
                 raw = logits
                 if penalty is not None:
-                    logits = penalty.rows(logits, tree.tokens, tree.verify_mask)
+                    logits = penalty.rows(logits, tree.tokens, tree.mask)  # own path only
                 picks = rowgemm.argmax(logits).tolist()
             with timer("accept_commit"):
                 result = match_on_host(tree, picks)
@@ -551,7 +551,7 @@ def speculative_cycles(target: Target, drafter: Drafter, prompt_ids: list[int],
                                                runner.step_for(width))
                 raw = logits
                 if penalty is not None:
-                    logits = penalty.rows(logits, tree.tokens, tree.verify_mask)
+                    logits = penalty.rows(logits, tree.tokens, tree.mask)  # own path only
                 picks = sample_tokens(logits, config.temperature, generator, *cut)
             with timer("accept_commit"):
                 result = accept_picks(tree, picks, config.temperature, runner.accept_step)

@@ -220,3 +220,45 @@ def test_official_at_positive_temperature_runs(tiny_target):
         top_k=4, mlp_topk=3, pruning=4, total_tokens=16, fta="official"))
     result = run(tiny_target, drafter, prompt, config)
     assert len(result.token_ids) == 20 and sum(result.accept_lengths) == 20
+
+
+def test_official_penalties_count_each_nodes_own_path(tiny_target, monkeypatch):
+    """The splice lets a short path's leaf attend to nodes of other paths; the penalties
+    (min_tokens' depth, repetition, presence/frequency, no_repeat_ngram) read the verify
+    mask too, so such a leaf counted tokens it would not emit with: min_tokens unmasked a
+    stop token too early. Each row's view is its own path (a chain: of any two nodes it
+    sees, one is the other's ancestor)."""
+    import gumiho.fta as fta
+    import gumiho.serial_drafter as serial
+    from gumiho.penalty import Penalties
+
+    seen, spliced = [], []
+    rows = Penalties.rows
+
+    def recording(self, logits, tokens, sees):
+        seen.append(sees.clone())
+        return rows(self, logits, tokens, sees)
+
+    monkeypatch.setattr(Penalties, "rows", recording)
+    splice = fta.splice_official
+
+    def splicing(tree, *args, **kwargs):
+        out = splice(tree, *args, **kwargs)
+        spliced.append(out.spliced_attend is not None and bool(out.spliced_attend.any()))
+        return out
+
+    monkeypatch.setattr(fta, "splice_official", splicing)
+    monkeypatch.setattr(serial, "splice_official", splicing)
+    config = GenerateConfig(max_new_tokens=16, temperature=0.0, seed=3,
+                            min_tokens=12, repetition_penalty=1.3)
+    drafter = load_drafter("gumiho", tiny_target, "random", tree=TreeConfig(
+        top_k=4, mlp_topk=3, pruning=4, total_tokens=16, fta="official"))
+    run(tiny_target, drafter, [5, 17, 3, 42, 8, 21], config)
+    assert any(spliced) and seen
+    for sees in seen:
+        s = sees.long()
+        # i sees j and k: j sees k or k sees j (a chain of ancestors)
+        for i in range(s.shape[0]):
+            on = s[i].nonzero().flatten()
+            pair = s[on][:, on]
+            assert bool(((pair + pair.T) > 0).all()), (i, on.tolist())
