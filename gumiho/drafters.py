@@ -78,6 +78,8 @@ class MedusaDrafter:
         if getattr(self, "head_target", None) is not target:  # once per target
             self.head = DraftHead.for_model(target, self.model, drafting=True)
             self.head_target = target
+            # recorded anew: a recorded step reads the head it was recorded with
+            self._heads_step = StaticStep(self._heads_fn, self.engine)
         device = target.device
         self.shape = DraftTree(*(getattr(self.shape, f).to(device) for f in
                                  ("tokens", "parents", "depths", "mask")),
@@ -144,7 +146,13 @@ def load_drafter(method: str, target, draft: str | None = None,
         if random_vocab and draft != "random":
             raise GumihoError("a random draft vocabulary goes with --draft random (a trained "
                               "drafter keeps its own)")
-        ids = torch.arange(random_vocab, device=target.device) if random_vocab else None
+        vocab = target.lm_head.weight.shape[0]
+        if random_vocab > vocab:
+            raise GumihoError(f"--draft-vocab {random_vocab} is larger than the target's "
+                              f"vocabulary ({vocab} tokens)")
+        # the whole vocabulary is the full one (no d2t/t2d buffers)
+        ids = torch.arange(random_vocab, device=target.device) \
+            if 0 < random_vocab < vocab else None
         model = random_drafter_model(method, target, seed, ids) if draft == "random" else \
             load_drafter_model(draft, target, method)
         model.eval().requires_grad_(False)

@@ -119,6 +119,9 @@ class SerialDrafter:
         if getattr(self, "head_target", None) is not target:  # once per target
             self.head = DraftHead.for_model(target, self.model, drafting=True)
             self.head_target = target
+            # a new cache, so new recorded steps: the old ones read the last target's head
+            # (and their cache has its device and dtype)
+            self.cache = None
         if not (self.draft_depth == 1 and self.star_trees):
             self.star = None
         elif self.star is None or self.star.inf.device != target.device:

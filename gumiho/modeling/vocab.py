@@ -64,9 +64,13 @@ def set_draft_vocabulary(module: nn.Module, draft_ids: Tensor) -> None:
 
 def draft_size(module: nn.Module, at_most: int) -> int:
     """min(the drafter's draft vocabulary size, at_most): how many candidates a node can
-    take from it (the whole vocabulary, None here, holds more than any tree takes)."""
+    take from it (the reduced vocabulary's size, else the target's whole vocabulary, which
+    a toy target's may be smaller than a tree's widths)."""
     d2t = getattr(module, "d2t", None)
-    return at_most if d2t is None else min(d2t.shape[0], at_most)
+    if d2t is not None:
+        return min(d2t.shape[0], at_most)
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    return at_most if not vocab else min(vocab, at_most)
 
 
 def draft_ids_of(module: nn.Module) -> Tensor | None:
