@@ -38,8 +38,10 @@ class SerialDrafter:
     whose best first draft falls short is a plain step. A child never scores above its
     parent, so the kept nodes are the best ones and stay ancestor-closed. With
     `tree.extend_confidence` above that floor, a deeper level (a serial step, the MLP heads)
-    is drafted only below a node that reaches it instead: a level costs a drafter step and a
-    wider verify, while verifying the first draft costs only the wider verify.
+    is drafted only where a node of the level above reaches it instead (then for the whole
+    beam, one drafter call, and its nodes are kept from the first floor up): a level costs a
+    drafter step and a wider verify, while verifying the first draft costs only the wider
+    verify.
 
     Without floors and FTA (the default tree) a cycle's drafting is one recorded step
     (`_cycle_fn`: the catch-up over the pairs the target committed, the serial levels, the
