@@ -19,7 +19,8 @@ Session 64 ran a scratch version of this over 453 cases (seeds 20240611 and 777)
 one for 240 s (seed 64: 114 cases, 95 equal, 15 refused, 4 official FTA run) and 480 s
 (seed 66: 217 cases, 175 equal, 33 refused, 9 official FTA run): no mismatch. Session 65:
 900 s (seed 67: 229 cases, 185 equal, 27 refused, 17 official FTA run) and, after the tree
-selection's stable sort, 600 s (seed 68: 198 cases, 159 equal, 21 refused, 18 run): none.
+selection's stable sort, 600 s (seed 68: 198 cases, 159 equal, 21 refused, 18 run), and at
+the session's end 540 s (seed 69: 198 cases, 165 equal, 24 refused, 9 run): none.
 One torch thread (--threads) keeps cases at 1-2 s on a shared 2-core machine.
 """
 
