@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -52,9 +53,14 @@ def avx2_cpu() -> bool:
 
 
 def compiler() -> str | None:
-    """The C compiler the kernels are built with: $CC (default cc), else gcc; None if
+    """The C compiler command the kernels are built with: $CC (default cc; a command with
+    arguments too, e.g. "ccache gcc", its program found on the PATH), else gcc; None if
     neither is found."""
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    command = shlex.split(os.environ.get("CC") or "cc")
+    found = shutil.which(command[0]) if command else None
+    if found is not None:
+        return shlex.join([found, *command[1:]])
+    return shutil.which("gcc")
 
 
 def library(name: str, sources: list[Path], flags: tuple[str, ...] = (),
@@ -79,7 +85,8 @@ def build(compiler: str, flags: list[str], out: Path, sources: list[Path]) -> No
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         made = Path(tmp) / out.name
-        subprocess.run([compiler, *FLAGS, *flags, *map(str, sources), "-o", str(made), *LIBS],
+        subprocess.run([*shlex.split(compiler), *FLAGS, *flags, *map(str, sources), "-o",
+                        str(made), *LIBS],
                        check=True, capture_output=True, timeout=120)
         os.replace(made, out)
 

@@ -129,3 +129,19 @@ def test_a_failed_build_is_a_warning_and_env_says_why(tmp_path, monkeypatch, cap
     facts = env.report()
     assert facts["kernels"]["failed"] == kernels.FAILURES
     assert f"  twice did not build: {kernels.FAILURES['twice']}" in env.text(facts)
+
+
+@builds_here
+def test_a_compiler_command_with_arguments_is_used_as_given(tmp_path, monkeypatch):
+    """$CC="ccache gcc" (a program and its arguments) was looked up whole on the PATH, not
+    found, and gcc ran instead, silently."""
+    import shutil
+
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    monkeypatch.setenv("CC", f"env {gcc}")
+    assert kernels.compiler() == f"{shutil.which('env')} {gcc}"
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "twice.c"
+    source.write_text(SOURCE)
+    lib = kernels.built(kernels.library("twice", [source]), [source], "nothing")
+    assert lib is not None and lib.twice(ctypes.c_int(4)) == 8
