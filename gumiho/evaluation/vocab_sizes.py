@@ -38,7 +38,7 @@ from gumiho.serial_drafter import SerialDrafter
 from gumiho.target import load_target
 from gumiho.templates import tokenize_conversation
 from gumiho.train.dataset import token_counts
-from gumiho.train.start import check_draft_vocab_size, new_model
+from gumiho.train.start import check_draft_vocab_size, kept_stop_ids, new_model
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -124,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     target = load_target(args.target)
     vocab = check_draft_vocab_size(max(sizes), target.lm_head.weight.shape[0], "--sizes")
-    always = sorted(t for t in target.stop_token_ids if t < vocab)  # as training keeps them
-    if too_small := [s for s in sizes if 0 < s < len(always)]:
-        raise GumihoError(f"--sizes {too_small[0]} cannot hold the target's {len(always)} "
-                          f"stop tokens: give at least {len(always)} (or 0 for all)")
+    always = kept_stop_ids(target, vocab, sizes, "--sizes")  # as training keeps them
     train, held = split(load_conversations("sharegpt"))
     counted = samples_of(target, train[: args.count], args.max_len, args.template)
     tested = samples_of(target, held[: args.test], args.max_len, args.template)

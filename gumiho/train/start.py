@@ -69,11 +69,19 @@ def chosen_vocabulary(target, size: int, samples: list[dict] | None) -> Tensor |
         return None
     if not samples:
         raise GumihoError("--draft-vocab needs training samples to count tokens in")
-    stops = sorted({t for t in target.stop_token_ids if t < vocab})
-    if size < len(stops):
-        raise GumihoError(f"--draft-vocab {size} cannot hold the target's {len(stops)} stop "
-                          f"tokens: give at least {len(stops)}")
+    stops = kept_stop_ids(target, vocab, [size], "--draft-vocab")
     return draft_vocabulary(token_counts(samples, vocab), size, stops)
+
+
+def kept_stop_ids(target, vocab: int, sizes: list[int], flag: str) -> list[int]:
+    """The target's stop ids in its vocabulary of `vocab` tokens, which every draft
+    vocabulary holds; one line naming `flag` where one of `sizes` (0: the whole
+    vocabulary) is too small to hold them."""
+    stops = sorted({t for t in target.stop_token_ids if t < vocab})
+    if too_small := [s for s in sizes if 0 < s < len(stops)]:
+        raise GumihoError(f"{flag} {too_small[0]} cannot hold the target's {len(stops)} stop "
+                          f"tokens: give at least {len(stops)} (or 0 for the whole vocabulary)")
+    return stops
 
 
 def start_from(target, config: TrainConfig, samples: list[dict] | None = None):
