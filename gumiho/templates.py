@@ -110,9 +110,15 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int,
     for start, through in spans:
         if through != ids[: len(through)] or start > len(through):
             return mask_by_characters(tokenizer, messages, max_len, stop_token_ids, template)
-        stops = [j for j in range(start, len(through)) if ids[j] in stop_token_ids]
-        mask[start : (stops[0] + 1 if stops else len(through))] = 1
+        mark_reply(mask, ids, start, len(through), stop_token_ids)
     return torch.tensor(ids[:max_len]), mask[:max_len]
+
+
+def mark_reply(mask: torch.Tensor, ids: list[int], start: int, end: int,
+               stop_token_ids: frozenset[int]) -> None:
+    """Mask a reply's tokens ids[start:end], cut after the first stop token among them."""
+    stops = [j for j in range(start, end) if ids[j] in stop_token_ids]
+    mask[start : (stops[0] + 1 if stops else end)] = 1
 
 
 def mask_by_characters(tokenizer, messages: list[dict], max_len: int,
@@ -149,8 +155,7 @@ def mask_by_characters(tokenizer, messages: list[dict], max_len: int,
         if not (through.startswith(prompt) and text.startswith(through)):
             raise refused
         end = bisect_left(starts, len(through))  # one past the reply's last token
-        stops = [j for j in range(first, end) if ids[j] in stop_token_ids]
-        mask[first : (stops[0] + 1 if stops else end)] = 1
+        mark_reply(mask, ids, first, end, stop_token_ids)
     return torch.tensor(ids), mask
 
 
