@@ -101,8 +101,8 @@ def keep_training_record(draft: Path, out: Path) -> None:
     record = {k: saved[k] for k in TRAINING_RECORD if isinstance(saved, dict) and k in saved}
     if record:
         config = out / "config.json"
-        saved = json.loads(config.read_text(encoding="utf-8"))
-        config.write_text(json.dumps({**saved, **record}, indent=2) + "\n",
+        written = json.loads(config.read_text(encoding="utf-8"))
+        config.write_text(json.dumps({**written, **record}, indent=2) + "\n",
                           encoding="utf-8")
 
 
