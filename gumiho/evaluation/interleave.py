@@ -9,10 +9,12 @@ CNN/DM-like questions read 1.27x, then 1.48x). Here every method answers questio
 every method question 2, and so on, with the order rotating by one from question to
 question, so drift falls on all of them alike and each method runs first equally often.
 
-Common flags (once, outside --run): --target, --device, --dtype, --chat-template, --bench,
---temperature, --sample-top-k, --top-p, --min-p, the three penalties, --max-new-tokens,
---question-begin, --question-end, --seed, --warmup, --overwrite. Each --run holds one method's own
-`gen_answers` flags: --method, --draft, --answer-file, --engine and the tree flags. The
+Common flags (once, outside --run): --target, --device, --dtype, --chat-template,
+--attention, --bench, --temperature, --sample-top-k, --top-p, --min-p, the three penalties,
+--ignore-eos, --max-new-tokens, --question-begin, --question-end, --seed, --warmup,
+--overwrite. Each --run holds one method's own `gen_answers` flags: --method, --draft,
+--answer-file, --label, --engine, --preset and the tree flags (--engine, --preset or a
+tree flag given outside --run applies to every run that does not give its own). The
 target is loaded once and shared. Answer files are exactly gen_answers' (the speed report
 reads them as usual), and rerunning the same command resumes each of them where it
 stopped.

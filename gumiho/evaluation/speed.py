@@ -127,7 +127,7 @@ def read_answers(paths: list[str], notes: list[str] | None = None) -> dict[tuple
     last line (an interrupted run's) is left out with a line in `notes`."""
     groups: dict[tuple, dict] = defaultdict(dict)
     first: dict[tuple, tuple[str, dict]] = {}  # group -> (file, record) it started with
-    source: dict[tuple, str] = {}  # (group, question) -> the file that answered it
+    source: dict[tuple, tuple] = {}  # (group, question) -> (file, line) that answered it
     for path in paths:
         if not Path(path).is_file():
             raise GumihoError(f"answer file {path} not found (give the .jsonl files that "
@@ -136,7 +136,7 @@ def read_answers(paths: list[str], notes: list[str] | None = None) -> dict[tuple
         if found.half_line and notes is not None:
             notes.append(f"{path} line {found.half_line} is half-written (a run stopped while "
                          "writing it): left out (rerunning that run answers it again)")
-        for rec in found.records:
+        for rec, line in zip(found.records, found.lines, strict=True):
             s = rec["settings"]
             key = (method_label(s), s["bench"], sampling_key(s))
             where, ref = first.setdefault(key, (path, rec))
@@ -145,10 +145,15 @@ def read_answers(paths: list[str], notes: list[str] | None = None) -> dict[tuple
                 raise GumihoError(f"{where} and {path} both hold {key[0]} {key[1]} answers at "
                                   f"T={key[2]}, but made differently ({diff}): report them "
                                   "separately")
-            other = source.setdefault((key, rec["question_id"]), path)
+            other, other_line = source.setdefault((key, rec["question_id"]), (path, line))
             if other != path:  # which of two answers would count depended on file order
                 raise GumihoError(f"{other} and {path} both answer {key[0]} {key[1]} question "
                                   f"{rec['question_id']} at T={key[2]}: give one of them")
+            if other_line != line:  # gen_answers writes one; two runs at once write two
+                raise GumihoError(f"{path} answers {key[0]} {key[1]} question "
+                                  f"{rec['question_id']} at T={key[2]} twice (lines "
+                                  f"{other_line} and {line}): did two runs write to it at "
+                                  "once? delete one of the two lines, or answer it again")
             groups[key][rec["question_id"]] = rec
     if not groups:
         raise GumihoError(f"no answers in {', '.join(paths)}: run gen_answers first")
@@ -199,12 +204,16 @@ def stats(records: list[dict]) -> dict:
             wall += turn["wall_s"]
             drafts_per_cycle += [n - 1 for n in turn["accept_lengths"][1:]]
     verify = max(len(drafts_per_cycle), 1)
+    verify_cycles = cycles - sum(len(r["turns"]) for r in records)
     reach = [sum(d >= i for d in drafts_per_cycle) / verify for i in range(1, MAX_POSITIONS)]
     conditional = [r / prev if prev else 0.0 for prev, r in zip([1.0] + reach, reach,
                                                                 strict=False)]
     return {"questions": len(records), "new_tokens": tokens, "cycles": cycles, "wall_s": wall,
             "tokens_per_s": tokens / wall if wall else 0.0, "tau": tokens / max(cycles, 1),
-            "tau_official": tokens / max(cycles - sum(len(r["turns"]) for r in records), 1),
+            # answers that ended at their prefill have no verify cycle: with none at all,
+            # the official formula's per-answer floor (GenerationResult.tau_official), 1
+            "tau_official": tokens / verify_cycles if verify_cycles > 0 else
+            tokens / max(cycles, 1),
             "acceptance": reach, "acceptance_conditional": conditional}
 
 
@@ -288,14 +297,27 @@ def report(groups: dict[tuple, dict], baseline: str = "ar",
     the baseline and `versus` count their per-question wins over `versus` where it ran."""
     notes = [] if notes is None else notes
     out: dict = defaultdict(lambda: defaultdict(dict))
+    unpaired: dict[tuple, list[str]] = defaultdict(list)  # (bench, temp) -> labels
+    ran = any(label == baseline for label, _, _ in groups)  # else main's note says it
     for key, answers in groups.items():
         label, bench, temp = key
+        if ran and label != baseline and (baseline, bench, temp) not in groups:
+            unpaired[bench, temp].append(label)
         row = paired_row(key, answers, groups.get((baseline, bench, temp), {}), baseline,
                          notes)
         other = groups.get((versus, bench, temp))
         if other and label not in (baseline, versus) and set(answers) & set(other):
             row["wins_vs"] = wins(answers, other)
         out[temp][bench][label] = row
+    temps_without = ({temp for _, _, temp in groups} -
+                     {t for b, _, t in groups if b == baseline}) if ran else set()
+    for temp in sorted(temps_without, key=str):
+        notes.append(f"no {baseline} answers at T={temp}: no speedups there")
+    for (bench, temp), labels in sorted(unpaired.items(), key=str):
+        if temp not in temps_without:
+            notes.append(f"no {baseline} answers on {bench} at T={temp}: no speedup for "
+                         f"{', '.join(sorted(labels))} there, nor in the mean row (answer "
+                         f"it with {baseline} too)")
     for temp, benches in out.items():
         benches["mean"] = mean_rows(benches, temp, notes)
     return json.loads(json.dumps(out))
@@ -371,6 +393,18 @@ def mean_rows(benches: dict, temp, notes: list[str]) -> dict:
     return mean
 
 
+REPORT_SUFFIXES = (".md", ".json", ".png")
+
+
+def report_files(out: Path) -> dict[str, Path]:
+    """{".md": R.md, ".json": R.json, ".png": R.png} for --out R. R's name is kept whole (a
+    dot in it, as in report_T0.7, is no extension: Path.with_suffix would write
+    report_T0.md, which report_T0.5 would then replace), less one of the report's own
+    extensions if given (--out r.md writes r.md, r.json, r.png)."""
+    base = out.with_suffix("") if out.suffix in REPORT_SUFFIXES else out
+    return {suffix: base.with_name(base.name + suffix) for suffix in REPORT_SUFFIXES}
+
+
 def check_outputs(out: Path) -> None:
     """R.md / R.json / R.png may replace an earlier report, never another file."""
     from gumiho.paths import check_writable_dir
@@ -379,7 +413,8 @@ def check_outputs(out: Path) -> None:
         raise GumihoError(f"--out {str(out)!r}: give a path without extension, e.g. "
                           "runs/x/report")
     check_writable_dir(out.parent, "--out folder")
-    json_file = out.with_suffix(".json")
+    files = report_files(out)
+    json_file = files[".json"]
     ours = False
     if json_file.exists():
         try:
@@ -392,7 +427,7 @@ def check_outputs(out: Path) -> None:
                               "--out (nothing was written)")
     for suffix, looks_ours in ((".md", lambda b: b.startswith(b"Device: ")),
                                (".png", lambda b: ours and b.startswith(b"\x89PNG"))):
-        file = out.with_suffix(suffix)
+        file = files[suffix]
         if file.exists() and not (file.is_file() and looks_ours(file.read_bytes()[:16])):
             raise GumihoError(f"{file} exists and is not a speed report: choose another "
                               "--out (nothing was written)")
@@ -403,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m gumiho.evaluation.speed",
                        description=__doc__.split("\n")[0])
     p.add_argument("--answers", nargs="+", required=True, help="answer JSONL files")
-    p.add_argument("--out", required=True, help="output path without extension")
+    p.add_argument("--out", required=True, help="output path R without extension: writes "
+                   "R.md, R.json and R.png")
     p.add_argument("--baseline", default="ar", help="the method (or --label) every speedup "
                    "is against (default: ar, plain decoding)")
     p.add_argument("--versus", default=None, help="count per question where each method "
@@ -432,11 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(rep, first.get("env", {}), first["settings"].get("engine", "eager"),
                     args.versus, args.baseline)
-    out.with_suffix(".md").write_text(text + "".join(f"\nNote: {note}" for note in notes),
-                                      encoding="utf-8")
-    out.with_suffix(".json").write_text(json.dumps({"env": first.get("env", {}),
-                                                    "results": rep}, indent=2), encoding="utf-8")
-    drew = plot(rep, out.with_suffix(".png"))
+    files = report_files(out)
+    files[".md"].write_text(text + "".join(f"\nNote: {note}" for note in notes),
+                            encoding="utf-8")
+    files[".json"].write_text(json.dumps({"env": first.get("env", {}), "results": rep},
+                                         indent=2), encoding="utf-8")
+    drew = plot(rep, files[".png"])
     print(text)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
