@@ -149,8 +149,9 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                         "logit, as OpenAI's and vLLM's frequency_penalty (-2 to 2; 0 = none, "
                         "default)")
     parser.add_argument("--ignore-eos", action="store_true",
-                        help="run past the target's own stop tokens (to --max-new-tokens, "
-                        "a --stop or a --stop-token-id): answers of a fixed length")
+                        help="run past the target's own stop tokens: answers of a fixed "
+                        "length (to --max-new-tokens, or a --stop or --stop-token-id where "
+                        "the command takes them)")
     parser.add_argument("--seed", type=nonnegative_int, default=0)
 
 

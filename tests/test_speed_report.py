@@ -4,6 +4,7 @@ benchmark the baseline did not answer, and the table's name for what texts are c
 with."""
 
 import json
+import os
 
 import pytest
 
@@ -123,3 +124,26 @@ def test_the_table_names_the_baseline_texts_are_compared_with(tmp_path):
     assert "same text as lookup" in text and "same text as plain" not in text
     assert speed.main(["--answers", *two_runs(tmp_path), "--out", str(tmp_path / "r2")]) == 0
     assert "same text as plain" in (tmp_path / "r2.md").read_text()
+
+
+def test_a_resume_under_other_gumiho_switches_is_refused(tmp_path, monkeypatch):
+    """GUMIHO_FUSED=0, GUMIHO_ROWGEMM=0 and the like change which kernels run: answers timed
+    under other switches must not share a file. A file from before switches were recorded
+    resumes when none is set; the API key and the cache folder are no switches."""
+    from gumiho.evaluation.answers import AnswerFile
+    from gumiho.evaluation.gen_answers import check_resume, switches
+
+    for name in [k for k in os.environ if k.startswith("GUMIHO_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("GUMIHO_API_KEY", "secret")
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    assert switches() == {}
+    settings = {"method": "gumiho"}
+    old = {"settings": settings, "env": {"device": "cpu", "threads": 2}}  # no "switches"
+    found = AnswerFile(records=[old], lines=[1], keep_bytes=0, needs_newline=False)
+    check_resume(tmp_path / "a.jsonl", found, settings,
+                 env={"device": "cpu", "threads": 2, "switches": switches()})
+    monkeypatch.setenv("GUMIHO_FUSED", "0")
+    with pytest.raises(GumihoError, match="switches"):
+        check_resume(tmp_path / "a.jsonl", found, settings,
+                     env={"device": "cpu", "threads": 2, "switches": switches()})

@@ -29,9 +29,11 @@ RESUME_KEYS = ("target", "method", "draft", "draft_sha256", "bench", "temperatur
 # compared on it, so its file still resumes and still pools in a report.
 LATER_KEYS = ("draft_sha256", "chat_template")
 # Settings recorded since a later version whose absence means a value: answers from before
-# the sampling cut, the penalties and ignore_eos existed were made without them.
+# the sampling cut, the penalties and ignore_eos existed were made without them (and env
+# "switches", the GUMIHO_* variables, is recorded since session 66: none then means none set).
 DEFAULTS = {"sample_top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0, "ignore_eos": False}
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "ignore_eos": False,
+            "switches": {}}
 
 
 @dataclass

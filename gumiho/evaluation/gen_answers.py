@@ -54,7 +54,16 @@ from gumiho.version import code_version
 # answers timed elsewhere, or by other code, must not share a file: their speeds would not
 # compare (a resume after a commit that changes the package is refused; --overwrite)
 ENV_KEYS = ("device", "device_name", "dtype", "attention", "torch", "transformers",
-            "git_commit", "threads")
+            "git_commit", "threads", "switches")
+# GUMIHO_* variables that are no switch of the code's path (a secret, a folder)
+NOT_SWITCHES = ("GUMIHO_API_KEY", "GUMIHO_CACHE")
+
+
+def switches() -> dict[str, str]:
+    """The GUMIHO_* switches set in the environment (GUMIHO_FUSED=0, GUMIHO_ROWGEMM=0, ...):
+    they change which kernels run, so answers timed under others do not share a file."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith("GUMIHO_") and k not in NOT_SWITCHES}
 
 
 def environment(gen: SpeculativeGenerator) -> dict:
@@ -65,7 +74,8 @@ def environment(gen: SpeculativeGenerator) -> dict:
     return {"device": str(device), "device_name": name, "dtype": str(gen.target.dtype),
             "attention": gen.target.config._attn_implementation,
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "git_commit": code_version(), "threads": torch.get_num_threads()}
+            "git_commit": code_version(), "threads": torch.get_num_threads(),
+            "switches": switches()}
 
 
 def template_label(template: str | None) -> str | None:
