@@ -20,18 +20,20 @@ GPU it is nearly flat) and on how good the drafter is. We measure all three and 
 
 expected tokens/s (shape) = accepted per cycle / (draft + verify(W) + accept and commit)
 
-4. The model's best `FINALISTS` shapes, and plain decoding, run whole greedy cycles on the
-   calibration prompts in turns (`whole_cycles`), and the shape with the most tokens/s
-   there (the median of its runs) is chosen. The model ranks the candidates; its best
-   dozen lay within 1-3% of each other on a 2-core CPU, and six calibrations there picked
-   four different shapes, one of them 7-8% behind the best in a six-benchmark run.
+4. The model's best `FINALISTS` shapes, and plain decoding, run whole cycles at the
+   calibration's temperature on the calibration prompts in turns (`whole_cycles`), and the
+   shape with the most tokens/s there (the median of its runs) is chosen. The model ranks
+   the candidates; its best dozen lay within 1-3% of each other on a 2-core CPU, and six
+   calibrations there picked four different shapes, one of them 7-8% behind the best in a
+   six-benchmark run.
 5. Past the reference, where a wider verify costs little (a GPU with a small target: a
    step there is launch-bound), the candidates also take trees of up to `WIDE_WIDTHS[-1]`
    tokens at each depth that can hold them, and every shape is then drawn from a wider
    pool (beam `WIDE_BEAM`, `WIDE_PRUNING` nodes a level; Medusa's static tree, built best
    first, only grows): a bigger tree only adds its
    least likely nodes, so it accepts more where its verify costs no more. They join when
-   the verify at the reference width costs at most `FLAT_VERIFY` plain steps here, and the
+   the verify at the reference width costs at most `FLAT_VERIFY` plain steps here and the
+   caller fixed neither top_k nor pruning (a flag given wins), and the
    calibration then runs at the pool's own size, so every shape is still a subtree of its
    trees. (On a 2-core CPU a 64-token verify costs ~3 plain steps: none join there.)
 6. The chosen shape's break-even (`break_even` in the report; `--draft-gate`, gate.py): its
@@ -40,7 +42,8 @@ expected tokens/s (shape) = accepted per cycle / (draft + verify(W) + accept and
    2-core CPU and measured at 1.28-1.29). The drafter pays where its cycles emit more
    tokens than that.
 
-The choice is cached per target, drafter, device, dtype and engine in the gumiho cache dir.
+The choice is cached in the gumiho cache dir per target, drafter, device (a GPU's or the
+CPU's model), dtype, engine, temperature and thread count (`_cache_file` lists the rest).
 """
 
 from __future__ import annotations
@@ -381,7 +384,20 @@ def calibration_ids(target: Target) -> list[list[int]]:
 def temperature_key(temperature: float) -> float:
     """The temperature a tree shape is chosen and cached for: to two decimals (0.0:
     greedy)."""
-    return round(temperature, 2) if temperature > 0 else 0.0
+    return round(float(temperature), 2) if temperature > 0 else 0.0  # 1 and 1.0: one key
+
+
+def measured_device(device: torch.device) -> str:
+    """The device that measured costs are cached under: a GPU's name, the CPU's model
+    (a cache folder in a home shared by several machines must not hand one CPU's choice
+    to another), else the kind of device (an "mps" choice is not the CPU's)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        from gumiho.env import cpu_name
+
+        return f"cpu {cpu_name()}"
+    return device.type
 
 
 def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engine: str,
@@ -397,8 +413,7 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
                  if (draft_path / "config.json").exists() else 0]
     except (GumihoError, OSError):
         stamp = 0
-    device = target.device
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    device_name = measured_device(target.device)
     # the first item versions what the costs measure (5: wide verifies' logits via oneDNN;
     # 6: bf16 CPU projections packed, MLP heads without weight copies; 7: float32 ones
     # packed for MKL; 8: float32 ones through rowgemm.c; 9: verify widths timed in turns,

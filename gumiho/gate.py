@@ -9,13 +9,14 @@ SmolLM2 Gumiho drafter's cycles (those where prompt lookup found nothing) emitte
 tokens at 1.33 plain steps each (docs/methods.md, "Drafting only where it pays").
 
 `GatedDrafter` keeps a running mean of the tokens its drafter's cycles emitted in this
-sequence (starting from the calibration's expectation) and, while that mean is below the
-break-even, answers with the root alone (a plain step); every `probe`-th cycle in that
-state drafts anyway, so the mean follows the text. The decision reads host counts only (no
-timing, no sync): acceptance counts are far less noisy than per-cycle timings of a few
-milliseconds (an earlier pacer that compared timed rates mostly chose plain steps and lost
-the drafter's gains, see the issue 12 notes). `--total-tokens auto` measures the
-break-even of the shape it picks from whole unprofiled cycles (budget.py) and logs it.
+sequence (starting a quarter token above the break-even, `prior`) and, while that mean is
+below the break-even, answers with the root alone (a plain step); after every `probe`
+plain steps in that state a cycle drafts anyway (a probe), so the mean follows the text.
+The decision reads host counts only (no timing, no sync): acceptance counts are far less
+noisy than per-cycle timings of a few milliseconds (an earlier pacer that compared timed
+rates mostly chose plain steps and lost the drafter's gains, see the issue 12 notes).
+`--total-tokens auto` measures the break-even of the shape it picks from whole unprofiled
+cycles (budget.py) and logs it.
 
 Off by default (`--draft-gate X` turns it on): the running mean is too noisy to tell a
 drafter at 1.15-1.2 tokens per cycle from one at 1.35-1.4 within one answer, and with the
@@ -38,7 +39,7 @@ from gumiho.tree import DraftTree
 
 class GatedDrafter(DrafterWrapper):
     """`inner` drafts while its running tokens per cycle reach `break_even` (in plain
-    steps); below it, plain steps, with a drafting probe every `probe` cycles.
+    steps); below it, plain steps, with a drafting probe after every `probe` of them.
 
     prior: the tokens per cycle assumed before any is seen (default a quarter token above
     the break-even: about ten cycles of a drafter that does not pay before it stops).

@@ -361,8 +361,10 @@ class SpeculativeGenerator:
         # The caches belong to the target, which other generators may share: one owner.
         owner = self._active = self.target.stream_owner = object()
         result = GenerationResult()
+        # read once: a one-shot iterable (a generator) would reach the engine and leave
+        # the stream's hold-back nothing (it showed the stop string the answer ends before)
+        stops = settings["stop"] = check_stops(settings.get("stop"))
         steps = self._steps(prompt, result, **settings)
-        stops = check_stops(settings.get("stop"))
         return self._pieces(owner, steps, result, pieces, stops)
 
     def _pieces(self, owner: object, steps: Iterator[list[int]], result: GenerationResult,
