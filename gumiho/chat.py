@@ -232,7 +232,11 @@ def converse(session: ChatSession, lines: Iterable[str], out: TextIO, info: Text
         word, _, path = text.partition(" ")
         if command in ("/exit", "/quit"):
             return
-        if word.lower() in ("/save", "/load") and path.strip():
+        if word.lower() in ("/save", "/load") and not path.strip():
+            print(f"error: {word.lower()} needs a file: {word.lower()} FILE", file=info,
+                  flush=True)
+            continue
+        if word.lower() in ("/save", "/load"):
             try:
                 note = (session.save if word.lower() == "/save" else session.load)(path.strip())
                 print(note, file=info, flush=True)

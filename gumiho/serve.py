@@ -30,11 +30,13 @@ to install).
 from __future__ import annotations
 
 import argparse
+import codecs
 import hmac
 import itertools
 import json
 import logging
 import os
+import re
 import secrets
 import sys
 import threading
@@ -77,6 +79,34 @@ UNSERVED = {"echo": "echo", "suffix": "suffix", "tools": "tools", "functions": "
             "guided_choice": "guided decoding"}
 
 
+def byte_level_alphabet() -> dict[str, int]:
+    """The byte each character of a byte-level BPE token stands for (GPT-2's
+    bytes_to_unicode, inverted: printable bytes as themselves, the others from U+0100)."""
+    shown = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in shown]
+    return {chr(b): b for b in shown} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+BYTE_OF = byte_level_alphabet()
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+class TextOffsets:
+    """Where each token of an answer begins in its text (completions' `text_offset`), read
+    from the tokens' bytes in turn: a token inside a character split across tokens begins
+    where that character does (each such token's text alone is one U+FFFD)."""
+
+    def __init__(self):
+        self.chars = 0  # the whole characters so far
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, data: list[int]) -> int:
+        """The next token's offset, given its bytes."""
+        at = self.chars
+        self.chars += len(self.decoder.decode(bytes(data)))
+        return at
+
+
 class RequestError(Exception):
     """A request the server refuses: its HTTP status and a one-line reason."""
 
@@ -98,6 +128,11 @@ def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise RequestError(HTTPStatus.BAD_REQUEST, f"seed must be an integer, got {seed!r}")
+    # as OpenAI's: "false" or 1 would read as true (completions' logprobs is a count)
+    for field in ("stream", *(("logprobs",) if chat else ())):
+        if not isinstance(body.get(field), bool | None):
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"{field} must be true or false, "
+                               f"got {body[field]!r}")
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
@@ -106,18 +141,29 @@ def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
         if not body.get("stream"):
             raise RequestError(HTTPStatus.BAD_REQUEST, "stream_options is only for a "
                                "request with stream: true")
+        if not isinstance(options.get("include_usage", False), bool | None):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "stream_options.include_usage must "
+                               f"be true or false, got {options['include_usage']!r}")
     if body.get("best_of", 1) not in (1, None):
         raise RequestError(HTTPStatus.BAD_REQUEST, f"best_of must be 1 here, got "
                            f"{body['best_of']!r}")
     settings = {RENAMED[k]: v for k, v in body.items() if k in RENAMED and v is not None}
     settings.setdefault("temperature", 1.0)  # OpenAI's and vLLM's default
-    # without a seed each request samples afresh, as OpenAI's (generate's default is 0)
-    settings.setdefault("seed", secrets.randbelow(2**62))
+    if settings.get("top_k") == -1:  # vLLM's "all tokens", as 0 here
+        settings["top_k"] = 0
+    # without a seed each request samples afresh, as OpenAI's (generate's default is 0);
+    # any integer is a seed, as OpenAI's and vLLM's (negative ones too): generate's are
+    # 0..2**63 - 1
+    settings["seed"] = secrets.randbelow(2**62) if seed is None else seed % 2**63
     if settings.get("stop") is None:
         settings.pop("stop", None)
-    limit = body.get("max_completion_tokens")  # present but null: max_tokens holds
-    if limit is None:
-        limit = body.get("max_tokens")
+    limit = token_limit(body)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or limit < 1):  # (generate would name its max_new_tokens)
+        name = "max_tokens" if body.get("max_completion_tokens") is None \
+            else "max_completion_tokens"
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"{name} must be an integer >= 1, got "
+                           f"{limit!r}")
     settings["max_new_tokens"] = default_max_tokens if limit is None else limit
     bias = body.get("logit_bias")
     if bias is not None:
@@ -144,6 +190,12 @@ def settings_from(body: dict, default_max_tokens: int, chat: bool) -> dict:
         settings["top_logprobs"] = logprobs
     choices(body)  # checked here, before a stream's first chunk
     return settings
+
+
+def token_limit(body: dict) -> int | None:
+    """The request's max_completion_tokens, else its max_tokens (None: it names neither)."""
+    limit = body.get("max_completion_tokens")  # present but null: max_tokens holds
+    return body.get("max_tokens") if limit is None else limit
 
 
 @contextmanager
@@ -273,6 +325,12 @@ class Server:
         settings["reuse_prefix"] = self.reuse_prefix
         with bad_request():
             ids = self.prompt(body, chat)
+            room = context_length(self.gen.target)
+            if token_limit(body) is None and room is not None:
+                # the server's default, not the client's ask: at most what the context
+                # leaves (a prompt that fills it is refused as too long)
+                room -= len(ids)
+                settings["max_new_tokens"] = max(1, min(self.max_tokens, room))
             config = GenerateConfig(**settings)  # (the stop strings checked there too)
             check_prompt(self.gen.target, ids, config.max_new_tokens)
             check_token_ids(self.gen.target, config)
@@ -344,7 +402,7 @@ class Server:
                 try:
                     if chat:
                         yield chunk(i, "", None, role=True)
-                    offset = 0  # completions' text_offset so far
+                    offsets = TextOffsets()  # completions' text_offset, chunk to chunk
                     for piece in pieces:
                         if not logprobs:
                             if piece:
@@ -353,10 +411,8 @@ class Server:
                         one = chunk(i, piece.text, None)
                         if piece.token_ids:  # (the last may be held-back text alone)
                             scores = (self.chat_logprobs(piece) if chat
-                                      else self.text_logprobs(piece, offset))
+                                      else self.text_logprobs(piece, offsets))
                             one["choices"][0]["logprobs"] = scores
-                            if not chat:
-                                offset = scores["text_offset"][-1] + len(scores["tokens"][-1])
                         yield one
                 finally:
                     pieces.close()  # a client gone mid-answer stops the generation
@@ -374,26 +430,37 @@ class Server:
     def token_text(self, token_id: int) -> str:
         return self.gen.target.decode([token_id])
 
+    def token_bytes(self, token_id: int, text: str) -> list[int]:
+        """A token's own UTF-8 bytes (OpenAI's `bytes`, which join into a character split
+        across tokens: decoded alone, as `text`, such a token is U+FFFD)."""
+        if "\ufffd" in text:
+            piece = self.gen.target.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and (byte := BYTE_TOKEN.fullmatch(piece)):
+                return [int(byte[1], 16)]
+            if isinstance(piece, str) and piece and all(c in BYTE_OF for c in piece):
+                return [BYTE_OF[c] for c in piece]  # byte-level BPE (GPT-2's, SmolLM2's)
+        return list(text.encode())
+
     def chat_logprobs(self, result) -> dict:
         """OpenAI's chat `logprobs` of a result's tokens (or a stream Cycle's)."""
         def entry(token_id, logprob):
             text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": text, "logprob": logprob,
+                    "bytes": self.token_bytes(token_id, text)}
         tops = result.top_logprobs or [[] for _ in result.token_ids]
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
                             for t, lp, top in zip(result.token_ids, result.logprobs, tops,
                                                   strict=True)]}
 
-    def text_logprobs(self, result, offset: int = 0) -> dict:
-        """OpenAI's completions `logprobs` of a result's tokens (or a stream Cycle's, whose
-        text begins at `offset`)."""
+    def text_logprobs(self, result, offsets: TextOffsets | None = None) -> dict:
+        """OpenAI's completions `logprobs` of a result's tokens (or of a stream Cycle's,
+        `offsets` then holding the answer's earlier tokens)."""
+        offsets = TextOffsets() if offsets is None else offsets
         tokens = [self.token_text(t) for t in result.token_ids]
-        offsets, at = [], offset
-        for text in tokens:
-            offsets.append(at)
-            at += len(text)
+        starts = [offsets.add(self.token_bytes(t, text))
+                  for t, text in zip(result.token_ids, tokens, strict=True)]
         tops = result.top_logprobs
-        return {"tokens": tokens, "token_logprobs": result.logprobs, "text_offset": offsets,
+        return {"tokens": tokens, "token_logprobs": result.logprobs, "text_offset": starts,
                 "top_logprobs": None if tops is None else [
                     {self.token_text(i): v for i, v in top} for top in tops]}
 
@@ -558,6 +625,17 @@ class GumihoHTTPServer(ThreadingHTTPServer):
         self.gumiho = server
 
 
+def port_number(text: str) -> int:
+    """--port: a TCP port, 0..65535 (socket's bind raises an OverflowError past it)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gumiho.flags import add_generator_args
 
@@ -565,11 +643,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_generator_args(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000,
+                        help="port to listen on (default 8000; 0: any free port)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: --target)")
     parser.add_argument("--max-tokens", type=positive_int, default=512,
-                        help="new tokens when a request names no max_tokens (default 512)")
+                        help="new tokens when a request names no max_tokens (default 512; "
+                        "fewer where the prompt leaves less room in the context)")
     parser.add_argument("--api-key", default=os.environ.get("GUMIHO_API_KEY"),
                         help="a key requests to /v1/*, /tokenize and /detokenize must send "
                         "as 'Authorization: Bearer KEY' (default: $GUMIHO_API_KEY; none: "
@@ -598,7 +678,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)
-    check_context_room(args.target, args.max_tokens)
+    try:
+        check_context_room(args.target, args.max_tokens)
+    except GumihoError as exc:  # (its message names generate's flag)
+        raise GumihoError(str(exc).replace("--max-new-tokens", "--max-tokens")) from None
     exact_bf16_default(args)  # on a CPU with AMX, as `gumiho demo` chooses
     name = args.served_model_name or args.target
     try:  # the address first: a port in use fails at once, not after the load
