@@ -52,9 +52,25 @@ def test_a_split_character_is_held_back_until_it_is_whole(smollm2):
 def test_finish_gives_what_was_held_back(smollm2):
     ids = smollm2.tokenizer.encode("ok 🦊", add_special_tokens=False)
     pieces = TextPieces(smollm2.decode)
-    first = pieces.push(ids[:-1])  # ends inside the emoji: all of it held back
-    assert first == ""
+    first = pieces.push(ids[:-1])  # ends inside the emoji: the text before it is given
+    assert first and "ok".startswith(first.strip()) and "\ufffd" not in first
     assert first + pieces.finish(smollm2.decode(ids)) == smollm2.decode(ids)
+
+
+def test_pushes_that_each_end_inside_a_character_still_stream(smollm2):
+    """An emoji-only answer whose every cycle ends mid-character gave nothing until its end
+    (session 66: a chat stream of five emoji came as one piece); each push now gives the
+    characters its tokens complete."""
+    text = "🎉🎉🎉🚀🚀🦊"
+    ids = smollm2.tokenizer.encode(text, add_special_tokens=False)
+    pieces = TextPieces(smollm2.decode)
+    got = []
+    for i in range(0, len(ids), 3):  # 3-token pushes: emoji are 2-4 tokens here
+        got.append(pieces.push(ids[i : i + 3]))
+    got.append(pieces.finish(smollm2.decode(ids)))
+    assert "".join(got) == text
+    assert sum(bool(g) for g in got[:-1]) >= 3  # not held back to the end
+    assert all("\ufffd" not in g for g in got)
 
 
 def byte_fallback_decode():
