@@ -114,7 +114,8 @@ class DrafterConfig:
             num_hidden_layers=max(self.num_hidden_layers, 1),
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=float(self.rms_norm_eps),  # an int (1) is valid; LlamaConfig refuses it
             max_position_embeddings=self.max_position_embeddings,
             rope_parameters=dict(self.rope_parameters), hidden_act=self.hidden_act,
             attn_implementation="sdpa",

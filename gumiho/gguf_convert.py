@@ -17,11 +17,14 @@ mistaken for a finished one.
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 from pathlib import Path
 
 import torch
+
+from gumiho.errors import GumihoError
 
 log = logging.getLogger("gumiho")
 
@@ -116,6 +119,17 @@ def spm_bpe_tokenizer(vocab: dict):
     return fast
 
 
+def no_space(exc: BaseException) -> bool:
+    """Whether `exc` says the disk is full (safetensors' error carries no errno)."""
+    return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or \
+        "No space left" in str(exc)
+
+
+def no_space_error(folder: Path, what: str) -> GumihoError:
+    return GumihoError(f"no space left on the disk of {folder} for {what}: free some, or "
+                       "point GUMIHO_CACHE at a folder with room")
+
+
 def convert_gguf(gguf_path: Path, out: Path, storage_dtype: torch.dtype = torch.float32,
                  rebuild_spm_tokenizer: bool = False, eos_token: str | None = None,
                  stop_tokens: tuple[str, ...] = ()) -> None:
@@ -152,7 +166,15 @@ def convert_gguf(gguf_path: Path, out: Path, storage_dtype: torch.dtype = torch.
         model.generation_config.eos_token_id = [vocab[t] for t in stop_tokens]
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written copy only takes room
+        if no_space(exc):
+            size = sum(p.numel() * p.element_size() for p in model.parameters()) >> 20
+            raise no_space_error(out.parent, f"the converted model (about {size} MB)") \
+                from None
+        raise
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

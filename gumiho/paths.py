@@ -71,5 +71,8 @@ def same_place(a: str, b: str) -> bool:
 def file_sha256(path: str | Path) -> str:
     """The sha256 of a file's bytes, hex (read in blocks: a data file or drafter's weights,
     what a resume compares where a name alone could now mean other content)."""
+    digest = hashlib.sha256()  # (not hashlib.file_digest: Python 3.11+, and we take 3.10)
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()

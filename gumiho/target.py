@@ -248,11 +248,14 @@ def choose_device_dtype(
 ) -> tuple[torch.device, torch.dtype]:
     """Decide device and dtype once. Unset, the device is $GUMIHO_DEVICE if set, else an
     accelerator if there is one, else the CPU; the dtype $GUMIHO_DTYPE if set, else bf16 on
-    an accelerator and fp32 on a CPU."""
+    an accelerator and fp32 on a CPU. A bad value is one line that names where it came
+    from (the environment variable, when that set it)."""
+    from_env = device is None and bool(os.environ.get("GUMIHO_DEVICE"))
     if device is None:  # ROCm reports as cuda too
         device = os.environ.get("GUMIHO_DEVICE") or (
             "cuda" if torch.cuda.is_available() else "cpu")
-    dev = check_device(device)
+    dev = check_device(device, "GUMIHO_DEVICE" if from_env else "--device")
+    dtype_from_env = dtype is None and bool(os.environ.get("GUMIHO_DTYPE"))
     if dtype is None:
         dtype = os.environ.get("GUMIHO_DTYPE") or None
     if dtype is None:
@@ -262,31 +265,44 @@ def choose_device_dtype(
     else:
         names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+        if isinstance(dtype, torch.dtype):
+            raise GumihoError(f"unsupported dtype {dtype}: use torch.float32, torch.bfloat16 "
+                              "or torch.float16")
         if not isinstance(dtype, str):
             raise TypeError(f"dtype must be one of {', '.join(names)} or a torch dtype, got "
                             f"{dtype!r} ({type(dtype).__name__})")
         if dtype not in names:
-            raise GumihoError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
+            raise GumihoError(f"unknown dtype {dtype!r}"
+                              f"{' (from GUMIHO_DTYPE)' if dtype_from_env else ''}: use one "
+                              f"of {', '.join(names)}")
         torch_dtype = names[dtype]
     return dev, torch_dtype
 
 
-def check_device(device: str | torch.device) -> torch.device:
-    """A torch device that exists here, or one line saying what to use instead."""
+def check_device(device: str | torch.device, flag: str = "--device") -> torch.device:
+    """A torch device that exists here, or one line saying what to use instead. flag: where
+    the name came from, "--device" or an environment variable (GUMIHO_DEVICE)."""
+    env = not flag.startswith("-")
+    source = f" (from {flag})" if env else ""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise GumihoError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps") from None
+        raise GumihoError(f"unknown device {device!r}{source}: use cpu, cuda, cuda:N or "
+                          "mps") from None
     available = {"cpu": lambda: True, "cuda": torch.cuda.is_available,
                  "mps": torch.backends.mps.is_available,
                  "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}
     if dev.type not in available:
-        raise GumihoError(f"unsupported device {device!r}: use cpu, cuda, cuda:N or mps")
+        raise GumihoError(f"unsupported device {device!r}{source}: use cpu, cuda, cuda:N or "
+                          "mps")
+    named = f"{flag}={device}" if env else f"{flag} {device}"
     if not available[dev.type]():
-        raise GumihoError(f"--device {device}: no {dev.type} device is available here "
-                          "(use --device cpu, or leave --device out to pick automatically)")
+        fix = (f"set {flag}=cpu, or unset it" if env else f"use {flag} cpu, or leave {flag} "
+               "out")
+        raise GumihoError(f"{named}: no {dev.type} device is available here ({fix} to pick "
+                          "automatically)")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise GumihoError(f"--device {device}: only {torch.cuda.device_count()} CUDA "
+        raise GumihoError(f"{named}: only {torch.cuda.device_count()} CUDA "
                           f"device(s) here (cuda:0..cuda:{torch.cuda.device_count() - 1})")
     return dev
 
@@ -453,6 +469,13 @@ def check_logit_form(target: Target) -> None:
         ).vocab_size
     theirs = target.model(input_ids=ids, use_cache=False).logits[0].float()
     ours = target.lm_head(target.features(ids)[0]).float()
+    if not (torch.isfinite(theirs).all() and torch.isfinite(ours).all()):
+        # not a logit transform of the family's: e.g. Gemma's activations overflow float16
+        dtype = str(target.dtype).removeprefix("torch.")
+        why = (f"its activations overflow {dtype}: load it in bfloat16 or float32 (--dtype)"
+               if target.dtype == torch.float16 else "are its weights finite?")
+        raise GumihoError(f"target {target.name}: its logits in {dtype} are not finite (inf "
+                          f"or NaN) on a 4-token probe: {why}")
     error, size = (ours - theirs).abs().max().item(), theirs.abs().max().item()
     if not error <= 0.05 * size + 1e-3:  # rounding is ~1% of the largest logit in bf16
         raise GumihoError(
