@@ -56,6 +56,19 @@ SETTING_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 EXPORT_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+MAX_SEED = 2**32 - 1  # numpy's seeds, which accelerate's set_seed sets with torch's
+
+
+def seed_arg(value: str) -> int:
+    """argparse type: a seed every generator the run seeds takes (a negative or larger one
+    failed in accelerate's set_seed, after the target had loaded, as an internal error)."""
+    seed = nonnegative_int(value)
+    if seed > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to {MAX_SEED}, got "
+                                         f"{value!r}")
+    return seed
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m gumiho.train", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2")
@@ -133,7 +146,8 @@ def build_parser() -> ArgumentParser:
                    "bfloat16 (about 2x the tokens/s of fp32 on a CPU with AMX; refused on "
                    "a CPU whose bf16 products are slower than fp32's, such as an AVX2-only "
                    "one, see README); default: bf16 on a GPU, fp32 on a CPU")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0,
+                   help=f"0 to {MAX_SEED} (numpy's range, which accelerate seeds too)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=0,
                    help="also save the run every N optimizer steps (a kill then costs at most "
@@ -247,8 +261,9 @@ def check_run_dir(out: Path) -> None:
     entries = {p.name for p in out.iterdir()}
     if entries & {"state", "state.old", "state.tmp"} or entries <= {LOG}:
         return
-    exported = {LOG, "model.safetensors", "model.safetensors.tmp", "config.json",
-                "config.json.tmp", "train_summary.json"}
+    exported = {LOG, f"{LOG}.tmp", "model.safetensors", "model.safetensors.tmp",
+                "config.json", "config.json.tmp", "train_summary.json",
+                "train_summary.json.tmp"}  # (a kill -9 mid-write leaves a .tmp)
     if LOG in entries and all(e in exported or re.fullmatch(r"checkpoint-epoch\d+", e)
                               for e in entries):
         return
@@ -328,10 +343,17 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
                            defaults=SETTING_DEFAULTS)
     head = DraftHead.for_model(target, accelerator.unwrap_model(model))
     stop_at = min(total, stop_after or total)
-    if state.step >= stop_at:  # a finished run again: its weights and summary stay as they are
-        accelerator.print(f"{out}: already trained to step {state.step} of {total}; nothing "
-                          f"to do (its summary: {out / 'train_summary.json'})")
-        return 0
+    if state.step >= stop_at:
+        finished = summary_steps(out) == state.step
+        wait_for_everyone(accelerator)  # each process has read it before the end rewrites it
+        if finished:  # a finished run again: its weights and summary stay as they are
+            accelerator.print(f"{out}: already trained to step {state.step} of {total}; "
+                              f"nothing to do (its summary: {out / 'train_summary.json'})")
+            return 0
+        # the state was saved at the last epoch's end, and a kill came before the run's
+        # end had written its weights to OUT and its summary: write them now, untrained on
+        accelerator.print(f"{out}: trained to step {state.step}, but its final export and "
+                          "summary were not written: writing them")
     bar = tqdm(total=total, initial=state.step, desc=f"train {config.method}",
                disable=not accelerator.is_main_process)
     out.mkdir(parents=True, exist_ok=True)
@@ -381,7 +403,9 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
     wall = time.perf_counter() - start
     bar.close()
     summary = {"steps": state.step, "epochs": state.epoch, "train_samples": len(samples),
-               "wall_s": wall, "train_tokens_per_s": tokens * procs / max(wall, 1e-9)}
+               "wall_s": wall,
+               # None where this process trained nothing (it only wrote a cut-off run's end)
+               "train_tokens_per_s": tokens * procs / max(wall, 1e-9) if tokens else None}
     if eval_samples:
         summary["held_out_accuracy"] = evaluate(accelerator.unwrap_model(model), target, head,
                                                 eval_samples, config.method, state.epoch,
@@ -390,6 +414,17 @@ def train(config: TrainConfig, out: Path, stop_after: int | None = None,
     save(accelerator, model, scheduler, state, out, settings, config, None, summary)
     accelerator.print(json.dumps(summary))
     return 0
+
+
+def summary_steps(out: Path) -> int | None:
+    """The steps OUT/train_summary.json says the run had trained when it ended (None: no
+    summary, or not a readable one). A run's end writes it after its export to OUT and
+    before its state, so a summary at the state's step means that export is there too."""
+    try:
+        steps = json.loads((out / "train_summary.json").read_text(encoding="utf-8"))["steps"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 def log_evaluation(accelerator, model, target, head, samples, config: TrainConfig,
@@ -438,7 +473,9 @@ def save(accelerator, model, scheduler, state: RunState, out: Path, settings: di
     OUT/train_summary.json), then the training state, atomically, for resume. In that
     order: a kill between them leaves the export ahead of the state, and the resumed run
     comes to this save again and writes the same files; a state saved is never ahead of
-    its export (a finished state, which a rerun leaves alone, always has its weights)."""
+    its own export. The last epoch's save comes before the run's end, whose export to OUT
+    and summary a kill can cut off: a rerun calls the run finished (and leaves it alone)
+    only where the summary is at the state's step (`summary_steps`), else writes them."""
     if accelerator.is_main_process:
         extra = {"training": settings, "trained_steps": state.step}
         save_drafter(accelerator.unwrap_model(model), out / name if name else out,

@@ -108,18 +108,23 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m gumiho.train.plot",
                                 description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="training output dirs (or their train_log.jsonl)")
-    p.add_argument("--out", required=True, help="PNG file to write")
+    p.add_argument("--out", required=True, help="PNG file to write (another image "
+                   "format by its suffix: .svg, .pdf, ...)")
     p.add_argument("--title", default="held-out top-1 accuracy per draft position")
     p.add_argument("--chain", action="store_true",
                    help="the runs continued one another: one panel, steps in sequence")
     p.add_argument("--names", default=None,
                    help="with --chain: the runs' labels, comma-separated, one per run")
     args = p.parse_args(argv)
+    if args.names is not None and not args.chain:
+        raise GumihoError("--names labels the runs of a --chain; without it each panel is "
+                          "titled by its run's folder: leave --names out or add --chain")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out, image = output_file(args.out, plt)
     runs = [Path(r) for r in args.runs]
     if args.chain:
         fig, ax = plt.subplots(figsize=(10, 4.5))
@@ -141,9 +146,29 @@ def main(argv: list[str] | None = None) -> int:
         axes[0][0].set_ylabel("top-1 = target argmax")
     fig.suptitle(args.title)
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(args.out)
+    try:
+        fig.savefig(out, dpi=110, format=image)
+    except OSError as exc:
+        raise GumihoError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
+    print(out)
     return 0
+
+
+def output_file(name: str, plt) -> tuple[Path, str]:
+    """(the file --out names, its image format): the format its suffix names, PNG for a
+    name without one (written under that very name: matplotlib would add ".png" to it, and
+    the path printed would not be the file written); one line for a format matplotlib
+    cannot write or a folder that is not there, before any log is read."""
+    out = Path(name)
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    image = out.suffix[1:].lower() or "png"
+    if image not in formats:
+        raise GumihoError(f"--out {out}: matplotlib cannot write {out.suffix!r} images; "
+                          f"name a .png file (or {', '.join('.' + f for f in sorted(formats))})")
+    if not out.parent.is_dir():
+        raise GumihoError(f"--out {out}: the folder {out.parent} does not exist")
+    return out, image
 
 
 if __name__ == "__main__":

@@ -143,6 +143,11 @@ def save_run_state(accelerator, out: Path, state: RunState, settings: dict, sche
         shutil.rmtree(tmp, ignore_errors=True)
     wait_for_everyone(accelerator)
     accelerator.save_state(str(tmp))
+    # every process has written its part (its RNG state; DeepSpeed's shards) before the main
+    # one marks the state complete and renames it: accelerate's save_state ends without a
+    # barrier, and a process still writing found state.tmp renamed away (and the state was
+    # complete without its file)
+    wait_for_everyone(accelerator)
     if accelerator.is_main_process:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / PROGRESS).write_text(json.dumps({"progress": asdict(state),

@@ -73,7 +73,9 @@ def batch_accuracies(model, target, head, samples, method, epoch, batch_size
 
 
 def evaluate(model, target, head, samples, method, epoch, batch_size) -> dict[str, float]:
-    """Mean top-1 accuracy per draft position (token-weighted per batch) on held-out data."""
+    """Mean top-1 accuracy per draft position (token-weighted per batch) on held-out data,
+    each position's over the batches that score it (a batch of short samples may hold no
+    position for a later head: it logs no accuracy there, which is not an accuracy of 0)."""
     found = batch_accuracies(model, target, head, samples, method, epoch, batch_size)
-    return {k: sum(b[k] for b in found if k in b) / max(len(found), 1)
+    return {k: sum(b[k] for b in found if k in b) / sum(k in b for b in found)
             for k in dict.fromkeys(k for b in found for k in b)}
