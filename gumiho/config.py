@@ -6,6 +6,7 @@ of the serial head plus the Gumiho fields that vLLM's GumihoConfig looks for.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from gumiho.errors import GumihoError
@@ -405,8 +406,8 @@ class TrainConfig:
         if not 0 < self.ploss_fraction <= 1:
             raise GumihoError("--ploss-fraction must be in (0, 1]")
         for flag, value in {"--lr": self.lr, "--grad-clip": self.grad_clip}.items():
-            if not value > 0:  # NaN too
-                raise GumihoError(f"{flag} must be positive (got {value})")
+            if not 0 < value < math.inf:  # NaN too (inf was an internal error in the step)
+                raise GumihoError(f"{flag} must be a positive finite number (got {value})")
         for flag, value in {"--warmup-steps": self.warmup_steps, "--noise": self.noise,
                             "--draft-vocab": self.draft_vocab,
                             "--mlp-ploss-after-epochs": self.mlp_ploss_after_epochs,
@@ -414,8 +415,8 @@ class TrainConfig:
                             "--mlp-ploss-weight": self.mlp_ploss_weight,
                             "--serial2-weight": self.serial2_weight,
                             "--skip-conversations": self.skip_conversations}.items():
-            if not value >= 0:
-                raise GumihoError(f"{flag} must be at least 0 (got {value})")
+            if not 0 <= value < math.inf:
+                raise GumihoError(f"{flag} must be at least 0 and finite (got {value})")
         if self.heads_only and not method_spec(self.method).parallel_heads:
             raise GumihoError(f"--heads-only: {self.method} drafters have no MLP heads; only "
                               "gumiho's can train alone")

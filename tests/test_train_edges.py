@@ -223,3 +223,13 @@ def test_held_out_accuracy_averages_each_position_over_the_batches_that_score_it
     monkeypatch.setattr(step, "batch_accuracies", lambda *args: made)
     acc = step.evaluate(model, tiny, head, [samples[0], short], "gumiho", 0, 1)
     assert acc == pytest.approx({"acc_serial1": 0.3, "acc_mlp5": 0.5})
+
+
+@pytest.mark.parametrize("flag, value", [("lr", float("inf")), ("grad_clip", float("inf")),
+                                         ("lr", float("nan")), ("noise", float("inf")),
+                                         ("ploss_weight", float("inf"))])
+def test_an_infinite_rate_or_weight_is_one_line(flag, value):
+    from gumiho.config import TrainConfig
+
+    with pytest.raises(GumihoError, match=f"--{flag.replace('_', '-')} must be"):
+        TrainConfig(online=True, **{flag: value})
