@@ -129,14 +129,17 @@ def test_the_table_names_the_baseline_texts_are_compared_with(tmp_path):
 def test_a_resume_under_other_gumiho_switches_is_refused(tmp_path, monkeypatch):
     """GUMIHO_FUSED=0, GUMIHO_ROWGEMM=0 and the like change which kernels run: answers timed
     under other switches must not share a file. A file from before switches were recorded
-    resumes when none is set; the API key and the cache folder are no switches."""
+    resumes when none is set; the API key, cache folder, GUMIHO_DEBUG and the like are no
+    switches."""
     from gumiho.evaluation.answers import AnswerFile
     from gumiho.evaluation.gen_answers import check_resume, switches
 
     for name in [k for k in os.environ if k.startswith("GUMIHO_")]:
         monkeypatch.delenv(name)
-    monkeypatch.setenv("GUMIHO_API_KEY", "secret")
-    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path))
+    for name, value in (("GUMIHO_API_KEY", "secret"), ("GUMIHO_CACHE", str(tmp_path)),
+                        ("GUMIHO_DEBUG", "1"), ("GUMIHO_DEVICE", "cpu"),
+                        ("GUMIHO_ERROR_FILE", "e"), ("GUMIHO_ARGS", "--x")):
+        monkeypatch.setenv(name, value)  # (a traceback asked for, the eval scripts' own)
     assert switches() == {}
     settings = {"method": "gumiho"}
     old = {"settings": settings, "env": {"device": "cpu", "threads": 2}}  # no "switches"

@@ -55,15 +55,16 @@ from gumiho.version import code_version
 # compare (a resume after a commit that changes the package is refused; --overwrite)
 ENV_KEYS = ("device", "device_name", "dtype", "attention", "torch", "transformers",
             "git_commit", "threads", "switches")
-# GUMIHO_* variables that are no switch of the code's path (a secret, a folder)
-NOT_SWITCHES = ("GUMIHO_API_KEY", "GUMIHO_CACHE")
 
 
 def switches() -> dict[str, str]:
-    """The GUMIHO_* switches set in the environment (GUMIHO_FUSED=0, GUMIHO_ROWGEMM=0, ...):
-    they change which kernels run, so answers timed under others do not share a file."""
-    return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith("GUMIHO_") and k not in NOT_SWITCHES}
+    """The kernel switches (env.SWITCHES: GUMIHO_FUSED=0, GUMIHO_ROWGEMM=0, ...) set in the
+    environment: they change which kernels run, so answers timed under others do not share
+    a file. Not the device and dtype (recorded as such), the cache folder or GUMIHO_DEBUG."""
+    from gumiho.env import SWITCHES
+
+    skip = ("GUMIHO_DEVICE", "GUMIHO_DTYPE", "GUMIHO_CACHE", "GUMIHO_DEBUG")
+    return {k: os.environ[k] for k in sorted(SWITCHES) if k in os.environ and k not in skip}
 
 
 def environment(gen: SpeculativeGenerator) -> dict:
