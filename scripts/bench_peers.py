@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
+from gumiho.errors import GumihoError
 from gumiho.generate import SpeculativeGenerator
 from gumiho.methods import method_spec
 from gumiho.target import load_target, resolve_target_path
@@ -106,6 +107,14 @@ def main() -> None:
     p.add_argument("--hf-static", action="store_true",
                    help="also transformers' generate with a static (compiled) cache")
     args = p.parse_args()
+    for d in args.draft:  # before anything loads: one line, as argparse's own errors
+        if not d.partition("=")[0] or not d.partition("=")[2]:
+            p.error(f"--draft {d!r}: give METHOD=DIR, e.g. gumiho=runs/my_drafter")
+    for method in args.methods.split(","):
+        try:
+            method_spec(method)
+        except GumihoError as exc:
+            p.error(f"--methods: {exc}")
     drafts = {**DRAFTS, **dict(d.split("=", 1) for d in args.draft)}
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
@@ -140,6 +149,9 @@ def main() -> None:
                        for v in variants}
     print(json.dumps({"target": args.target, "new_tokens": args.new_tokens, "repeats": args.repeats,
                       "device": str(device), "dtype": str(dtype),
+                      "attention": target.config._attn_implementation,
+                      "preset": args.preset,
+                      "drafts": {m: drafts[m] for m in args.methods.split(",") if m in drafts},
                       "threads": torch.get_num_threads(), "prompts": table}, indent=1))
 
 

@@ -1,4 +1,4 @@
-"""Training cost per token on this machine: one pass of forward + backward over stored
+"""Training cost per token on this machine's CPU: one pass of forward + backward over stored
 samples, single-threaded, counted in tokens per CPU-second of the process (stable on a
 shared machine, unlike wall time).
 
@@ -44,7 +44,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     bf16 = args.precision == "bf16"
-    target = load_target("smollm2", dtype="bfloat16" if bf16 else "float32")
+    # on the CPU on any machine: CPU-seconds, and the CPU's autocast, measure the CPU's cost
+    target = load_target("smollm2", device="cpu", dtype="bfloat16" if bf16 else "float32")
     _, samples = load_samples(args.data)
     config = TrainConfig(online=True, method=args.method, draft_vocab=args.draft_vocab)
     model = new_model(target, config, samples)

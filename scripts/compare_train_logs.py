@@ -40,16 +40,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     (train_a, held_a), (train_b, held_b) = by_step(args.run_a), by_step(args.run_b)
     steps = sorted(set(train_a) & set(train_b))
-    names = [k for k in train_a[steps[0]] if k.startswith("acc_")] if steps else []
+    # every position both runs logged at some step (a step logs none for a head that its
+    # batch held no position for; one run may have fewer heads), each averaged over the
+    # span's steps that logged it in both
+    names = list(dict.fromkeys(k for s in steps for k in train_a[s]
+                               if k.startswith("acc_") and k in train_b[s]))
     print(f"B - A, training top-1 on the same batches (A {args.run_a}, B {args.run_b})")
     print("steps      logs " + " ".join(f"{p[4:]:>8}" for p in names))
     for start in range(0, steps[-1] if steps else 0, args.span):
         span = [s for s in steps if start < s <= start + args.span]
         if span:
-            diffs = [statistics.mean(train_b[s][p] - train_a[s][p] for s in span)
-                     for p in names]
+            diffs = [[train_b[s][p] - train_a[s][p] for s in span
+                      if p in train_a[s] and p in train_b[s]] for p in names]
             print(f"{start + 1:>4}-{start + args.span:<5} {len(span):>4} "
-                  + " ".join(f"{d:+8.4f}" for d in diffs))
+                  + " ".join(f"{statistics.mean(d):+8.4f}" if d else f"{'-':>8}"
+                             for d in diffs))
     for step in sorted(set(held_a) & set(held_b)):
         print(f"held-out at step {step}: " + ", ".join(
             f"{p[4:]} {held_b[step][p] - held_a[step][p]:+.4f}" for p in held_a[step]

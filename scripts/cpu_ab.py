@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-only", action="store_true",
                         help="the verify steps alone, no answers")
     args = parser.parse_args(argv)
+    if args.prompts < 1:  # [:prompts - 1] of the questions: 0 took all but the last
+        parser.error("--prompts: at least 1 (the demo's prompt)")
     if args.switch == "rowamx" and (rowamx.kernel() is None or args.dtype != "bfloat16"):
         raise SystemExit("error: rowamx.c runs bf16 products on AMX tiles: --dtype bfloat16 "
                          "on a CPU with them (and a compiler that knows them)")

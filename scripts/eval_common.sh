@@ -83,7 +83,7 @@ need_gpu() {
   fi
 }
 
-run_real_model() {  # name [extra COMMON_ARGS]: the paper's run of one model family on a GPU
+run_real_model() {  # name [flags added to COMMON_ARGS]: the paper's run of one model family on a GPU
   local name=$1 extra=${2:-}
   need_dir TARGET "Hugging Face target model"
   need_dir GUMIHO_DRAFT "Gumiho drafter checkpoint"
@@ -91,7 +91,8 @@ run_real_model() {  # name [extra COMMON_ARGS]: the paper's run of one model fam
   [[ -n "${MEDUSA_DRAFT:-}" ]] && need_dir MEDUSA_DRAFT "Medusa checkpoint"
   need_gpu "scripts/eval_$name.sh"
   OUT=${OUT:-runs/eval_$name}; TEMPS=${TEMPS:-"0 1"}; QEND=${QEND:-80}; MAXNEW=${MAXNEW:-1024}
-  COMMON_ARGS=${COMMON_ARGS:-"--device cuda $extra"}
+  # the family's own flags (vicuna's chat template) stay when the caller sets COMMON_ARGS
+  COMMON_ARGS="${COMMON_ARGS:-"--device cuda"}${extra:+ $extra}"
   run_all
   echo "report: $OUT/report.md"
 }

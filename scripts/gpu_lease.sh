@@ -13,7 +13,7 @@
 # 3-question testbed ~50 s; `equality` ~65 s. The machine goes back 30 s after a call
 # returns, so the calls must follow each other at once. The order that fit (H100, 833 s):
 #
-#   here:  bash scripts/gpu_lease.sh pack              # .stage/{1,2,3,4}, <= 60 MiB each
+#   here:  bash scripts/gpu_lease.sh pack              # .stage/{1,2,3}, <= 60 MiB each
 #          mv gumiho/assets /tmp/assets.hold           # the checkout then weighs ~3 MB
 #   device calls, back to back (carry = [".stage/N"] for the first three):
 #     1  CYCLE_LIMIT=80 bash scripts/gpu_lease.sh cycle            # 8B-shape cycle table

@@ -57,11 +57,15 @@ def main() -> None:
                    help="the target's attention implementation (default: load_target's); "
                         "sdpa_invariant computes each row of a verify as alone")
     args = p.parse_args()
+    unknown = [m for m in args.methods.split(",") if m not in DRAFTS]
+    if unknown:  # before the target loads
+        p.error(f"--methods: {', '.join(unknown)} not among {', '.join(DRAFTS)}")
     target = load_target("smollm2", device=args.device, dtype=args.dtype,
                          attn_implementation=args.attention)
     config = GenerateConfig(max_new_tokens=args.new_tokens)
-    drafters = {m: load_drafter(m, target, DRAFTS[m], tree=TreeConfig.for_method(
-        m, total_tokens=args.total_tokens)) for m in args.methods.split(",")}
+    trees = {m: TreeConfig.for_method(m, total_tokens=args.total_tokens)
+             for m in args.methods.split(",")}
+    drafters = {m: load_drafter(m, target, DRAFTS[m], tree=tree) for m, tree in trees.items()}
     rows = []
     for q in load_questions("mt_bench")[: args.questions]:
         prompt = target.chat_ids(q["turns"][0])
@@ -80,7 +84,10 @@ def main() -> None:
     same = sum(r["identical"] for r in rows)
     print(json.dumps({"dtype": args.dtype, "device": str(target.device),
                       "attention": target.config._attn_implementation,
-                      "new_tokens": args.new_tokens, "runs": len(rows), "identical": same,
+                      "new_tokens": args.new_tokens, "questions": args.questions,
+                      "trees": {m: {"total_tokens": t.total_tokens, "depth": t.depth}
+                                for m, t in trees.items()},
+                      "runs": len(rows), "identical": same,
                       "margins_where_different": sorted(r["margin"] for r in rows
                                                         if not r["identical"])}))
 

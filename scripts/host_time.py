@@ -4,13 +4,14 @@ On a GPU the recorded steps (a cycle's drafting, its verify with greedy acceptan
 as CUDA graphs, one launch each; everything else in a cycle (the loop's Python, the
 kernels launched outside recorded steps, building the emitted token list, the stop test)
 is host work that the device may wait on. On a CPU everything runs in turn, so that host
-work can be measured here: this runs the loop on the `static` engine's data flow (inputs
+work can be measured there (this loads on the CPU on any machine): this runs the loop on
+the `static` engine's data flow (inputs
 copied into the step's own buffers, outputs cloned, as a replay does) without its
 host-state check, times every step's body, and prints per cycle the wall time, the time
 inside recorded steps and the rest. A cycle's first propose also catches the drafter up
 over the prompt, eagerly, once a generation: it is reported apart.
 
-    python scripts/host_time.py --method gumiho --draft gumiho/assets/smollm2/gumiho
+    python scripts/host_time.py --method gumiho [--draft gumiho/assets/smollm2/gumiho]
     python scripts/host_time.py --method ar --profile 20    # the rest's Python, by function
 
 Measured figures: docs/status.md, "Reached, and not yet".
@@ -30,8 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from gumiho import graphs
+from gumiho.demo import shipped_drafter
 from gumiho.engine import GenerateConfig, generate
+from gumiho.errors import cli_errors
 from gumiho.generate import SpeculativeGenerator
+from gumiho.methods import method_spec
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -99,19 +103,26 @@ def one_run(gen, ids, config, clock: StepClock, profiler: cProfile.Profile | Non
     return cycles, tokens, wall, clock.inside, clock.replays, first_host
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", default="gumiho")
-    parser.add_argument("--draft", default=None)
+    parser.add_argument("--draft", default=None,
+                        help="default: the shipped drafter of a method with a network")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", type=int, default=0,
                         help="also list the N functions with the most host time")
     args = parser.parse_args(argv)
+    draft = args.draft
+    if draft is None and method_spec(args.method).drafter:
+        draft = str(shipped_drafter(args.method))
     torch.set_num_threads(args.threads)
-    gen = SpeculativeGenerator.load("smollm2", method=args.method, draft=args.draft,
-                                    dtype=args.dtype, engine="static")
+    # on the CPU on any machine: there each step's body runs as it is timed (a GPU's
+    # would be its launches alone)
+    gen = SpeculativeGenerator.load("smollm2", method=args.method, draft=draft,
+                                    device="cpu", dtype=args.dtype, engine="static")
     ids = gen.prompt_ids(PROMPT)
     config = GenerateConfig(max_new_tokens=args.max_new_tokens, engine="static")
     with StepClock() as clock:

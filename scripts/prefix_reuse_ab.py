@@ -4,7 +4,8 @@ user waits for the first token of each answer, and for the whole conversation.
     python scripts/prefix_reuse_ab.py [--method gumiho] [--rounds 3] [--dtype float32]
 
 Each round runs the whole conversation (the turns below, each answer fed back as history)
-once with `reuse_prefix` and once without, which goes first alternating by round. Prints,
+once with `reuse_prefix` and once without, which goes first alternating by round; each
+conversation starts with no sequence kept from an earlier one, as a new chat. Prints,
 per turn, the prompt's length, the tokens reused, and the prefill's time (the first token's
 wait) both ways, the medians over the rounds; then the conversation's total time both ways
 and whether the answers were the same (at T = 0 they can differ only at a near tie: the
@@ -34,9 +35,19 @@ TURNS = [
 ]
 
 
+def forget_prefixes(gen) -> None:
+    """No sequence kept from an earlier generation: a conversation then starts as a new
+    chat's does (an eager runner keeps the last four sequences, so the reuse run of a
+    later round would otherwise find the whole of an earlier round's conversation and
+    skip almost all of every turn's prefill, its first turn's too)."""
+    for runner in gen.target.runners.values():
+        runner.prefixes.clear()
+
+
 def conversation(gen, reuse: bool, max_new_tokens: int) -> tuple[list, float]:
     """Each turn's (prompt tokens, reused tokens, prefill seconds, answer ids), and the
-    whole conversation's seconds."""
+    whole conversation's seconds; nothing reused from before it (`forget_prefixes`)."""
+    forget_prefixes(gen)
     messages, turns = [], []
     start = time.perf_counter()
     for text in TURNS:

@@ -5,7 +5,8 @@
 #   e.g. bash scripts/tau_heldout.sh runs/tau gumiho_1k:gumiho:gumiho/assets/smollm2/gumiho \
 #          eagle2_1k:eagle2:gumiho/assets/smollm2/eagle2
 # QEND (10) prompts, MAXNEW (96) new tokens; extra gen_answers flags in ARGS (e.g. --total-tokens auto).
-# Answers already complete in OUT are kept, so a cut-off run resumes where it stopped.
+# Answer files already complete in OUT (QEND lines) are kept, whatever settings made them
+# (a new OUT for new settings); a cut-off run starts over the file it stopped in.
 # Paths are the caller's: the script stays in the caller's folder.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
