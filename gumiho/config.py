@@ -407,7 +407,7 @@ class TrainConfig:
             raise GumihoError("--ploss-fraction must be in (0, 1]")
         for flag, value in {"--lr": self.lr, "--grad-clip": self.grad_clip}.items():
             if not 0 < value < math.inf:  # NaN too (inf was an internal error in the step)
-                raise GumihoError(f"{flag} must be a positive finite number (got {value})")
+                raise GumihoError(f"{flag} must be positive and finite (got {value})")
         for flag, value in {"--warmup-steps": self.warmup_steps, "--noise": self.noise,
                             "--draft-vocab": self.draft_vocab,
                             "--mlp-ploss-after-epochs": self.mlp_ploss_after_epochs,
