@@ -31,6 +31,7 @@ log = logging.getLogger("gumiho")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Unused by every drafter here (layer 0 has no input norm), present in some EAGLE files.
 IGNORED_KEYS = ("layers.0.input_layernorm.weight",)
+LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
 
 
 def lm_key(spec: MethodSpec) -> re.Pattern:
@@ -275,7 +276,8 @@ def infer_config(state: dict[str, Tensor], target_config, method: str | None,
                               "derive the shape from the target") from None
     check_keys_method(state, method)
     spec = method_spec(method) if method else spec_from_keys(state)
-    layers = {int(k.split(".")[1]) for k in state if k.startswith("layers.")}
+    # a key that is no layer's (`layers.x.…`) is named as unexpected by the strict load
+    layers = {int(m[1]) for k in state if (m := LAYER_KEY.match(k))}
     matches = [m for k in state if spec.head_key and (m := spec.head_key.match(k))]
     heads = {int(m[1]) for m in matches}
     blocks = {int(m[2]) for m in matches}
@@ -287,9 +289,14 @@ def infer_config(state: dict[str, Tensor], target_config, method: str | None,
         overrides["num_mlp_layers"] = len(blocks) - (1 if spec.serial else 0)
     if not spec.serial:
         overrides["medusa_own_lm_head"] = any(lm_key(spec).match(k) for k in state)
-    if "d2t" in state:  # a reduced draft vocabulary (EAGLE-3 convention)
-        overrides["draft_vocab_size"] = state["d2t"].shape[0]
-    return DrafterConfig.for_target(target_config, spec.name, **overrides)
+    d2t = state.get("d2t")
+    if d2t is not None and d2t.dim() == 1:  # a reduced draft vocabulary (EAGLE-3 convention;
+        overrides["draft_vocab_size"] = d2t.shape[0]  # another shape: check_draft_vocabulary)
+    try:
+        return DrafterConfig.for_target(target_config, spec.name, **overrides)
+    except (TypeError, ValueError) as exc:  # e.g. a d2t longer than the target's vocabulary
+        raise GumihoError(f"the checkpoint's keys (no Gumiho config.json) make no "
+                          f"{spec.name} drafter for this target: {exc}") from None
 
 
 def another_target(a: str, b: str) -> bool:
@@ -303,6 +310,10 @@ def another_target(a: str, b: str) -> bool:
 def check_drafter_dir(path: str | Path) -> Path:
     """The drafter checkpoint dir, or one line saying it is not one (before slow loads)."""
     path = Path(path)
+    if str(path) == "random" and not path.exists():  # generate's --draft random, not here
+        raise GumihoError("drafter 'random': a random drafter is for generate and "
+                          "gen_answers only; this reads a checkpoint dir (model.safetensors "
+                          "or pytorch_model.bin)")
     if not path.is_dir():
         raise GumihoError(f"drafter {str(path)!r}: not a directory (give a checkpoint dir "
                           "with model.safetensors or pytorch_model.bin, or 'random')")
@@ -326,6 +337,7 @@ def load_drafter_model(path: str | Path, target, method: str | None = None,
                           f"{target.name} has {target.hidden_size}: use a drafter trained "
                           "for this target")
     config = infer_config(state, target.config, method, saved)
+    check_layer_config(config, path)
     trained = training_record(saved).get("target")
     if isinstance(trained, str) and another_target(trained, target.name):
         log.warning("drafter %s was trained for target %r, not %r: the shapes agree, so it "
@@ -343,6 +355,20 @@ def load_drafter_model(path: str | Path, target, method: str | None = None,
     except KeyError as exc:  # a config field the layers' constructors look up, e.g. RoPE's
         raise GumihoError(f"drafter {path}: its config.json does not describe its layers "
                           f"({exc.args[0] if exc.args else exc})") from None
+
+
+def check_layer_config(config: DrafterConfig, path) -> None:
+    """One line where transformers refuses the serial layers' LlamaConfig of a hand-edited
+    config.json (e.g. a hidden size its heads do not divide), before any layer is built."""
+    if not method_spec(config.method).serial:
+        return
+    try:
+        config.llama_config()
+    except Exception as exc:  # noqa: BLE001 - its validators raise their own error types
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+        raise GumihoError(f"drafter {path}: its config.json does not describe its layers "
+                          f"({lines[-1] if lines else type(exc).__name__})") from None
 
 
 def check_draft_vocabulary(state: dict[str, Tensor], vocab: int, path) -> None:

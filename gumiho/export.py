@@ -11,8 +11,8 @@
   "eagle", `EagleLlamaForCausalLM`). vLLM builds its `fc` without a bias, so the bias is
   folded exactly into layer 0's attention biases (`attention_bias: true`).
 * `sglang-eagle`: the serial part as SGLang's EAGLE drafter (`LlamaForCausalLMEagle`, whose
-  `fc` has a bias); a reduced vocabulary becomes `hot_token_map.pt` for
-  `--speculative-token-map`.
+  `fc` has a bias; config.json names that class, which SGLang builds); a reduced
+  vocabulary becomes `hot_token_map.pt` for `--speculative-token-map`.
 * `vllm-eagle3`, `sglang-eagle3`: refused. EAGLE-3's first layer normalises the token
   embedding and the feature separately and attends over both (2H -> q, k, v) with the
   feature alone on the residual; ours fuses them with `fc` first. No weight mapping
@@ -27,7 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -107,8 +111,10 @@ def keep_training_record(draft: Path, out: Path) -> None:
 
 
 def stored_dtype(path: Path) -> torch.dtype:
-    """The floating dtype the checkpoint was saved in."""
-    return next(v.dtype for v in read_state(path).values() if v.is_floating_point())
+    """The floating dtype the checkpoint was saved in (float32 where it holds no floating
+    tensor: the load then names what it lacks)."""
+    return next((v.dtype for v in read_state(path).values() if v.is_floating_point()),
+                torch.float32)
 
 
 def full_vocabulary_notes(config: DrafterConfig, how: str) -> list[str]:
@@ -208,15 +214,20 @@ def eagle_state(model: nn.Module, scale: float, fold_fc_bias: bool) -> dict[str,
     return state
 
 
-def eagle_config(config: DrafterConfig, dtype: torch.dtype, attention_bias: bool) -> dict:
-    """A plain Llama config of the serial layers: the engines wrap it as an EAGLE drafter
-    (vLLM: LlamaForCausalLM -> EagleLlamaForCausalLM; SGLang: LlamaForCausalLMEagle)."""
+def eagle_config(config: DrafterConfig, dtype: torch.dtype, engine: str) -> dict:
+    """A Llama config of the serial layers. vLLM wraps a plain one as its EAGLE drafter
+    (method "eagle": LlamaForCausalLM -> EagleLlamaForCausalLM, its fc without a bias, so
+    the fold's attention biases); SGLang builds the class the config names and maps no
+    LlamaForCausalLM to its EAGLE one, so that one is named (`LlamaForCausalLMEagle`, as
+    its own EAGLE checkpoints do; a plain Llama would load as a whole language model)."""
+    attention_bias = engine == "vllm"
     data = config.to_json()
     keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
             "max_position_embeddings", "hidden_act", "rope_theta", "rope_scaling",
             "rope_parameters")
-    out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    architecture = "LlamaForCausalLM" if engine == "vllm" else "LlamaForCausalLMEagle"
+    out = {"architectures": [architecture], "model_type": "llama",
            **{k: data[k] for k in keep}, "attention_bias": attention_bias,
            "mlp_bias": False, "tie_word_embeddings": False,
            "torch_dtype": str(dtype).removeprefix("torch.")}
@@ -238,7 +249,7 @@ def write_eagle(model: nn.Module, target, out: Path, dtype: torch.dtype, engine:
              for k, v in eagle_state(model, embedding_scale(model, target), fold).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(eagle_config(config, dtype, fold), indent=2)
+    (out / "config.json").write_text(json.dumps(eagle_config(config, dtype, engine), indent=2)
                                      + "\n", encoding="utf-8")
     notes = []
     if method_spec(config.method).parallel_heads:
@@ -254,8 +265,65 @@ def write_eagle(model: nn.Module, target, out: Path, dtype: torch.dtype, engine:
     return notes
 
 
-# every file an export may write: --overwrite removes them all first
+# every file an export may write: --overwrite replaces them all
 EXPORTED_FILES = ("model.safetensors", "pytorch_model.bin", "config.json", "hot_token_map.pt")
+STAGE = ".export-"  # the folder an export is written into before it replaces --out's files
+
+
+def check_replaceable(out: Path) -> None:
+    """--overwrite replaces an earlier export, nothing else: one line where `out` holds a
+    file no export writes (a model's folder, a training run's output) or a config.json
+    that is no drafter's, so a mistyped --out is left as it was."""
+    others = sorted(p.name for p in out.iterdir()
+                    if p.name not in EXPORTED_FILES and not p.name.startswith(STAGE))
+    if others:
+        raise GumihoError(f"--out {out} holds {others[0]}, which no export writes: "
+                          "--overwrite replaces an earlier export only; give a new directory")
+    if (out / "config.json").exists():
+        try:
+            config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            config = None
+        if not (isinstance(config, dict) and (config.get("method") in DRAFTER_METHODS
+                                              or "gumiho_export" in config)):
+            raise GumihoError(f"--out {out}: its config.json is no exported drafter's: "
+                              "--overwrite replaces an earlier export only; give a new "
+                              "directory")
+
+
+@contextmanager
+def staged(out: Path):
+    """A fresh folder to export into; once the export is whole its files become `out`'s
+    (a new `out` is the folder itself, renamed; in an existing one they replace an earlier
+    export's, whose other files go), so an export that fails, is refused late or is
+    interrupted leaves `out` as it was."""
+    created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    new = bool(created)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGE}" if new else STAGE,
+                                  dir=out.parent if new else out))
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for folder in created[1:]:  # the parents made for it, while empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    if new:
+        os.replace(stage, out)
+        return
+    written = {p.name for p in stage.iterdir()}
+    for name in EXPORTED_FILES:  # an earlier export's other files would be read first
+        if name not in written:
+            (out / name).unlink(missing_ok=True)
+    for name in written:
+        os.replace(stage / name, out / name)
+    for leftover in out.iterdir():  # this one's, and any an interrupted export left
+        if leftover.name.startswith(STAGE) and leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,8 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="default: the dtype the checkpoint was saved in")
     p.add_argument("--overwrite", action="store_true",
-                   help="write into a non-empty --out (an earlier export's files there are "
-                   "removed first)")
+                   help="replace an earlier export in --out (its files are replaced once "
+                   "the new export is whole; a folder holding anything else is refused)")
     add_vocabulary_args(p, "the network")
     return p
 
@@ -291,20 +359,22 @@ def main(argv: list[str] | None = None) -> int:
     if out.resolve() == Path(args.draft).resolve():
         raise GumihoError("--out is the --draft dir: give another directory")
     check_writable_dir(out, "--out")
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        raise GumihoError(f"--out {out} is not empty: give a new directory (or --overwrite)")
+    if out.is_dir() and any(out.iterdir()):
+        if not args.overwrite:
+            raise GumihoError(f"--out {out} is not empty: give a new directory (or "
+                              "--overwrite to replace an earlier export there)")
+        check_replaceable(out)
     from gumiho.checkpoint import check_drafter_dir, weights_file
     from gumiho.train.start import vocabulary_samples
 
     weights_file(check_drafter_dir(args.draft))  # before the target's load
     target = load_target(trained_target(args.draft, args.target), device="cpu",
                          dtype="float32")
-    if args.overwrite:  # an earlier export's files would be read before the new ones
-        for name in EXPORTED_FILES:
-            (out / name).unlink(missing_ok=True)
     samples = None if args.draft_vocab is None else vocabulary_samples(target, args)
-    notes = export(args.draft, target, args.out, args.format, args.method,
-                   DTYPES.get(args.dtype), args.draft_vocab, samples)
+    with staged(out) as stage:
+        notes = export(args.draft, target, stage, args.format, args.method,
+                       DTYPES.get(args.dtype), args.draft_vocab, samples)
+    notes = [note.replace(str(stage), str(out)) for note in notes]  # files named where they are
     files = ", ".join(sorted(p.name for p in Path(args.out).iterdir()))
     over = ("" if args.draft_vocab is None else
             f", over {args.draft_vocab or target.lm_head.weight.shape[0]} draft tokens")

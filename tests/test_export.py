@@ -171,7 +171,9 @@ def test_eagle_exports_compute_our_serial_head(tiny_target, tmp_path, engine, me
     notes = export(draft, tiny_target, out, f"{engine}-eagle", dtype=torch.float32)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert config["architectures"] == (["LlamaForCausalLM"] if engine == "vllm" else
+                                       ["LlamaForCausalLMEagle"])  # what SGLang builds
+    assert config["model_type"] == "llama"
     assert config["attention_bias"] is (engine == "vllm")
     assert config["num_hidden_layers"] == (2 if method == "gumiho" else 1)
     state = load_file(str(out / "model.safetensors"))
