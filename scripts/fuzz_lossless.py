@@ -20,7 +20,9 @@ one for 240 s (seed 64: 114 cases, 95 equal, 15 refused, 4 official FTA run) and
 (seed 66: 217 cases, 175 equal, 33 refused, 9 official FTA run): no mismatch. Session 65:
 900 s (seed 67: 229 cases, 185 equal, 27 refused, 17 official FTA run) and, after the tree
 selection's stable sort, 600 s (seed 68: 198 cases, 159 equal, 21 refused, 18 run), and at
-the session's end 540 s (seed 69: 198 cases, 165 equal, 24 refused, 9 run): none.
+the session's end 540 s (seed 69: 198 cases, 165 equal, 24 refused, 9 run): none. Session
+66, after its fixes, on a loaded machine: 900 s (seed 70: 118 cases, 98 equal, 13 refused,
+7 run) and 600 s (seed 71: 251 cases, 204 equal, 37 refused, 10 run): none.
 One torch thread (--threads) keeps cases at 1-2 s on a shared 2-core machine.
 """
 
