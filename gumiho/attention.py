@@ -214,9 +214,13 @@ _plan_memo: list = [None, None]
 def _invariant_plan(attention_mask: Tensor, rows: int, length: int) -> list:
     """Per group of rows with one buffer length: (rows or None for all, the key slots to
     gather (R, n) or None for the cache as it is, the buffer's mask (R, n))."""
+    # under torch.compile a traced call would replay another mask's plan: no memo there
+    # (a compiled step gave nonsense text with sdpa_invariant, plain decoding too)
+    compiling = torch.compiler.is_compiling()
     identity = (attention_mask, attention_mask._version, rows, length)
     seen = _plan_memo[0]
-    if seen is not None and seen[0] is attention_mask and seen[1:] == identity[1:]:
+    if not compiling and seen is not None and seen[0] is attention_mask and \
+            seen[1:] == identity[1:]:
         return _plan_memo[1]
     mask = attention_mask[0, 0].expand(rows, length)  # (Q, K)
     slots = torch.arange(length, device=mask.device)
@@ -239,7 +243,8 @@ def _invariant_plan(attention_mask: Tensor, rows: int, length: int) -> list:
             # (R, n): past the cache's length the last slot again (masked, never counts)
             take = order[picked][:, torch.arange(size, device=mask.device).clamp(max=length - 1)]
             plan.append((None if len(groups) == 1 else picked, take, front(visible[picked])))
-    _plan_memo[:] = [identity, plan]
+    if not compiling:
+        _plan_memo[:] = [identity, plan]
     return plan
 
 

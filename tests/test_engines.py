@@ -17,6 +17,7 @@ from gumiho.engine import GenerateConfig, run
 from gumiho.errors import GumihoError
 from gumiho.graphs import StaticStep, resolve_engine
 from gumiho.sampling import accept_greedy, accept_matching, match_on_host
+from gumiho.target import load_target
 from gumiho.tree import DraftTree
 
 from conftest import REFERENCE_TOKENS as N
@@ -325,3 +326,18 @@ def test_depth_1_trees_keep_plain_output_on_the_lean_cycle(smollm2, reference, m
         recorded = run(smollm2, drafter, ids, GenerateConfig(max_new_tokens=N, engine=engine))
         assert drafter.star is not None
         assert recorded.accept_lengths == runs[True].accept_lengths
+
+
+@pytest.mark.host
+def test_compile_engine_with_invariant_attention_gives_eager_tokens():
+    """sdpa_invariant under torch.compile: the attention's per-mask plan memo replayed
+    another mask's plan in a traced call, and compiled decoding (plain too) gave nonsense
+    where eager gave the model's text (session 66, `gumiho demo --engine compile` on an AMX
+    CPU said "outputs DIFFERENT")."""
+    target = load_target("smollm2", device="cpu", dtype="float32",
+                         attn_implementation="sdpa_invariant")
+    prompt = target.chat_ids("Why is the sky blue?")
+    plain = run(target, PlainDrafter(), prompt, GenerateConfig(max_new_tokens=12))
+    compiled = run(target, PlainDrafter(), prompt,
+                   GenerateConfig(max_new_tokens=12, engine="compile"))
+    assert compiled.token_ids == plain.token_ids
