@@ -23,9 +23,18 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    usage = f"gumiho {{{','.join(SUBCOMMANDS)}}} ... (each takes --help)"
+    usage = (f"gumiho {{{','.join(SUBCOMMANDS)}}} ... (each takes --help; `gumiho help "
+             "COMMAND` says the same, `gumiho --version` which code this is)")
+    if argv[:1] == ["help"]:  # `gumiho help demo` = `gumiho demo --help`
+        argv = argv[1:2] + ["--help"] if argv[1:] else ["--help"]
     if argv and argv[0] in ("-h", "--help"):
         print(f"usage: {usage}")
+        return 0
+    if argv and argv[0] in ("-V", "--version"):
+        from gumiho.version import __version__, code_version
+
+        code = code_version(short=True)
+        print(f"gumiho {__version__}" + ("" if code.startswith("gumiho ") else f" ({code})"))
         return 0
     if not argv:
         print(f"error: no command given: use {usage}", file=sys.stderr)

@@ -119,7 +119,9 @@ def text(facts: dict) -> str:
     cpu, kernels, default = facts["cpu"], facts["kernels"], facts["default"]
     gumiho = facts["gumiho"]
     lines = [
-        f"gumiho {gumiho['version']} ({gumiho['code']}) at {gumiho['path']}",
+        f"gumiho {gumiho['version']}"  # (the commit, where it runs from a checkout)
+        + ("" if gumiho["code"].startswith("gumiho ") else f" ({gumiho['code']})")
+        + f" at {gumiho['path']}",
         f"python {facts['python']}, torch {facts['torch']}, transformers "
         f"{facts['transformers'] or 'not installed'}; {facts['platform']}",
         f"cpu: {cpu['name']}, {cpu['threads']} threads, torch capability "

@@ -4,7 +4,8 @@ and argparse pieces that check values before any model is loaded.
 Every command's `main(argv=None)` is wrapped by `cli_errors`: a `GumihoError` (or an
 argparse error) becomes exactly one `error: ...` line on stderr and exit status 2; Ctrl-C
 prints `interrupted` (and how to resume, for long jobs) and exits 130. `GUMIHO_DEBUG=1`
-shows the traceback as well.
+shows the traceback as well. A worker process whose parent set ERROR_FILE_ENV leaves that
+line, argparse's included, in the parent's file instead of on stderr.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import functools
 import math
 import os
+import select
 import signal
 import sys
 import traceback
@@ -21,6 +23,7 @@ from pathlib import Path
 EXIT_BAD_INPUT = 2
 EXIT_BUG = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_READER_GONE = 141  # 128 + SIGPIPE: what a shell reports for `yes` in `yes | head`
 # Set by a parent command for its worker processes: errors go to this file, not stderr,
 # so the parent can report them as its own single line. A RANK_FIELD in it is replaced by
 # the process's RANK (processes started by torchrun: gumiho.train.launch).
@@ -46,8 +49,10 @@ def how_it_ended(status: int) -> str:
     one-line report: `was killed by SIGKILL (out of memory?)`, `exited with status 3`."""
     if status >= 0:
         return f"exited with status {status}"
-    name = signal.Signals(-status).name if -status in signal.valid_signals() \
-        else f"signal {-status}"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:  # no name: a real-time signal (SIGRTMIN + n), or none known here
+        name = f"signal {-status}"
     return f"was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
 
 
@@ -76,16 +81,54 @@ def _close_bars() -> None:
         bar.close()
 
 
-def _report(line: str) -> None:
-    _close_bars()
+def _to_parent(line: str) -> bool:
+    """Leave `line` in the parent's error file where ERROR_FILE_ENV names one (a worker
+    process); False where none is named or it cannot be written (the parent is gone)."""
     path = os.environ.get(ERROR_FILE_ENV)
-    if path:
+    if not path:
+        return False
+    try:
         with error_file(path, os.environ.get("RANK", "0")).open("w", encoding="utf-8") as f:
             f.write(line + "\n")
+    except OSError:
+        return False
+    return True
+
+
+def reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has gone (`gumiho demo | head`): writing to
+    it raises BrokenPipeError, which is not a bug. Where poll cannot tell, False."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)  # POLLERR, POLLHUP unasked
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no stdout
+        return False
+
+
+def _drop_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush of what it
+    still holds for a reader that has gone does not print an `Exception ignored` report."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
+def _report(line: str) -> None:
+    _close_bars()
+    if _to_parent(line):
         return
-    sys.stdout.flush()
-    if sys.stdout.isatty():
-        print(file=sys.stdout, flush=True)  # a streamed answer may be mid-line
+    try:
+        sys.stdout.flush()
+        if sys.stdout.isatty():
+            print(file=sys.stdout, flush=True)  # a streamed answer may be mid-line
+    except BrokenPipeError:  # nobody reads the output any more: the line goes to stderr
+        _drop_stdout()
+    except (AttributeError, OSError, ValueError):  # no stdout (closed, None)
+        pass
     print(line, file=sys.stderr, flush=True)
 
 
@@ -93,9 +136,11 @@ def cli_errors(main=None, *, resume: str | None = None):
     """Wrap a `main(argv=None) -> int`.
 
     GumihoError -> one `error: ...` line, exit 2. KeyboardInterrupt -> `interrupted` plus
-    `resume` (what is kept and how to go on), exit 130. Any other exception is a bug, not
-    bad input: one `error: internal error ...` line that says so, exit 1, and with
-    GUMIHO_DEBUG=1 the full traceback. Use as `@cli_errors` or `@cli_errors(resume=...)`.
+    `resume` (what is kept and how to go on), exit 130. Output piped to a reader that has
+    gone (`gumiho demo | head`) stops quietly with 141, as `yes | head`'s `yes` does. Any
+    other exception is a bug, not bad input: one `error: internal error ...` line that says
+    so, exit 1, and with GUMIHO_DEBUG=1 the full traceback. Use as `@cli_errors` or
+    `@cli_errors(resume=...)`.
     """
     if main is None:
         return functools.partial(cli_errors, resume=resume)
@@ -103,7 +148,16 @@ def cli_errors(main=None, *, resume: str | None = None):
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
         try:
-            return main(argv)
+            status = main(argv)
+            if sys.stdout is not None:  # here, not at exit, where a reader gone is a report
+                sys.stdout.flush()
+            return status
+        except BrokenPipeError as exc:
+            if reader_gone():  # `| head` read what it wanted: stop as `yes | head` stops
+                _close_bars()
+                _drop_stdout()
+                return EXIT_READER_GONE
+            return _bug(exc)
         except GumihoError as exc:
             if debug():
                 traceback.print_exc()
@@ -115,18 +169,24 @@ def cli_errors(main=None, *, resume: str | None = None):
             _report("interrupted" + (f": {resume}" if resume else ""))
             return EXIT_INTERRUPTED
         except Exception as exc:  # noqa: BLE001 - a bug: say so in one line, keep the trace
-            if debug():
-                traceback.print_exc()
-            if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
-                _report("error: out of memory: use smaller settings (--max-new-tokens, "
-                        "--total-tokens, batch sizes) or a bigger device")
-                return EXIT_BAD_INPUT
-            _report(f"error: internal error {type(exc).__name__}: {one_line(exc)[:300]} "
-                    "(a bug in gumiho; rerun with GUMIHO_DEBUG=1 for the traceback and "
-                    "report it)")
-            return EXIT_BUG
+            return _bug(exc)
 
     return wrapper
+
+
+def _bug(exc: Exception) -> int:
+    """cli_errors' report of an unexpected exception (being handled): exit 1, or 2 for
+    running out of memory."""
+    if debug():
+        traceback.print_exc()
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        _report("error: out of memory: use smaller settings (--max-new-tokens, "
+                "--total-tokens, batch sizes) or a bigger device")
+        return EXIT_BAD_INPUT
+    _report(f"error: internal error {type(exc).__name__}: {one_line(exc)[:300]} "
+            "(a bug in gumiho; rerun with GUMIHO_DEBUG=1 for the traceback and "
+            "report it)")
+    return EXIT_BUG
 
 
 def install_interrupt_hook() -> None:
@@ -151,8 +211,9 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one `error: ...` line (no usage block), exit 2."""
 
     def error(self, message: str):
-        print(f"error: {self.prog}: {one_line(message)} (see {self.prog} --help)",
-              file=sys.stderr)
+        line = f"error: {self.prog}: {one_line(message)} (see {self.prog} --help)"
+        if not _to_parent(line):  # a worker's goes to its parent's file, as errors do
+            print(line, file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 
 

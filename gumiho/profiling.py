@@ -33,9 +33,12 @@ class PhaseTimer:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for `device`'s queued work (a no-op on the CPU), so a timer reads the work done."""
+    """Wait for `device`'s queued work (a no-op on the CPU), so a timer reads the work done:
+    CUDA and ROCm, and Apple's MPS, which queues its work as CUDA does."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def seconds(fn: Callable[[], object], device: torch.device) -> float:

@@ -11,15 +11,19 @@ __version__ = "0.2.0"
 
 @cache
 def code_version(short: bool = False) -> str:
-    """`git rev-parse HEAD` of the checkout this package lives in (with `+dirty` when it
-    has uncommitted changes); `gumiho VERSION` for an installed or exported source tree."""
+    """`git rev-parse HEAD` of the checkout this package lives in (with `+dirty` when its
+    files under gumiho/ have uncommitted changes); `gumiho VERSION` for an installed or
+    exported source tree, also one inside another repository that does not track it (a
+    virtual environment in the user's own project: that project's commit is not ours)."""
     here = Path(__file__).parent
     try:
-        args = ["git", "rev-parse", "--short" if short else "--verify", "HEAD"]
-        commit = subprocess.run(args, capture_output=True, text=True, cwd=here,
-                                check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "."],
-                               capture_output=True, text=True, cwd=here, timeout=10).stdout
+        def git(*args: str, check: bool = True) -> str:
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=here,
+                                  check=check, timeout=10).stdout
+
+        git("ls-files", "--error-unmatch", Path(__file__).name)  # tracked here, or raises
+        commit = git("rev-parse", "--short" if short else "--verify", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no", ".", check=False)
         return commit + ("+dirty" if dirty.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return f"gumiho {__version__}"

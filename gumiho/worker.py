@@ -30,21 +30,46 @@ class Worker:
     scripts/thread_speed.py`), so the handlers' threads only hand work over and wait."""
 
     def __init__(self):
+        # (run, fail) pairs: fail() tells the waiting thread the worker stopped
         self.jobs: queue.Queue = queue.Queue()
         self.running = 0  # jobs running now (0 or 1); `jobs.qsize()` wait
+        self.stopped = False  # `run_forever` ended: new jobs fail at once
+        self._lock = threading.Lock()
 
     def run_forever(self) -> None:
         """Run jobs as they come until `stop`; Ctrl-C (KeyboardInterrupt) during a job
-        ends the job's request with an error and stops this loop, raising it here."""
-        while (job := self.jobs.get()) is not None:
-            self.running = 1
-            try:
-                job()
-            finally:
-                self.running = 0
+        ends the job's request with an error and stops this loop, raising it here. Either
+        way the requests still waiting their turn (or arriving after) hear that it stopped."""
+        try:
+            while (job := self.jobs.get()) is not None:
+                self.running = 1
+                try:
+                    job[0]()
+                finally:
+                    self.running = 0
+        finally:  # stopped, by `stop` or Ctrl-C: nothing runs what still waits
+            self._fail_waiting()
 
     def stop(self) -> None:
         self.jobs.put(None)
+
+    def _submit(self, run: Callable[[], None], fail: Callable[[], None]) -> None:
+        with self._lock:
+            if self.stopped:
+                fail()
+            else:
+                self.jobs.put((run, fail))
+
+    def _fail_waiting(self) -> None:
+        with self._lock:
+            self.stopped = True
+            while True:
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    return
+                if job is not None:
+                    job[1]()
 
     def call(self, fn):
         """fn() run on the worker; its result here (or its exception raised here)."""
@@ -58,7 +83,7 @@ class Worker:
             except BaseException:  # Ctrl-C: the worker stops; the waiting thread hears so
                 done.set_exception(stopped())
                 raise
-        self.jobs.put(job)
+        self._submit(job, lambda: done.set_exception(stopped()))
         return done.result()
 
     def iterate(self, make: Callable[[], Iterator]) -> Iterator:
@@ -83,7 +108,7 @@ class Worker:
             except BaseException:  # Ctrl-C: the worker stops; the handler hears so
                 items.put((False, stopped()))
                 raise
-        self.jobs.put(job)
+        self._submit(job, lambda: items.put((False, stopped())))
         try:
             while True:
                 more, item = items.get()
