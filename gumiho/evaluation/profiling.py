@@ -16,21 +16,29 @@ from gumiho.target import Target
 def host_syncs_per_cycle(target: Target, drafter, ids: list[int], engine: str,
                          max_new_tokens: int) -> float | None:
     """Implicit device synchronisations per verify cycle of an unprofiled run, counted by
-    CUDA's sync debug mode (None off CUDA, where there is no device queue to stall)."""
+    CUDA's sync debug mode from the end of the first verify cycle on, as
+    `launches_per_cycle` counts (the prefill's are not a cycle's); None off CUDA, where
+    there is no device queue to stall."""
     import warnings
 
     if target.device.type != "cuda":
         return None
+    counted = []
+
+    def start_counting(tree, emitted):
+        if not counted:
+            torch.cuda.set_sync_debug_mode("warn")
+        counted.append(1)
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
         try:
-            result = run(target, drafter, ids, GenerateConfig(max_new_tokens=max_new_tokens,
-                                                              engine=engine))
+            run(target, drafter, ids, GenerateConfig(max_new_tokens=max_new_tokens,
+                                                     engine=engine), on_cycle=start_counting)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return syncs / max(result.cycles, 1)
+    return syncs / max(len(counted) - 1, 1)  # the last on_cycle ends the counted region
 
 
 def launches_per_cycle(target: Target, drafter, ids: list[int], engine: str,
@@ -78,6 +86,8 @@ def tree_build_s(target: Target, drafter, ids: list[int], engine: str, repeats: 
     calls, build = [], getattr(eager, name)
     setattr(eager, name, lambda *inputs: calls.append(inputs) or build(*inputs))
     run(target, eager, ids, GenerateConfig(max_new_tokens=8))
+    if not calls:  # the answer ended at its first token: no tree was built
+        return None
     step = StaticStep(build, engine)
     step(*calls[-1])  # records it
     replay = next(iter(step.entries.values()), None)
