@@ -9,6 +9,7 @@ tensors, or a machine without a GPU simulated) stay on the CPU.
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,27 @@ def tiny_target():
 @pytest.fixture(scope="session")
 def smollm2():
     return load_target("smollm2", device=str(DEVICE))  # whichever test asks first
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+    """The shipped Gumiho drafter served on a free local port: (base url, generator); one
+    server a test module (test_serve.py, test_serve_fields.py)."""
+    from gumiho import SpeculativeGenerator
+    from gumiho.serve import make_server
+    from gumiho.worker import Worker
+
+    gen = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
+                                    total_tokens=8)
+    worker = Worker()  # on its own thread here: the test's main thread sends the requests
+    server = make_server(gen, "smollm2", "gumiho", worker)
+    for loop in (server.serve_forever, worker.run_forever):
+        threading.Thread(target=loop, daemon=True).start()
+    host, port = server.server_address[:2]
+    yield f"http://{host}:{port}", gen
+    server.shutdown()
+    server.server_close()
+    worker.stop()
 
 
 REFERENCE_PROMPT = "List three uses of a paperclip."

@@ -14,26 +14,6 @@ from conftest import REFERENCE_PROMPT as PROMPT
 from conftest import REFERENCE_TOKENS as N
 
 
-@pytest.fixture(scope="module")
-def served(smollm2):
-    """The shipped Gumiho drafter served on a free local port: (base url, generator)."""
-    from gumiho import SpeculativeGenerator
-    from gumiho.serve import make_server
-    from gumiho.worker import Worker
-
-    gen = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
-                                    total_tokens=8)
-    worker = Worker()  # on its own thread here: the test's main thread sends the requests
-    server = make_server(gen, "smollm2", "gumiho", worker)
-    for loop in (server.serve_forever, worker.run_forever):
-        threading.Thread(target=loop, daemon=True).start()
-    host, port = server.server_address[:2]
-    yield f"http://{host}:{port}", gen
-    server.shutdown()
-    server.server_close()
-    worker.stop()
-
-
 def post(url, body, raw=False):
     """(status, parsed JSON or the raw text) of a POST."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -5,7 +5,6 @@ refusals that name the request's own fields and flags, and /save or /load withou
 
 import io
 import json
-import threading
 import types
 import urllib.error
 import urllib.request
@@ -13,26 +12,6 @@ import urllib.request
 import pytest
 
 PROMPT = [{"role": "user", "content": "Say hi"}]
-
-
-@pytest.fixture(scope="module")
-def served(smollm2):
-    """The shipped Gumiho drafter served on a free local port: (base url, generator)."""
-    from gumiho import SpeculativeGenerator
-    from gumiho.serve import make_server
-    from gumiho.worker import Worker
-
-    gen = SpeculativeGenerator.load(smollm2, "gumiho", "gumiho/assets/smollm2/gumiho",
-                                    total_tokens=8)
-    worker = Worker()
-    server = make_server(gen, "smollm2", "gumiho", worker)
-    for loop in (server.serve_forever, worker.run_forever):
-        threading.Thread(target=loop, daemon=True).start()
-    host, port = server.server_address[:2]
-    yield f"http://{host}:{port}", gen
-    server.shutdown()
-    server.server_close()
-    worker.stop()
 
 
 def post(url, body):

@@ -7,26 +7,16 @@ import json
 import os
 
 import pytest
+from test_evaluation import record as evaluation_record
+from test_evaluation import write_files
 
 from gumiho.errors import GumihoError
 from gumiho.evaluation import speed
 
 
-def record(qid, method, tokens, cycles, wall, accept, bench="mt_bench", text="same"):
-    turn = {"new_tokens": tokens, "cycles": cycles, "wall_s": wall, "accept_lengths": accept,
-            "text": text}
-    return {"question_id": qid, "settings": {"method": method, "bench": bench,
-                                             "temperature": 0.0, "tree": None},
-            "turns": [turn], "env": {"device": "cpu"}}
-
-
-def write_files(tmp_path, runs):
-    files = []
-    for name, recs in runs.items():
-        path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-        files.append(str(path))
-    return files
+def record(*args, text="same", **kwargs):
+    """test_evaluation's answer record, each turn's text the same by default."""
+    return evaluation_record(*args, text=text, **kwargs)
 
 
 def two_runs(tmp_path):

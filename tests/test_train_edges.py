@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_training import Killed, kill_at
 
 import gumiho.train.__main__ as trainer
 import gumiho.train.accel as accel
@@ -29,20 +30,6 @@ def train_args(data, out, *extra):
             "--warmup-steps", "2", "--log-every", "1", "--ploss-fraction", "0.5", *extra]
 
 
-class Killed(BaseException):
-    """A kill at a chosen moment (raised past the trainer's handlers)."""
-
-
-def kill_at(monkeypatch, name: str, call: int):
-    real, calls = getattr(trainer, name), []
-
-    def dying(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == call:
-            raise Killed
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, name, dying)
 
 
 @pytest.mark.parametrize("name, call", [("save_drafter", 3), ("evaluate", 1)],
