@@ -383,8 +383,9 @@ class SpeculativeGenerator:
                 except StopIteration:
                     self.last_result = result
                     if text is not None:
-                        rest = (held.finish(result.text) if held is not None
-                                else text.finish(result.text))
+                        rest = text.finish(result.text)
+                        if held is not None:
+                            rest = held.finish(result.text, rest)
                         if rest:
                             yield Cycle(rest, []) if cycles else rest
                     return

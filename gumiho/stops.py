@@ -112,6 +112,13 @@ class HeldText:
                 return n
         return 0
 
-    def finish(self, text: str) -> str:
-        """What the whole answer's text (cut at its stop) holds beyond the pieces shown."""
-        return text[len(self.shown):] if text.startswith(self.shown) else ""
+    def finish(self, text: str, tail: str = "") -> str:
+        """What the whole answer's text (cut at its stop) holds beyond the pieces shown;
+        where the pieces are not its start (a byte-fallback run that turned invalid, see
+        text_pieces.py), what this holds back and `tail` (the pieces' text still owed) up
+        to a stop, so the held-back end is not lost."""
+        if text.startswith(self.shown):
+            return text[len(self.shown):]
+        seen = self.seen + tail
+        end = first_stop(seen, self.stops)
+        return seen[len(self.shown):len(seen) if end is None else end]

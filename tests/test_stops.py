@@ -131,3 +131,17 @@ def test_stop_arguments_are_checked():
     with pytest.raises(TypeError, match="stop must be a string"):
         GenerateConfig(stop=["a", 3])
     assert GenerateConfig(stop="ab").stop == ("ab",)
+
+
+def test_held_text_gives_its_held_end_where_the_answer_no_longer_starts_with_it():
+    """A byte-fallback decoder can turn a shown character into U+FFFD in the answer's text
+    (text_pieces.py); the stream's held-back end (text that might have begun a stop string,
+    and what the pieces still owe) was then dropped. It is given, up to a stop."""
+    held = HeldText(("xyz",))
+    assert held.push("café x") == "café "  # "x" may begin "xyz": held back
+    answer = "caf\ufffd\ufffd x!"  # the shown "é" is two U+FFFD in the whole decode
+    assert held.finish(answer, "!") == "x!"
+    held = HeldText(("xyz",))
+    held.push("café x")
+    assert held.finish("caf\ufffd\ufffd x", "yz and on") == ""  # the stop, not past it
+    assert HeldText(("xyz",)).finish("ok", "") == "ok"  # the usual case: the text's rest
