@@ -400,6 +400,17 @@ def measured_device(device: torch.device) -> str:
     return device.type
 
 
+def target_key(name: str) -> list:
+    """The target as the cache knows it: a local model folder by where it is (a relative
+    name means another model from another folder) and when its files last changed (a model
+    replaced in place is measured again); a name (an embedded model's) as it is."""
+    path = Path(name)
+    if not path.is_dir():
+        return [name]
+    files = [f for f in path.iterdir() if f.suffix in (".safetensors", ".bin", ".json")]
+    return [str(path.resolve()), max((f.stat().st_mtime_ns for f in files), default=0)]
+
+
 def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engine: str,
                 temperature: float = 0.0, kept: frozenset[str] = frozenset()) -> Path | None:
     from gumiho.checkpoint import weights_file
@@ -433,7 +444,8 @@ def _cache_file(target: Target, method: str, draft: str, tree: TreeConfig, engin
     steps = None if fused is None else "rowlayer" if fused.rows is not None else "fused"
     keyed = temperature_key(temperature)  # greedy keys stay as they were before T > 0
     prompts = hashlib.sha1(json.dumps(calibration_ids(target)).encode()).hexdigest()[:12]
-    key = json.dumps([17, steps, rowlayer.identity(), target.name, method, str(draft_path), stamp,
+    key = json.dumps([17, steps, rowlayer.identity(), target_key(target.name), method,
+                      str(draft_path), stamp,
                       asdict(without_wrappers(tree)), device_name, str(target.dtype),
                       engine, torch.__version__, packed, rowgemm.identity(), rowamx.identity(),
                       target.config._attn_implementation, torch.get_num_threads(),

@@ -76,3 +76,31 @@ def test_an_int_temperature_reads_the_same_cached_choice_as_its_float(tiny_targe
     assert budget._cache_file(target, "gumiho", str(draft), tree, "eager", temperature=1) == \
         budget._cache_file(target, "gumiho", str(draft), tree, "eager", temperature=1.0)
     assert isinstance(budget.temperature_key(1), float)
+
+
+@pytest.mark.host
+def test_the_cached_choice_knows_a_local_target_by_its_place_and_files(tiny_target_dir,
+                                                                       tmp_path, monkeypatch):
+    """A target named by a relative folder ("./model") was keyed by that name alone, so the
+    same name in another folder, or a model replaced in place, read a stale choice."""
+    import os
+    import shutil
+
+    monkeypatch.setenv("GUMIHO_CACHE", str(tmp_path / "cache"))
+    target = copy.copy(load_target(tiny_target_dir))  # (its name is changed below)
+    tree = TreeConfig.for_method("gumiho", total_tokens=8)
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "model.safetensors").write_bytes(b"")
+    for side in ("a", "b"):
+        shutil.copytree(tiny_target_dir, tmp_path / side / "model")
+    paths = []
+    for side in ("a", "b"):
+        monkeypatch.chdir(tmp_path / side)
+        target.name = "./model"
+        paths.append(budget._cache_file(target, "gumiho", str(draft), tree, "eager"))
+    assert paths[0] != paths[1]  # the same name, two models
+    weights = tmp_path / "b" / "model" / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert budget._cache_file(target, "gumiho", str(draft), tree, "eager") != paths[1]
+    assert budget.target_key("smollm2") == ["smollm2"]  # an embedded model's: a name
