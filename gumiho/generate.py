@@ -438,9 +438,11 @@ def check_messages(messages: list[dict]) -> None:
                               f"'content': str}}, got {m!r}"[:300])
 
 
-def check_context_room(target: str, max_new_tokens: int) -> None:
+def check_context_room(target: str, max_new_tokens: int,
+                       flag: str = "--max-new-tokens") -> None:
     """Before a slow load or tree-size calibration: max_new_tokens alone must fit the
-    target's context (prompt + max_new_tokens is checked exactly before generating)."""
+    target's context (prompt + max_new_tokens is checked exactly before generating); the
+    error names `flag`, the command's own name for it."""
     from transformers import AutoConfig
 
     try:
@@ -451,7 +453,7 @@ def check_context_room(target: str, max_new_tokens: int) -> None:
         return
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and max_new_tokens >= limit:
-        raise GumihoError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in "
+        raise GumihoError(f"{flag} {max_new_tokens} leaves no room for a prompt in "
                           f"{target}'s context of {limit} tokens: ask for fewer")
 
 

@@ -678,10 +678,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="gumiho: %(message)s", stream=sys.stderr)
-    try:
-        check_context_room(args.target, args.max_tokens)
-    except GumihoError as exc:  # (its message names generate's flag)
-        raise GumihoError(str(exc).replace("--max-new-tokens", "--max-tokens")) from None
+    check_context_room(args.target, args.max_tokens, flag="--max-tokens")
     exact_bf16_default(args)  # on a CPU with AMX, as `gumiho demo` chooses
     name = args.served_model_name or args.target
     try:  # the address first: a port in use fails at once, not after the load
